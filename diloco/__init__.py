@@ -1,0 +1,19 @@
+"""diloco: DiLoCo training across machines joined by slow, unreliable links.
+
+Workers each run many local (inner) optimizer steps on their own data shard, then average
+their pseudo-gradients with their peers and apply an outer optimizer (DiLoCo,
+arXiv:2311.08105). Where things live:
+
+- ``config.py``      the typed schema and ``load_config`` (defaults <- YAML <- CLI overrides)
+- ``train.py``       the worker loop, top to bottom, readable like the algorithm
+- ``outer.py``       pseudo-gradients and the outer optimizer: **the outer step happens here**
+- ``comm/``          how pseudo-gradients travel: ``CommBackend`` and its hivemind transport
+- ``model.py``       a small GPT for tests and demos
+- ``data.py``        byte-level corpus, disjoint per-worker shards, held-out split
+- ``checkpoint.py``  atomic save / load of everything a worker needs to resume
+- ``metrics.py``     JSONL records, wandb, console progress
+- ``local.py``       runs a bootstrap peer and M workers on one machine
+- ``cli.py``         the ``diloco`` command
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""The ``diloco`` command.
+
+    diloco local configs/tiny.yaml --workers 4              # M workers on this machine, then a summary
+    diloco train configs/tiny.yaml [KEY=VALUE ...]          # one worker (start a run, or join one
+                                                            #   with comm.initial_peers=[...])
+    diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
+    diloco config [CONFIG] [KEY=VALUE ...]                  # print the resolved configuration
+    diloco bench overhead                                   # inner-step throughput vs a bare loop
+
+Mistakes in the command line, the config or the data path end with one line on stderr and
+exit code 2; Ctrl-C stops everything this command started and exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A mistake the user has to fix: printed as one line, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diloco", description="DiLoCo training over slow links.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="run one worker")
+    train.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
+    train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    local = commands.add_parser("local", help="run a bootstrap peer and M workers on this machine")
+    local.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
+    local.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    local.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    local.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+
+    bootstrap = commands.add_parser("bootstrap", help="run a DHT peer that workers can join through")
+    bootstrap.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    bootstrap.add_argument("--port", type=int, default=31337, help="TCP port (default 31337)")
+
+    config = commands.add_parser("config", help="print the resolved configuration")
+    config.add_argument("config", nargs="?", help="YAML config")
+    config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench.add_argument("name", choices=["overhead"])
+    bench.add_argument("--steps", type=int, default=60, help="timed steps per repeat")
+    bench.add_argument("--repeats", type=int, default=5)
+    return parser
+
+
+def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``diloco train inner.lr=1e-3`` has no config file: the first positional is an override."""
+    if config is not None and "=" in config and not Path(config).exists():
+        return None, [config, *overrides]
+    return config, overrides
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _cmd_train(args) -> int:
+    from diloco.config import load_config
+    from diloco.faults import StopRequested
+    from diloco.train import train
+
+    cfg = load_config(*_split_config(args.config, args.overrides))
+
+    def announce(addresses: list[str]) -> None:
+        if addresses:
+            peers = ",".join(f"'{a}'" for a in addresses)
+            print(
+                f"worker {cfg.worker.index} is up; join this run with: comm.initial_peers=[{peers}]",
+                flush=True,
+            )
+
+    try:
+        end = train(cfg, on_ready=announce)
+    except StopRequested as stop:
+        print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
+        return 3
+    print(
+        f"worker {cfg.worker.index} finished: {end['inner_steps']} steps, {end['rounds']} rounds, "
+        f"val_loss {end['val_loss']:.4f}, params {end['param_sha256'][:16]}",
+        flush=True,
+    )
+    return 0
+
+
+def _cmd_local(args) -> int:
+    from diloco.config import load_config
+    from diloco.local import run_local
+
+    if args.workers < 1:
+        raise UsageError(f"--workers={args.workers} must be at least 1")
+    config_path, overrides = _split_config(args.config, args.overrides)
+    if args.run_dir:
+        overrides = [*overrides, f"run.dir={args.run_dir}"]
+    cfg = load_config(
+        config_path, [*overrides, f"worker.count={args.workers}"]
+    )  # fail here, not in M workers
+    from diloco.data import load_corpus
+
+    load_corpus(cfg.data)
+    return run_local(cfg, config_path, overrides, workers=args.workers)
+
+
+def _cmd_bootstrap(args) -> int:
+    import threading
+
+    from diloco.comm.base import CommConfig
+    from diloco.comm.hivemind import start_dht, visible_addresses
+
+    dht = start_dht(CommConfig(host=args.host, port=args.port), initial_peers=[])
+    try:
+        for address in visible_addresses(dht):
+            print(f"bootstrap peer up: comm.initial_peers=['{address}']", flush=True)
+        threading.Event().wait()  # until Ctrl-C or SIGTERM
+    finally:
+        dht.shutdown()
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from diloco.config import load_config, to_yaml
+
+    print(to_yaml(load_config(*_split_config(args.config, args.overrides))), end="")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from diloco.bench.overhead import run_overhead_benchmark
+
+    return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
+
+
+COMMANDS = {
+    "train": _cmd_train,
+    "local": _cmd_local,
+    "bootstrap": _cmd_bootstrap,
+    "config": _cmd_config,
+    "bench": _cmd_bench,
+}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """argparse cannot take positionals after options (``--workers 4 inner.lr=1``); collect those
+    stray ``KEY=VALUE`` words as overrides, and reject anything else."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+    from diloco.config import ConfigError
+    from diloco.data import DataError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (UsageError, ConfigError, DataError) as error:
+        print(f"diloco: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("diloco: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Transports for the outer sync. ``build_backend`` picks one from ``comm.backend``.
+
+- ``base.py``            ``CommBackend`` (the interface), ``SyncResult``, ``CommConfig``
+- ``hivemind.py``        P2P over a DHT: the production path
+- ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diloco.comm.base import CommBackend, CommConfig, SyncResult
+
+BACKENDS = ("hivemind",)
+
+__all__ = ["BACKENDS", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
+
+
+def build_backend(cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int) -> CommBackend:
+    """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``."""
+    if cfg.backend == "hivemind":
+        from diloco.comm.hivemind import HivemindBackend
+
+        return HivemindBackend(cfg, templates=templates, num_workers=num_workers)
+    raise ValueError(f"comm.backend={cfg.backend!r} is not one of {', '.join(BACKENDS)}")

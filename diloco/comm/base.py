@@ -1,0 +1,81 @@
+"""The transport interface: how workers average their pseudo-gradients.
+
+The outer-loop math (``diloco/outer.py``) only ever calls ``CommBackend.all_reduce_mean``; it
+never branches on how bytes travel. A failed or partial round is a ``SyncResult`` with
+``ok=False``, never an exception that kills the worker.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CommConfig:
+    backend: str = "hivemind"  # transport: hivemind (P2P over a DHT)
+    run_id: str = "diloco"  # name of the run on the DHT; peers with another run id never average together
+    initial_peers: list[str] = field(
+        default_factory=list
+    )  # multiaddrs of live peers; empty = start a new run
+    host: str = "127.0.0.1"  # address to listen on (0.0.0.0 to accept peers from other machines)
+    port: int = 0  # TCP port to listen on; 0 = any free port
+    announce_host: str = ""  # address other peers should dial (public IP behind NAT); "" = the listen address
+    deadline_s: float = 60.0  # a round gives up on peers that have not arrived after this many seconds
+    matchmaking_s: float = (
+        5.0  # how long a round waits for the group to fill before starting without the rest
+    )
+    request_timeout_s: float = (
+        3.0  # one matchmaking request; keep below matchmaking_s (hivemind deadlocks else)
+    )
+    startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
+
+
+@dataclass
+class SyncResult:
+    """What one round of averaging achieved."""
+
+    ok: bool  # True when the tensors now hold the mean over ``peers`` workers
+    peers: int  # workers whose contribution is in the mean (1 = only this worker)
+    total_weight: float  # sum of the weights of those workers
+    bytes_sent: int = 0  # payload bytes this worker put on the wire for the round
+    bytes_recv: int = 0  # payload bytes this worker took off the wire for the round
+    error: str = ""  # why the round failed or was partial, for the log
+
+
+class CommBackend(abc.ABC):
+    """Averages a list of tensors across the workers of a run."""
+
+    @abc.abstractmethod
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+    ) -> SyncResult:
+        """Replace ``tensors`` in place by their ``weight``-weighted mean over the workers of round
+        ``round_index``. Every worker that took part ends with bit-identical tensors. On failure the
+        tensors are left as they were and the result says so."""
+
+    def publish_state(self, round_index: int, peers: int, state: dict) -> None:  # noqa: B027 - optional
+        """Offer the worker's state after round ``round_index`` (averaged over ``peers`` workers) to
+        peers that missed the round or join late."""
+
+    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
+        """The state a peer published after round ``round_index``, averaged over at least
+        ``min_peers`` workers; None if no such peer answers within ``timeout_s``."""
+        return None
+
+    @property
+    def addresses(self) -> list[str]:
+        """Addresses other workers can join this one with (empty when not networked)."""
+        return []
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release sockets and background processes. Safe to call twice."""
+
+    def __enter__(self) -> CommBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

@@ -1,0 +1,134 @@
+"""Averaging over hivemind: a DHT to find the run's peers, a butterfly all-reduce to average.
+
+Each round is matched under its own DHT key (run id + round number), so a worker that is a
+round behind never averages with the others' newer pseudo-gradients. Rounds wait up to
+``comm.matchmaking_s`` for the whole expected group and start at once when it is full.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from diloco.comm.base import CommBackend, CommConfig, SyncResult
+
+logger = logging.getLogger(__name__)
+
+_ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any peer can lag
+
+
+def round_group_bits(round_index: int) -> str:
+    """The hivemind group bits that key a round's matchmaking on the DHT."""
+    return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b")
+
+
+def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
+    """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too)."""
+    import hivemind
+
+    announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
+    return hivemind.DHT(
+        initial_peers=list(cfg.initial_peers if initial_peers is None else initial_peers),
+        host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+        announce_maddrs=announce,
+        start=True,
+        startup_timeout=cfg.startup_timeout_s,
+    )
+
+
+def visible_addresses(dht) -> list[str]:
+    return [str(address) for address in dht.get_visible_maddrs()]
+
+
+class HivemindBackend(CommBackend):
+    """One worker's DHT peer and averager. ``templates`` fix the shapes of what is averaged."""
+
+    def __init__(self, cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int):
+        from diloco.comm.exact_averager import ExactAverager
+
+        self.cfg = cfg
+        self.num_workers = num_workers
+        self._dht = start_dht(cfg)
+        self._averager = ExactAverager(
+            [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
+            self._dht,
+            start=True,
+            prefix=f"{cfg.run_id}_avg",
+            target_group_size=num_workers,
+            min_group_size=2,
+            min_matchmaking_time=cfg.matchmaking_s,
+            request_timeout=cfg.request_timeout_s,
+            allreduce_timeout=cfg.deadline_s,
+            next_chunk_timeout=max(cfg.deadline_s / 4, cfg.request_timeout_s),
+            declare_state_period=max(cfg.deadline_s, 10.0),
+            shutdown_timeout=5,
+        )
+        self._closed = False
+
+    @property
+    def addresses(self) -> list[str]:
+        return visible_addresses(self._dht)
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+    ) -> SyncResult:
+        if self.num_workers <= 1:
+            return SyncResult(ok=True, peers=1, total_weight=weight)
+        averager = self._averager
+        averager.set_group_bits(round_group_bits(round_index))
+        sent_before, recv_before, failed_before = averager.traffic.read()
+        with averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+        try:
+            gathered = averager.step(weight=weight, gather={"weight": weight}, timeout=deadline_s)
+        except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
+            gathered, failure = None, f"{type(error).__name__}: {error}"
+        else:
+            failure = "" if gathered is not None else "no group found before the deadline"
+        sent, recv, failed = averager.traffic.read()
+        sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
+        if failure:
+            return SyncResult(False, 1, weight, sent, recv, error=failure)
+        if failed_values:
+            # some reducer dropped out: part of the buffers hold our own values, not the mean
+            return SyncResult(False, 1, weight, sent, recv, error=f"{failed_values} values were not averaged")
+        with averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                tensor.copy_(buffer)
+        total_weight = sum(float(g.get("weight", 0.0)) for g in gathered.values())
+        return SyncResult(True, len(gathered), total_weight, sent, recv)
+
+    def publish_state(self, round_index: int, peers: int, state: dict) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        # peers look for the newest round first, then the biggest group that averaged it
+        self._averager.share_state(
+            {"round": round_index, "peers": peers}, buffer.getvalue(), priority=round_index * 1000.0 + peers
+        )
+
+    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = self._averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+            if found is not None:
+                metadata, tensors = found
+                if metadata.get("round") == round_index and metadata.get("peers", 0) >= min_peers and tensors:
+                    return torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
+            # the others may still be finishing this round's outer step: ask again shortly
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for part in (self._averager, self._dht):
+            try:
+                part.shutdown()
+            except Exception:  # shutting down a half-dead daemon must not hide the real error
+                logger.debug("error while shutting down %s", part, exc_info=True)

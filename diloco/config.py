@@ -1,0 +1,193 @@
+"""The typed configuration schema and its loader.
+
+Each component owns its settings dataclass beside its code (``ModelConfig`` in model.py,
+``OuterConfig`` in outer.py, ...); ``Config`` composes them. ``load_config`` merges, in order:
+the dataclass defaults, a YAML file (a short diff from the defaults), and ``KEY=VALUE``
+overrides from the command line, with omegaconf's struct mode on so a typo is an error::
+
+    cfg = load_config("configs/tiny.yaml", ["outer.sync_every=20", "inner.lr=3e-4"])
+
+Every mistake a user can make here raises ``ConfigError`` with one line that names the key
+and what is allowed; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from diloco.checkpoint import CheckpointConfig
+from diloco.comm import BACKENDS, CommConfig
+from diloco.data import DataConfig
+from diloco.faults import FaultConfig
+from diloco.inner import INNER_OPTIMIZERS, InnerConfig
+from diloco.metrics import LoggingConfig
+from diloco.model import ModelConfig, validate_model_config
+from diloco.outer import OUTER_OPTIMIZERS, OuterConfig
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+class ConfigError(ValueError):
+    """A configuration the user has to fix; the message is one line."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "diloco"  # run name: labels the run directory, wandb group and plots
+    dir: str = ""  # run directory; "" = runs/<name>
+
+
+@dataclass
+class WorkerConfig:
+    index: int = 0  # this worker's number: picks its data shard and its worker-<index>.jsonl
+    count: int = 1  # workers expected in the run: the number of data shards and the group size
+    threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
+
+
+@dataclass
+class Config:
+    seed: int = 0  # same seed -> same initial model on every worker and the same data order
+    run: RunConfig = field(default_factory=RunConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- ``KEY=VALUE`` overrides, validated. Raises ConfigError."""
+    schema = OmegaConf.structured(Config)
+    OmegaConf.set_struct(schema, True)
+    layers = []
+    if path is not None:
+        layers.append(_read_yaml(Path(path)))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (for example inner.lr=3e-4)")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_describe(error)) from None
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (atomically) so a run records what it ran."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def _read_yaml(path: Path):
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as error:  # yaml.YAMLError and friends: report, don't trace
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"config file {path} is not valid YAML: {first_line}") from None
+    if loaded is None or not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"config file {path} must be a mapping of sections (model:, inner:, ...)")
+    return loaded
+
+
+def _describe(error: OmegaConfBaseException) -> str:
+    """One line from omegaconf's multi-line messages: the key, then what went wrong."""
+    key = getattr(error, "full_key", None) or ""
+    message = str(error).strip().splitlines()[0]
+    if "Key" in message and "not in" in message or "Could not override" in message:
+        return f"unknown config key {key!r} (`diloco config` prints every key)"
+    if "Value" in message and ("could not be converted" in message or "is not a" in message):
+        expected = getattr(error, "msg", message)
+        return f"{key}: {expected.splitlines()[0]}"
+    return f"{key}: {message}" if key else message
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Combinations the schema's types cannot express. Each failure names the key to change."""
+    try:
+        validate_model_config(cfg.model)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    _check(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
+    _check(
+        0 <= cfg.worker.index < cfg.worker.count,
+        f"worker.index={cfg.worker.index} must be in [0, worker.count={cfg.worker.count})",
+    )
+    _check(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
+    _check(cfg.inner.steps >= 1, f"inner.steps={cfg.inner.steps} must be at least 1")
+    _check(cfg.inner.batch_size >= 1, f"inner.batch_size={cfg.inner.batch_size} must be at least 1")
+    _check(
+        cfg.inner.optimizer in INNER_OPTIMIZERS,
+        f"inner.optimizer={cfg.inner.optimizer!r} is not one of {', '.join(INNER_OPTIMIZERS)}",
+    )
+    _check(cfg.inner.lr > 0, f"inner.lr={cfg.inner.lr} must be positive")
+    _check(0 <= cfg.inner.min_lr <= cfg.inner.lr, f"inner.min_lr={cfg.inner.min_lr} must be in [0, inner.lr]")
+    _check(cfg.inner.warmup_steps >= 0, f"inner.warmup_steps={cfg.inner.warmup_steps} must be >= 0")
+    _check(cfg.inner.grad_clip >= 0, f"inner.grad_clip={cfg.inner.grad_clip} must be >= 0 (0 = off)")
+    _check(
+        cfg.outer.optimizer in OUTER_OPTIMIZERS,
+        f"outer.optimizer={cfg.outer.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}",
+    )
+    _check(cfg.outer.lr > 0, f"outer.lr={cfg.outer.lr} must be positive")
+    _check(0 <= cfg.outer.momentum < 1, f"outer.momentum={cfg.outer.momentum} must be in [0, 1)")
+    _check(
+        cfg.outer.sync_every >= 1,
+        f"outer.sync_every={cfg.outer.sync_every} must be at least 1 (inner steps per round)",
+    )
+    _check(
+        cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}"
+    )
+    _check(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
+    _check(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
+    _check(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")
+    _check(
+        0 < cfg.comm.request_timeout_s < cfg.comm.matchmaking_s,
+        f"comm.request_timeout_s={cfg.comm.request_timeout_s} must be positive and below "
+        f"comm.matchmaking_s={cfg.comm.matchmaking_s} (hivemind can deadlock otherwise)",
+    )
+    _check(
+        cfg.comm.matchmaking_s < cfg.comm.deadline_s,
+        f"comm.matchmaking_s={cfg.comm.matchmaking_s} must be below comm.deadline_s={cfg.comm.deadline_s}",
+    )
+    _check(
+        cfg.logging.wandb in WANDB_MODES,
+        f"logging.wandb={cfg.logging.wandb!r} is not one of {', '.join(WANDB_MODES)}",
+    )
+    _check(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be at least 1")
+    _check(
+        cfg.checkpoint.every_rounds >= 0,
+        f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
+    )
+    _check(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")

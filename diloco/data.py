@@ -1,0 +1,223 @@
+"""Byte-level data: a corpus, disjoint per-worker shards, and a fixed held-out set.
+
+Tokens are raw bytes (0..255), so there is no tokenizer to download or version. With no
+``data.path`` the corpus is this machine's own Python standard library source, which exists
+wherever Python does and reads back byte-identical on every run.
+
+Usage::
+
+    corpus = load_corpus(DataConfig(max_bytes=1_000_000))
+    sampler = ShardSampler(corpus.train, block_size=64, batch_size=16,
+                           shard_index=rank, num_shards=world, seed=0)
+    x, y = sampler.next_batch()                      # int64 [16, 64]; y is x shifted by one
+    val = val_batches(corpus.val, block_size=64, batch_size=16, num_batches=8)
+    val_loss = evaluate(model, val)
+"""
+
+from __future__ import annotations
+
+import logging
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+DEFAULT_CORPUS_CAP = 4_000_000  # bytes of stdlib source in the embedded corpus (~4 MB)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # text file or folder of text files; "" = embedded default corpus
+    val_fraction: float = 0.1  # last fraction of the corpus held out for validation
+    max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes (keeps tests fast)
+
+
+class DataError(ValueError):
+    """The corpus cannot be loaded or is too small for the requested sampling."""
+
+
+@dataclass
+class Corpus:
+    train: torch.Tensor  # uint8, first (1 - val_fraction) of the bytes
+    val: torch.Tensor  # uint8, the remaining bytes
+    source: str  # human description of where the bytes came from
+
+
+def embedded_corpus(cap: int = DEFAULT_CORPUS_CAP) -> bytes:
+    """The first ``cap`` bytes of the stdlib's top-level ``*.py`` files, concatenated in sorted order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks: list[bytes] = []
+    total = 0
+    for f in sorted(stdlib.glob("*.py")):
+        if total >= cap:
+            break
+        data = f.read_bytes()
+        chunks.append(data)
+        total += len(data)
+    return b"".join(chunks)[:cap]
+
+
+def _read_path(path: str, cap: int) -> tuple[bytes, str]:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path {path!r} does not exist")
+    if p.is_file():
+        data = p.read_bytes()[:cap] if cap else p.read_bytes()
+        if not data:
+            raise DataError(f"data.path {path!r} is an empty file")
+        return data, f"file {p}"
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise DataError(f"data.path {path!r} is a folder with no {'/'.join(TEXT_SUFFIXES)} files")
+    data = b"".join(f.read_bytes() for f in files)
+    if not data:
+        raise DataError(f"data.path {path!r}: all {len(files)} text files are empty")
+    return data, f"{len(files)} text files under {p}"
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read the corpus named by ``cfg`` and split it into train (head) and val (tail)."""
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise DataError(
+            f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} (data.path={cfg.path!r})"
+        )
+    if cfg.max_bytes < 0:
+        raise DataError(f"data.max_bytes must be >= 0, got {cfg.max_bytes} (data.path={cfg.path!r})")
+    if cfg.path:
+        data, source = _read_path(cfg.path, cfg.max_bytes)
+    else:
+        cap = min(DEFAULT_CORPUS_CAP, cfg.max_bytes) if cfg.max_bytes else DEFAULT_CORPUS_CAP
+        data, source = embedded_corpus(cap), "embedded corpus (Python stdlib source)"
+    if cfg.max_bytes:
+        data = data[: cfg.max_bytes]
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    n_train = len(tokens) - int(len(tokens) * cfg.val_fraction)
+    if n_train < 2 or (cfg.val_fraction > 0 and n_train == len(tokens)):
+        raise DataError(
+            f"data.path {cfg.path!r}: corpus of {len(tokens)} bytes is too small to split "
+            f"with data.val_fraction={cfg.val_fraction}"
+        )
+    corpus = Corpus(train=tokens[:n_train].clone(), val=tokens[n_train:].clone(), source=source)
+    logger.info("corpus: %s, %d train bytes, %d val bytes", source, len(corpus.train), len(corpus.val))
+    return corpus
+
+
+def shard_bounds(n_tokens: int, shard_index: int, num_shards: int) -> tuple[int, int]:
+    """``[start, end)`` of contiguous region ``shard_index`` when ``n_tokens`` are cut ``num_shards`` ways."""
+    if num_shards <= 0 or not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    return n_tokens * shard_index // num_shards, n_tokens * (shard_index + 1) // num_shards
+
+
+def _windows(
+    tokens: torch.Tensor, starts: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # One gather instead of a Python loop over rows: [batch, block_size + 1] offsets.
+    rows = tokens[starts[:, None] + torch.arange(block_size + 1)].long()
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class ShardSampler:
+    """Random training windows from one worker's disjoint region of the train tokens.
+
+    Every window of ``block_size + 1`` bytes lies inside region ``shard_index``, so two workers
+    never train on the same bytes. The draw order depends only on ``(seed, shard_index)`` and
+    the number of batches drawn, and ``state_dict`` captures it so a resumed worker continues
+    with exactly the batches it would have seen.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        *,
+        block_size: int,
+        batch_size: int,
+        shard_index: int,
+        num_shards: int,
+        seed: int,
+    ) -> None:
+        if block_size <= 0 or batch_size <= 0:
+            raise ValueError(f"block_size and batch_size must be positive, got {block_size}, {batch_size}")
+        self.start, self.end = shard_bounds(len(tokens), shard_index, num_shards)
+        if self.end - self.start < block_size + 1:
+            raise DataError(
+                f"data.path corpus too small: shard {shard_index} of {num_shards} holds "
+                f"{self.end - self.start} train bytes, fewer than block_size + 1 = {block_size + 1}; "
+                f"use a larger data.path corpus or data.max_bytes, fewer workers, or a shorter block"
+            )
+        self.tokens = tokens
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.seed = seed
+        self.batches_drawn = 0
+        self.generator = torch.Generator()
+        # Mix the shard into the seed so workers draw different (as well as disjoint) windows.
+        self.generator.manual_seed((seed * 1_000_003 + shard_index) % 2**63)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``: int64 [batch_size, block_size], ``y`` is ``x`` shifted left by one."""
+        # Highest start so that start + block_size + 1 <= end (randint's high is exclusive).
+        starts = torch.randint(
+            self.start, self.end - self.block_size, (self.batch_size,), generator=self.generator
+        )
+        self.batches_drawn += 1
+        return _windows(self.tokens, starts, self.block_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "generator": self.generator.get_state(),
+            "batches_drawn": self.batches_drawn,
+            "shard_index": self.shard_index,
+            "num_shards": self.num_shards,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("shard_index", "num_shards", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state was saved with {key}={state[key]}, this sampler has "
+                    f"{key}={getattr(self, key)}; resume with the same worker layout and seed"
+                )
+        self.generator.set_state(state["generator"])
+        self.batches_drawn = int(state["batches_drawn"])
+
+
+def val_batches(
+    tokens: torch.Tensor, *, block_size: int, batch_size: int, num_batches: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of validation batches, identical on every worker given the same tokens and seed."""
+    if len(tokens) < block_size + 1:
+        raise DataError(
+            f"data.path corpus too small: {len(tokens)} validation bytes, fewer than "
+            f"block_size + 1 = {block_size + 1}; raise data.val_fraction or data.max_bytes"
+        )
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - block_size, (num_batches, batch_size), generator=g)
+    return [_windows(tokens, row, block_size) for row in starts]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss of ``model`` over ``batches``, in eval mode; the model's mode is restored after."""
+    if not batches:
+        raise ValueError("evaluate needs at least one batch")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        total = 0.0
+        for x, y in batches:
+            _, loss = model(x.to(device), targets=y.to(device))
+            total += loss.item()  # one host sync per batch; eval is rare enough not to matter
+    finally:
+        model.train(was_training)
+    return total / len(batches)

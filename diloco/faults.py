@@ -1,0 +1,70 @@
+"""Fault injection at named points, for tests and the fault benchmarks (as torchft does).
+
+    diloco train ... faults.skip_round=2        # sit out round 2's averaging, as if the link dropped
+    diloco train ... faults.stop_after_round=3  # exit right after round 3's checkpoint, as if killed
+    diloco local ... faults.worker=1 faults.skip_round=2   # only worker 1 of a local run
+
+Faults wrap the real parts; nothing else in the code knows about them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diloco.comm.base import CommBackend, SyncResult
+
+
+@dataclass
+class FaultConfig:
+    worker: int = -1  # the worker the faults apply to; -1 = every worker
+    skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
+    stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
+
+
+class StopRequested(Exception):
+    """Raised by ``faults.stop_after_round`` to end the worker as if it had been killed."""
+
+
+class SkipRoundBackend(CommBackend):
+    """Delegates to ``inner`` except in round ``skip_round``, which fails without any traffic."""
+
+    def __init__(self, inner: CommBackend, skip_round: int):
+        self.inner, self.skip_round = inner, skip_round
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+    ) -> SyncResult:
+        if round_index + 1 == self.skip_round:
+            return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
+        return self.inner.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+
+    def publish_state(self, round_index: int, peers: int, state: dict) -> None:
+        self.inner.publish_state(round_index, peers, state)
+
+    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
+        return self.inner.fetch_state(round_index, min_peers=min_peers, timeout_s=timeout_s)
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.inner.addresses
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
+    return cfg.worker in (-1, worker_index)
+
+
+def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> CommBackend:
+    if cfg.skip_round and applies_to(cfg, worker_index):
+        return SkipRoundBackend(backend, cfg.skip_round)
+    return backend
+
+
+def check_stop(cfg: FaultConfig, worker_index: int, rounds_done: int) -> None:
+    if cfg.stop_after_round == rounds_done and applies_to(cfg, worker_index):
+        raise StopRequested(f"faults.stop_after_round={rounds_done} reached")

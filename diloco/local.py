@@ -1,0 +1,165 @@
+"""``diloco local``: a bootstrap peer and M workers on this machine, watched until they finish.
+
+Each worker is a real ``diloco train`` process in its own session (so a terminal's Ctrl-C
+reaches only this launcher, which stops the workers in order) with ``cores / M`` torch threads
+(several workers on one machine slow each other far more than the sum of their work
+otherwise). Worker output goes to ``RUN_DIR/worker-<i>.log``; progress is read from the
+workers' JSONL records. At the end the launcher writes ``summary.json`` and prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diloco.comm.base import CommConfig
+from diloco.comm.hivemind import start_dht, visible_addresses
+from diloco.config import Config
+from diloco.metrics import format_summary, write_summary
+
+logger = logging.getLogger(__name__)
+
+GRACE_S = 15.0  # how long a worker gets to shut its peers down after being asked to stop
+REFRESH_S = 2.0  # progress refresh period
+
+
+def _worker_command(
+    config_path: str | None,
+    overrides: list[str],
+    index: int,
+    count: int,
+    run_dir: Path,
+    peers: list[str],
+    threads: int,
+) -> list[str]:
+    peer_list = "[" + ",".join(f"'{peer}'" for peer in peers) + "]"
+    config_args = [config_path] if config_path else []
+    verbose = ["--verbose"] if logger.isEnabledFor(logging.DEBUG) else []
+    return [
+        sys.executable,
+        "-m",
+        "diloco.cli",
+        *verbose,
+        "train",
+        *config_args,
+        *overrides,
+        f"worker.index={index}",
+        f"worker.count={count}",
+        f"run.dir={run_dir}",
+        f"comm.initial_peers={peer_list}",
+        f"worker.threads={threads}",
+    ]
+
+
+class _Progress:
+    """Follows each worker's JSONL file and keeps its latest step and round records."""
+
+    def __init__(self, run_dir: Path, count: int):
+        self.paths = [run_dir / f"worker-{i}.jsonl" for i in range(count)]
+        self.offsets = [path.stat().st_size if path.exists() else 0 for path in self.paths]
+        self.latest: list[dict] = [{} for _ in range(count)]
+
+    def poll(self) -> None:
+        for i, path in enumerate(self.paths):
+            if not path.exists():
+                continue
+            with path.open("rb") as file:
+                file.seek(self.offsets[i])
+                chunk = file.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is read next time
+            self.offsets[i] += len(complete)
+            for line in complete.splitlines():
+                record = json.loads(line)
+                self.latest[i].update({f"{record['event']}.{k}": v for k, v in record.items()})
+
+    def lines(self, total_steps: int, states: list[str]) -> list[str]:
+        out = []
+        for i, latest in enumerate(self.latest):
+            loss = latest.get("round.val_loss", latest.get("step.loss"))
+            out.append(
+                f"  worker {i}: step {latest.get('step.step', 0):>5}/{total_steps}"
+                f"  round {latest.get('round.round', 0):>3}"
+                f"  loss {loss if loss is None else f'{loss:.4f}'}"
+                f"  {latest.get('step.tokens_per_s', 0):>8.0f} tok/s"
+                f"  peers {latest.get('round.peers', '-')}  {states[i]}"
+            )
+        return out
+
+
+def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, workers: int) -> int:
+    """Run ``workers`` workers to the end. Returns the exit code: 0 when every worker finished."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    children: list[subprocess.Popen] = []
+    logs = []
+    bootstrap = start_dht(
+        CommConfig(host="127.0.0.1", startup_timeout_s=cfg.comm.startup_timeout_s), initial_peers=[]
+    )
+    try:
+        peers = visible_addresses(bootstrap)
+        print(f"bootstrap peer: {peers[0]}")
+        print(f"run directory:  {run_dir}   ({workers} workers, {threads} threads each)")
+        progress = _Progress(run_dir, workers)
+        for i in range(workers):
+            log = (run_dir / f"worker-{i}.log").open("ab")
+            logs.append(log)
+            command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
+            children.append(
+                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+        last_print = 0.0
+        while any(child.poll() is None for child in children):
+            time.sleep(0.2)  # a UI refresh, not synchronisation: the loop ends when the children do
+            if time.monotonic() - last_print >= REFRESH_S:
+                progress.poll()
+                states = [_state(child) for child in children]
+                print("\n".join(progress.lines(cfg.inner.steps, states)), flush=True)
+                last_print = time.monotonic()
+        progress.poll()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping workers ...", flush=True)
+        _stop_all(children)
+        return 130
+    finally:
+        _stop_all(children)
+        for log in logs:
+            log.close()
+        bootstrap.shutdown()
+
+    failed = [i for i, child in enumerate(children) if child.returncode != 0]
+    summary = write_summary(run_dir)
+    print(format_summary(summary))
+    for i in failed:
+        print(f"worker {i} failed (exit code {children[i].returncode}); see {run_dir / f'worker-{i}.log'}")
+    return 1 if failed else 0
+
+
+def _state(child: subprocess.Popen) -> str:
+    code = child.poll()
+    return "running" if code is None else ("done" if code == 0 else f"exit {code}")
+
+
+def _stop_all(children: list[subprocess.Popen]) -> None:
+    """SIGTERM each worker (it shuts its peers down), then SIGKILL whatever is left of its session."""
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
+        # the worker's session holds its hivemind helpers and p2pd daemons too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)

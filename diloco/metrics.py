@@ -1,0 +1,263 @@
+"""Metrics sinks, so the training loop never branches on "is logging on".
+
+- ``JsonlWriter``: one JSON object per line in ``<run_dir>/worker-<i>.jsonl``, flushed per line. This is
+  the record that benchmarks and plots read (see BENCHMARKS.md).
+- ``build_wandb_logger``: a ``WandbLogger`` for ``logging.wandb=offline|online``, else a ``NullLogger``
+  with the same methods.
+- ``summarize_run`` / ``write_summary`` / ``format_summary``: build ``summary.json`` from the workers'
+  ``"event": "end"`` records and print it.
+- ``param_sha256``: a hash of the global parameters, to check that all workers agree.
+
+Sync an offline wandb run later with ``wandb sync runs/<name>/wandb/offline-run-*``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+WANDB_MODES = ("disabled", "offline", "online")
+_WORKER_FILE_RE = re.compile(r"^worker-(\d+)\.jsonl$")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "disabled"  # disabled | offline | online
+    project: str = "diloco"  # wandb project name
+    log_every: int = 10  # inner steps between step records / progress lines
+    eval_batches: int = 8  # validation batches evaluated after each round
+
+
+def _to_jsonable(value: Any) -> Any:
+    """``json.dumps`` fallback: tensors and numpy values to Python numbers / lists."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+class JsonlWriter:
+    """Appends records to ``<run_dir>/worker-<i>.jsonl``; each line is flushed, so a crash loses nothing
+    already logged. Appending (not truncating) lets a restarted worker continue the same file."""
+
+    def __init__(self, run_dir: Path, worker_index: int) -> None:
+        self.path = Path(run_dir) / f"worker-{worker_index}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, default=_to_jsonable) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NullLogger:
+    """Does nothing, with ``WandbLogger``'s methods."""
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbLogger:
+    """Wraps a wandb run. Numeric fields of a record are logged as ``<event>/<field>`` (``step/loss``,
+    ``round/val_loss``) so step and round records chart in separate sections; strings are dropped."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        prefix = f"{record['event']}/" if isinstance(record.get("event"), str) else ""
+        values = {}
+        for key, value in record.items():
+            if isinstance(value, torch.Tensor | np.generic):
+                value = _to_jsonable(value)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                values[prefix + key] = value
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        # wandb-core may flush the offline .wandb file a moment after this returns; process exit (or
+        # wandb.teardown()) waits for it.
+        self.run.finish()
+
+
+def build_wandb_logger(
+    cfg: LoggingConfig, *, run_dir: Path, run_name: str, worker_index: int, config_dict: dict[str, Any]
+) -> WandbLogger | NullLogger:
+    """A ``NullLogger`` when ``cfg.wandb == "disabled"``, else one wandb run per worker, grouped by run."""
+    if cfg.wandb not in WANDB_MODES:
+        raise ValueError(f"logging.wandb must be one of {', '.join(WANDB_MODES)}; got {cfg.wandb!r}")
+    if cfg.wandb == "disabled":
+        return NullLogger()
+    import wandb  # slow to import: only when asked for
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=cfg.project,
+        dir=str(run_dir),
+        mode=cfg.wandb,
+        group=run_name,
+        name=f"{run_name}-worker-{worker_index}",
+        config=config_dict,
+        # One run per worker even when several workers share a process; keep our progress lines readable.
+        reinit="create_new",
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    logger.info("wandb %s run %s in %s", cfg.wandb, run.name, run_dir)
+    return WandbLogger(run)
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # e.g. a line cut short by a crash
+                logger.warning("%s:%d: skipping unparseable line", path, number)
+    return records
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+def summarize_run(run_dir: Path) -> dict[str, Any]:
+    """Build the summary.json dict (fields of BENCHMARKS.md) from every ``worker-*.jsonl`` in ``run_dir``.
+
+    A worker counts as finished when its file holds an ``"event": "end"`` record (the last one is used);
+    per-worker quantities are means over finished workers, ``tokens`` is their sum.
+    """
+    files = []
+    for path in Path(run_dir).iterdir():
+        match = _WORKER_FILE_RE.match(path.name)
+        if match:
+            files.append((int(match.group(1)), path))
+    ends, failed = [], []
+    for index, path in sorted(files):
+        end = next((r for r in reversed(_read_records(path)) if r.get("event") == "end"), None)
+        if end is None:
+            failed.append(index)
+        else:
+            ends.append(end)
+
+    def mean_of(key: str) -> float | None:
+        return _mean([float(e[key]) for e in ends if e.get(key) is not None])
+
+    compute_s, wall_s = mean_of("compute_s"), mean_of("wall_s")
+    bytes_sent, bytes_recv = mean_of("bytes_sent"), mean_of("bytes_recv")
+    utilization = compute_s / wall_s if compute_s is not None and wall_s else None
+    hashes = [e.get("param_sha256") for e in ends]
+    return {
+        "run": Path(run_dir).name,
+        "workers": len(ends),
+        "inner_steps": max((int(e["inner_steps"]) for e in ends), default=0),
+        "rounds": max((int(e["rounds"]) for e in ends), default=0),
+        "tokens": sum(int(e.get("tokens", 0)) for e in ends),
+        "final_val_loss": _rounded(mean_of("val_loss"), 4),
+        "bytes_sent": None if bytes_sent is None else round(bytes_sent),
+        "bytes_recv": None if bytes_recv is None else round(bytes_recv),
+        "compute_s": _rounded(compute_s, 3),
+        "comm_wait_s": _rounded(mean_of("comm_wait_s"), 3),
+        "wall_s": _rounded(wall_s, 3),
+        "compute_utilization": _rounded(utilization, 4),
+        "param_sha256": hashes,
+        "params_agree": len(hashes) > 0 and None not in hashes and len(set(hashes)) == 1,
+        "failed_workers": failed,
+        "per_worker": ends,
+    }
+
+
+def write_summary(run_dir: Path) -> dict[str, Any]:
+    """``summarize_run`` and write it to ``<run_dir>/summary.json`` atomically (temp file + rename)."""
+    summary = summarize_run(run_dir)
+    run_dir = Path(run_dir)
+    fd, tmp_name = tempfile.mkstemp(dir=run_dir, prefix=".summary.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+        os.replace(tmp_name, run_dir / "summary.json")
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return summary
+
+
+def _fmt(value: Any, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few human-readable lines with the main fields of a summary dict."""
+    mb = 1e6
+    sent, recv = summary.get("bytes_sent"), summary.get("bytes_recv")
+    failed = summary.get("failed_workers") or []
+    hashes = summary.get("param_sha256") or []
+    if not hashes:
+        params = "params: no finished worker"
+    elif len(set(hashes)) == 1 and hashes[0] is not None:
+        params = f"params: identical across {len(hashes)} workers (sha256 {hashes[0][:12]})"
+    else:
+        params = f"params: DIFFER, {len(set(hashes))} distinct hashes across {len(hashes)} workers"
+    lines = [
+        f"run {summary.get('run', '?')}: {summary['workers']} workers finished"
+        + (f", failed: {failed}" if failed else ""),
+        f"inner steps {summary['inner_steps']}, rounds {summary['rounds']}, tokens {summary['tokens']:,}",
+        f"final val loss {_fmt(summary['final_val_loss'], '.4f')}",
+        f"per worker: sent {_fmt(None if sent is None else sent / mb, '.2f', ' MB')}, "
+        f"received {_fmt(None if recv is None else recv / mb, '.2f', ' MB')}",
+        f"per worker: compute {_fmt(summary['compute_s'], '.1f', ' s')}, "
+        f"comm wait {_fmt(summary['comm_wait_s'], '.1f', ' s')}, "
+        f"wall {_fmt(summary['wall_s'], '.1f', ' s')}, "
+        f"utilization {_fmt(summary['compute_utilization'], '.3f')}",
+        params,
+    ]
+    return "\n".join(lines)
+
+
+def param_sha256(tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 (hex) over the raw bytes of the tensors, in order (made contiguous and moved to CPU)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy())  # a byte view works for every dtype, bfloat16 too
+    return digest.hexdigest()

@@ -1,0 +1,128 @@
+"""The outer step: pseudo-gradients, their average across workers, and the outer optimizer.
+
+Every ``outer.sync_every`` inner steps a worker computes its pseudo-gradient (the global
+params at the start of the round minus its local params now), averages it with the other
+workers through a ``CommBackend``, writes the average into ``.grad`` of the global copy and
+steps the outer optimizer, a plain ``torch.optim.Optimizer`` (DiLoCo, arXiv:2311.08105:
+Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new global ones.
+
+Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
+other optimizer need no new code here, only a line in ``build_outer_optimizer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diloco.comm.base import CommBackend, SyncResult
+
+logger = logging.getLogger(__name__)
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+
+
+@dataclass
+class OuterConfig:
+    optimizer: str = "nesterov"  # nesterov | sgd | adam (sgd with lr 1, momentum 0 is plain averaging)
+    lr: float = 0.7  # outer learning rate
+    momentum: float = 0.9  # SGD momentum, or Adam's beta1
+    sync_every: int = 50  # H: inner steps per round
+
+
+def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """The outer optimizer over the global copy of the parameters."""
+    if cfg.optimizer == "nesterov":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.momentum, 0.999))
+    raise ValueError(f"outer.optimizer={cfg.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
+
+
+class OuterStep:
+    """Holds the global params (fp32, CPU) and the outer optimizer over them.
+
+    ``local_params`` are the model's parameters, trained by the inner optimizer; they are
+    overwritten with the global params after every round.
+    """
+
+    def __init__(self, local_params: Sequence[torch.nn.Parameter], cfg: OuterConfig):
+        self.local_params = list(local_params)
+        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.local_params]
+        self.optimizer = build_outer_optimizer(cfg, self.global_params)
+
+    @torch.no_grad()
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """Global params at the start of the round minus local params now (fresh tensors)."""
+        return [
+            g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)
+        ]
+
+    @torch.no_grad()
+    def apply(self, averaged: Sequence[torch.Tensor]) -> None:
+        """Outer optimizer step with ``averaged`` as the gradient; local params restart from the result."""
+        for param, grad in zip(self.global_params, averaged):
+            param.grad = grad
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for local, param in zip(self.local_params, self.global_params):
+            local.copy_(param)
+
+    def sync(
+        self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
+    ) -> tuple[SyncResult, bool]:
+        """One round: pseudo-gradient, average with the other workers, outer step.
+
+        When the average fails or covers fewer than ``expected_peers`` workers (hivemind can lose
+        a peer or part of the vector inside a round), the worker applies what it has, then
+        takes the global state of a peer that averaged in a bigger group, so that it ends the
+        round with the others' params instead of drifting. Returns the averaging result and
+        whether the state came from a peer.
+        """
+        pseudo_gradients = self.pseudo_gradients()
+        result = backend.all_reduce_mean(
+            pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s
+        )
+        if not result.ok:  # the backend left our own pseudo-gradient in place
+            logger.warning("round %d: averaging failed (%s)", round_index, result.error)
+        self.apply(pseudo_gradients)
+        peers = result.peers if result.ok else 1
+        backend.publish_state(round_index, peers, self.state_dict())
+        if peers >= expected_peers:
+            return result, False
+        better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=min(deadline_s, 10.0))
+        if better is None:
+            logger.warning(
+                "round %d: averaged over %d of %d workers and no peer did better",
+                round_index,
+                peers,
+                expected_peers,
+            )
+            return result, False
+        self.load_state_dict(better)
+        logger.warning(
+            "round %d: averaged over %d of %d workers; took the state of a peer that averaged over more",
+            round_index,
+            peers,
+            expected_peers,
+        )
+        return result, True
+
+    def state_dict(self) -> dict:
+        return {
+            "global_params": [p.clone() for p in self.global_params],
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for param, saved in zip(self.global_params, state["global_params"], strict=True):
+            param.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        for local, param in zip(self.local_params, self.global_params):
+            local.copy_(param)

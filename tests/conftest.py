@@ -1,0 +1,63 @@
+"""Shared test fixtures: a tiny workload, and a runner for the real ``diloco`` command that
+never leaves a process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# a model and corpus small enough that 4 workers train a few rounds in well under a minute
+TINY = [
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.block_size=32",
+    "inner.batch_size=8",
+    "inner.warmup_steps=5",
+    "inner.lr=3e-3",
+    "data.max_bytes=400000",
+    "logging.eval_batches=4",
+    "logging.log_every=5",
+    "comm.matchmaking_s=4",
+    "comm.request_timeout_s=1",
+    "comm.deadline_s=60",
+]
+
+
+@pytest.fixture
+def diloco_cli():
+    """Run ``python -m diloco.cli ARGS`` in its own session; kill the whole session afterwards."""
+    started: list[subprocess.Popen] = []
+
+    def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "diloco.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        started.append(process)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"diloco {' '.join(args)} did not finish in {timeout} s:\n{output[-3000:]}")
+        return subprocess.CompletedProcess(process.args, process.returncode, output, "")
+
+    yield run
+    for process in started:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def read_records(run_dir: Path, worker: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / f"worker-{worker}.jsonl").read_text().splitlines()]

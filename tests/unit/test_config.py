@@ -1,0 +1,82 @@
+"""Configuration: defaults <- YAML <- overrides, and one clear line for every mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from diloco.config import ConfigError, load_config, save_config
+
+
+def test_defaults_then_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("inner:\n  lr: 0.002\n  steps: 40\nouter:\n  sync_every: 10\n")
+    cfg = load_config(path, ["inner.lr=0.003", "comm.initial_peers=['/ip4/1.2.3.4/tcp/5/p2p/abc']"])
+    assert cfg.inner.lr == 0.003  # the command line wins over the file
+    assert cfg.inner.steps == 40 and cfg.outer.sync_every == 10  # the file wins over the defaults
+    assert cfg.model.n_embd == 128 and cfg.outer.optimizer == "nesterov"  # defaults
+    assert cfg.comm.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/abc"]
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, ["seed=7", "outer.lr=0.5"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["inner.lrr=1"], "inner.lrr"),
+        (["nonsense=1"], "nonsense"),
+        (["inner.steps=many"], "inner.steps"),
+        (["outer.optimizer=lion"], "outer.optimizer"),
+        (["outer.sync_every=0"], "outer.sync_every"),
+        (["logging.wandb=sometimes"], "logging.wandb"),
+        (["model.n_head=3"], "model.n_head"),
+        (["worker.index=2", "worker.count=2"], "worker.index"),
+        (["comm.request_timeout_s=9", "comm.matchmaking_s=5"], "comm.request_timeout_s"),
+        (["comm.backend=carrier_pigeon"], "comm.backend"),
+        (["inner.lr"], "KEY=VALUE"),
+    ],
+)
+def test_each_mistake_names_its_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+
+
+def test_missing_or_malformed_yaml_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inner: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("inner:\n  lrr: 1\n")
+    with pytest.raises(ConfigError, match="inner.lrr"):
+        load_config(unknown)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "inner.lrr=1"],
+        ["local", "--workers", "2", "outer.optimizer=lion"],
+        ["train", "data.path=/no/such/file.txt"],
+        ["config", "/no/such/config.yaml"],
+    ],
+)
+def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv):
+    done = subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("diloco: error:")]
+    assert len(errors) == 1, done.stderr

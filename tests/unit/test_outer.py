@@ -1,0 +1,164 @@
+"""The outer step's math: DiLoCo with H=1, inner SGD and outer SGD(lr 1) is data-parallel SGD;
+the Nesterov outer step matches a hand-computed update; a failed round falls back cleanly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from diloco.comm.base import CommBackend, SyncResult
+from diloco.data import ShardSampler
+from diloco.inner import InnerConfig, build_inner_optimizer, inner_step
+from diloco.model import ModelConfig, build_model
+from diloco.outer import OuterConfig, OuterStep, build_outer_optimizer
+
+TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+
+
+def _batches(num_workers: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    samplers = [
+        ShardSampler(tokens, block_size=16, batch_size=4, shard_index=i, num_shards=num_workers, seed=1)
+        for i in range(num_workers)
+    ]
+    return [[s.next_batch() for _ in range(steps)] for s in samplers]
+
+
+def _weighted_mean(tensor_lists: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    total = sum(weights)
+    return [
+        sum(w * ts[k] for w, ts in zip(weights, tensor_lists)) / total for k in range(len(tensor_lists[0]))
+    ]
+
+
+@pytest.mark.parametrize("num_workers", [2, 4])
+def test_diloco_with_h1_inner_sgd_outer_sgd_lr1_equals_data_parallel_sgd(num_workers):
+    steps, lr = 3, 0.05
+    batches = _batches(num_workers, steps)
+    torch.manual_seed(0)
+    reference = build_model(TINY)
+    workers = [copy.deepcopy(reference) for _ in range(num_workers)]
+
+    # synchronous data-parallel SGD: the mean of the workers' gradients, one step each time
+    ddp_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):
+        grads = []
+        for w in range(num_workers):
+            reference.zero_grad()
+            _, loss = reference(*batches[w][step])
+            loss.backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])
+        for param, grad in zip(reference.parameters(), _weighted_mean(grads, [1.0] * num_workers)):
+            param.grad = grad
+        ddp_optimizer.step()
+
+    # DiLoCo: H=1, inner SGD, outer SGD lr 1 momentum 0 (plain averaging)
+    inner_cfg = InnerConfig(optimizer="sgd", lr=lr, grad_clip=0.0)
+    outer_cfg = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, sync_every=1)
+    inner_optimizers = [build_inner_optimizer(inner_cfg, m) for m in workers]
+    outers = [OuterStep(list(m.parameters()), outer_cfg) for m in workers]
+    for step in range(steps):
+        for w in range(num_workers):
+            inner_step(workers[w], inner_optimizers[w], batches[w][step], lr=lr, grad_clip=0.0)
+        average = _weighted_mean([o.pseudo_gradients() for o in outers], [4.0] * num_workers)
+        for outer in outers:
+            outer.apply([t.clone() for t in average])
+
+    for w in range(num_workers):
+        for got, want in zip(workers[w].parameters(), reference.parameters()):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_nesterov_outer_step_matches_hand_computed_update():
+    cfg = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    local = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    outer = OuterStep([local], cfg)
+    theta = torch.tensor([1.0, -2.0, 3.0])
+    velocity = torch.zeros(3)
+    for delta in (torch.tensor([0.1, 0.2, -0.3]), torch.tensor([-0.05, 0.4, 0.0])):
+        with torch.no_grad():
+            local.copy_(outer.global_params[0] - delta)  # inner steps moved the params by -delta
+        pseudo_gradient = outer.pseudo_gradients()[0]
+        torch.testing.assert_close(pseudo_gradient, delta)
+        outer.apply([pseudo_gradient])
+        # SGD with Nesterov: v = mu v + g ; theta -= lr (g + mu v)
+        velocity = 0.9 * velocity + delta
+        theta = theta - 0.7 * (delta + 0.9 * velocity)
+        torch.testing.assert_close(outer.global_params[0], theta)
+        torch.testing.assert_close(local.detach(), theta)  # local params restart from the global ones
+
+
+def test_outer_optimizer_factory_builds_each_kind():
+    params = [torch.zeros(2, requires_grad=True)]
+    sgd = build_outer_optimizer(OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0), params)
+    assert isinstance(sgd, torch.optim.SGD) and not sgd.defaults["nesterov"]
+    nesterov = build_outer_optimizer(OuterConfig(), params)
+    assert nesterov.defaults["nesterov"] and nesterov.defaults["momentum"] == 0.9
+    assert isinstance(build_outer_optimizer(OuterConfig(optimizer="adam", lr=0.1), params), torch.optim.Adam)
+    with pytest.raises(ValueError, match="outer.optimizer"):
+        build_outer_optimizer(OuterConfig(optimizer="lion"), params)
+
+
+class _FailingBackend(CommBackend):
+    """Averaging fails; a peer may offer the state it reached in a bigger group."""
+
+    def __init__(self, peer_state=None):
+        self.peer_state, self.published, self.asked = peer_state, [], []
+
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s):
+        return SyncResult(ok=False, peers=1, total_weight=weight, error="nobody came")
+
+    def publish_state(self, round_index, peers, state):
+        self.published.append((round_index, peers))
+
+    def fetch_state(self, round_index, *, min_peers, timeout_s):
+        self.asked.append((round_index, min_peers))
+        return self.peer_state
+
+
+def test_failed_round_without_better_peer_applies_the_workers_own_pseudo_gradient():
+    local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterStep([local], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    with torch.no_grad():
+        local.sub_(torch.tensor([0.5, 0.25]))
+    backend = _FailingBackend()
+    result, recovered = outer.sync(backend, weight=1.0, round_index=3, deadline_s=1.0, expected_peers=2)
+    assert not result.ok and result.error == "nobody came" and not recovered
+    torch.testing.assert_close(outer.global_params[0], torch.tensor([0.5, 1.75]))
+    assert backend.published == [(3, 1)] and backend.asked == [(3, 2)]
+
+
+def test_failed_round_takes_the_state_of_a_peer_from_a_bigger_group():
+    peer_local = torch.nn.Parameter(torch.tensor([7.0, 8.0]))
+    peer = OuterStep([peer_local], OuterConfig())
+    with torch.no_grad():
+        peer_local.sub_(0.5)
+    peer.apply(peer.pseudo_gradients())
+
+    local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterStep([local], OuterConfig())
+    _, recovered = outer.sync(
+        _FailingBackend(peer.state_dict()), weight=1.0, round_index=0, deadline_s=1.0, expected_peers=4
+    )
+    assert recovered
+    torch.testing.assert_close(outer.global_params[0], peer.global_params[0])
+    torch.testing.assert_close(local.detach(), peer.global_params[0])
+    momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"]
+    torch.testing.assert_close(momentum, peer.optimizer.state[peer.global_params[0]]["momentum_buffer"])
+
+
+def test_outer_state_round_trips_through_state_dict():
+    local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterStep([local], OuterConfig())
+    with torch.no_grad():
+        local.sub_(0.1)
+    outer.apply(outer.pseudo_gradients())
+    restored = OuterStep([torch.nn.Parameter(torch.zeros(2))], OuterConfig())
+    restored.load_state_dict(outer.state_dict())
+    torch.testing.assert_close(restored.global_params[0], outer.global_params[0])
+    momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"]
+    torch.testing.assert_close(
+        restored.optimizer.state[restored.global_params[0]]["momentum_buffer"], momentum
+    )
