@@ -5,7 +5,10 @@
                                                             #   with comm.initial_peers=[...])
     diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
     diloco config [CONFIG] [KEY=VALUE ...]                  # print the resolved configuration
+    diloco config --reference                               # every key, type, default, meaning
+    diloco plot runs/a runs/b --out curves.png              # loss against tokens, time and bytes
     diloco bench overhead                                   # inner-step throughput vs a bare loop
+    diloco bench quality                                    # DiLoCo vs data-parallel at equal tokens
 
 Mistakes in the command line, the config or the data path end with one line on stderr and
 exit code 2; Ctrl-C stops everything this command started and exits 130.
@@ -48,13 +51,27 @@ def _parser() -> argparse.ArgumentParser:
     bootstrap.add_argument("--port", type=int, default=31337, help="TCP port (default 31337)")
 
     config = commands.add_parser("config", help="print the resolved configuration")
+    config.add_argument("--reference", action="store_true", help="print every key as a Markdown table")
     config.add_argument("config", nargs="?", help="YAML config")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
 
-    bench = commands.add_parser("bench", help="benchmarks")
-    bench.add_argument("name", choices=["overhead"])
-    bench.add_argument("--steps", type=int, default=60, help="timed steps per repeat")
-    bench.add_argument("--repeats", type=int, default=5)
+    plot = commands.add_parser("plot", help="validation loss against tokens, wall time and bytes")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", required=True, help="PNG file to write")
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    overhead = bench.add_parser("overhead", help="inner-step throughput against a bare PyTorch loop")
+    overhead.add_argument("--steps", type=int, default=150, help="timed steps per repeat")
+    overhead.add_argument("--repeats", type=int, default=7)
+    quality = bench.add_parser("quality", help="DiLoCo against data-parallel training at equal tokens")
+    quality.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    quality.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    quality.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
+    quality.add_argument("--seeds", type=int, default=3)
+    quality.add_argument("--arms", help="comma-separated arm names (default: all)")
+    quality.add_argument("--out", default="runs/bench-quality", help="output folder")
+    quality.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    quality.add_argument("--device", default="auto", help="cpu / cuda / auto")
     return parser
 
 
@@ -99,19 +116,19 @@ def _cmd_train(args) -> int:
 
 def _cmd_local(args) -> int:
     from diloco.config import load_config
-    from diloco.local import run_local
+    from diloco.local import run_inproc, run_local
 
     if args.workers < 1:
         raise UsageError(f"--workers={args.workers} must be at least 1")
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
-    cfg = load_config(
-        config_path, [*overrides, f"worker.count={args.workers}"]
-    )  # fail here, not in M workers
+    cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])  # fail here, not in M workers
     from diloco.data import load_corpus
 
     load_corpus(cfg.data)
+    if cfg.comm.backend == "inproc":
+        return run_inproc(cfg, workers=args.workers)
     return run_local(cfg, config_path, overrides, workers=args.workers)
 
 
@@ -134,14 +151,43 @@ def _cmd_bootstrap(args) -> int:
 def _cmd_config(args) -> int:
     from diloco.config import load_config, to_yaml
 
+    if args.reference:
+        from diloco.config_reference import reference_markdown
+
+        print(reference_markdown(), end="")
+        return 0
     print(to_yaml(load_config(*_split_config(args.config, args.overrides))), end="")
     return 0
 
 
-def _cmd_bench(args) -> int:
-    from diloco.bench.overhead import run_overhead_benchmark
+def _cmd_plot(args) -> int:
+    from diloco.plot import PlotError, load_curve, plot_curves
 
-    return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
+    try:
+        curves = [load_curve(Path(run_dir)) for run_dir in args.run_dirs]
+    except PlotError as error:
+        raise UsageError(str(error)) from None
+    print(f"wrote {plot_curves(curves, Path(args.out))}")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    if args.bench == "overhead":
+        from diloco.bench.overhead import run_overhead_benchmark
+
+        return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
+    from diloco.bench.quality import run_quality_benchmark
+
+    return run_quality_benchmark(
+        data=args.data,
+        steps=args.steps,
+        seeds=args.seeds,
+        arms=args.arms.split(",") if args.arms else None,
+        out=Path(args.out),
+        jobs=args.jobs,
+        device=args.device,
+        overrides=args.overrides,
+    )
 
 
 COMMANDS = {
@@ -149,6 +195,7 @@ COMMANDS = {
     "local": _cmd_local,
     "bootstrap": _cmd_bootstrap,
     "config": _cmd_config,
+    "plot": _cmd_plot,
     "bench": _cmd_bench,
 }
 

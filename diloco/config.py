@@ -25,11 +25,9 @@ from diloco.comm import BACKENDS, CommConfig
 from diloco.data import DataConfig
 from diloco.faults import FaultConfig
 from diloco.inner import INNER_OPTIMIZERS, InnerConfig
-from diloco.metrics import LoggingConfig
+from diloco.metrics import WANDB_MODES, LoggingConfig
 from diloco.model import ModelConfig, validate_model_config
 from diloco.outer import OUTER_OPTIMIZERS, OuterConfig
-
-WANDB_MODES = ("disabled", "offline", "online")
 
 
 class ConfigError(ValueError):
@@ -47,6 +45,7 @@ class WorkerConfig:
     index: int = 0  # this worker's number: picks its data shard and its worker-<index>.jsonl
     count: int = 1  # workers expected in the run: the number of data shards and the group size
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
+    device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
 
 
 @dataclass
@@ -145,6 +144,9 @@ def validate(cfg: Config) -> None:
         0 <= cfg.worker.index < cfg.worker.count,
         f"worker.index={cfg.worker.index} must be in [0, worker.count={cfg.worker.count})",
     )
+    _check(
+        cfg.worker.device in ("cpu", "cuda", "auto"), f"worker.device={cfg.worker.device!r} is not cpu, cuda or auto"
+    )
     _check(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
     _check(cfg.inner.steps >= 1, f"inner.steps={cfg.inner.steps} must be at least 1")
     _check(cfg.inner.batch_size >= 1, f"inner.batch_size={cfg.inner.batch_size} must be at least 1")
@@ -163,12 +165,13 @@ def validate(cfg: Config) -> None:
     _check(cfg.outer.lr > 0, f"outer.lr={cfg.outer.lr} must be positive")
     _check(0 <= cfg.outer.momentum < 1, f"outer.momentum={cfg.outer.momentum} must be in [0, 1)")
     _check(
-        cfg.outer.sync_every >= 1,
-        f"outer.sync_every={cfg.outer.sync_every} must be at least 1 (inner steps per round)",
+        cfg.outer.sync_every >= 0,
+        f"outer.sync_every={cfg.outer.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
     )
-    _check(
-        cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}"
-    )
+    _check(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
+    _check(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
+    _check(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
+    _check(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     _check(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
     _check(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
     _check(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")

@@ -84,9 +84,7 @@ def _read_path(path: str, cap: int) -> tuple[bytes, str]:
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Read the corpus named by ``cfg`` and split it into train (head) and val (tail)."""
     if not 0.0 <= cfg.val_fraction < 1.0:
-        raise DataError(
-            f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} (data.path={cfg.path!r})"
-        )
+        raise DataError(f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} (data.path={cfg.path!r})")
     if cfg.max_bytes < 0:
         raise DataError(f"data.max_bytes must be >= 0, got {cfg.max_bytes} (data.path={cfg.path!r})")
     if cfg.path:
@@ -115,9 +113,7 @@ def shard_bounds(n_tokens: int, shard_index: int, num_shards: int) -> tuple[int,
     return n_tokens * shard_index // num_shards, n_tokens * (shard_index + 1) // num_shards
 
 
-def _windows(
-    tokens: torch.Tensor, starts: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     # One gather instead of a Python loop over rows: [batch, block_size + 1] offsets.
     rows = tokens[starts[:, None] + torch.arange(block_size + 1)].long()
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -165,9 +161,7 @@ class ShardSampler:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)``: int64 [batch_size, block_size], ``y`` is ``x`` shifted left by one."""
         # Highest start so that start + block_size + 1 <= end (randint's high is exclusive).
-        starts = torch.randint(
-            self.start, self.end - self.block_size, (self.batch_size,), generator=self.generator
-        )
+        starts = torch.randint(self.start, self.end - self.block_size, (self.batch_size,), generator=self.generator)
         self.batches_drawn += 1
         return _windows(self.tokens, starts, self.block_size)
 

@@ -7,6 +7,7 @@ parameters are averaged, in the outer step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +60,19 @@ def inner_step(
     *,
     lr: float,
     grad_clip: float,
+    average_gradients: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """One local optimizer step on ``batch``. Returns the loss as a tensor: calling ``.item()`` on
-    it forces a sync, so the caller does that only when it logs."""
+    it forces a sync, so the caller does that only when it logs.
+
+    ``average_gradients`` (the data-parallel baseline) runs between backward and the update."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     inputs, targets = batch
     _, loss = model(inputs, targets)
     loss.backward()
+    if average_gradients is not None:
+        average_gradients()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()

@@ -1,5 +1,8 @@
 """``diloco local``: a bootstrap peer and M workers on this machine, watched until they finish.
 
+With ``comm.backend=inproc`` the M workers are threads of this process instead, taking turns
+(see ``diloco/comm/inproc.py``); the run directory they write is the same.
+
 Each worker is a real ``diloco train`` process in its own session (so a terminal's Ctrl-C
 reaches only this launcher, which stops the workers in order) with ``cores / M`` torch threads
 (several workers on one machine slow each other far more than the sum of their work
@@ -10,14 +13,18 @@ workers' JSONL records. At the end the launcher writes ``summary.json`` and prin
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import torch
 
 from diloco.comm.base import CommConfig
 from diloco.comm.hivemind import start_dht, visible_addresses
@@ -100,9 +107,7 @@ def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, wor
     threads = max(1, (os.cpu_count() or 1) // workers)
     children: list[subprocess.Popen] = []
     logs = []
-    bootstrap = start_dht(
-        CommConfig(host="127.0.0.1", startup_timeout_s=cfg.comm.startup_timeout_s), initial_peers=[]
-    )
+    bootstrap = start_dht(CommConfig(host="127.0.0.1", startup_timeout_s=cfg.comm.startup_timeout_s), initial_peers=[])
     try:
         peers = visible_addresses(bootstrap)
         print(f"bootstrap peer: {peers[0]}")
@@ -112,18 +117,8 @@ def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, wor
             log = (run_dir / f"worker-{i}.log").open("ab")
             logs.append(log)
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
-            children.append(
-                subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-        last_print = 0.0
-        while any(child.poll() is None for child in children):
-            time.sleep(0.2)  # a UI refresh, not synchronisation: the loop ends when the children do
-            if time.monotonic() - last_print >= REFRESH_S:
-                progress.poll()
-                states = [_state(child) for child in children]
-                print("\n".join(progress.lines(cfg.inner.steps, states)), flush=True)
-                last_print = time.monotonic()
-        progress.poll()
+            children.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers ...", flush=True)
         _stop_all(children)
@@ -140,6 +135,73 @@ def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, wor
     for i in failed:
         print(f"worker {i} failed (exit code {children[i].returncode}); see {run_dir / f'worker-{i}.log'}")
     return 1 if failed else 0
+
+
+def _watch(progress: _Progress, total_steps: int, states) -> None:
+    """Print the workers' progress lines when they change, until no worker is running."""
+    last_poll, shown = 0.0, ""
+    while True:
+        current = states()
+        if time.monotonic() - last_poll >= REFRESH_S or "running" not in current:
+            progress.poll()
+            text = "\n".join(progress.lines(total_steps, current))
+            if text != shown:  # print on change only, so a piped log stays short
+                print(text, flush=True)
+                shown = text
+            last_poll = time.monotonic()
+        if "running" not in current:
+            return
+        time.sleep(0.2)  # a UI refresh, not synchronisation: the loop ends when the workers do
+
+
+def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
+    """Run M simulated workers as threads of this process (``comm.backend=inproc``), each the real
+    ``train()`` loop; return the run's summary (also written to ``summary.json``)."""
+    from diloco.comm.inproc import forget_group, group_for
+    from diloco.train import train
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    forget_group(cfg.comm.run_id)
+    group = group_for(cfg.comm.run_id, workers)
+    states = ["running"] * workers
+
+    def run_worker(index: int) -> None:
+        worker_cfg = copy.deepcopy(cfg)
+        worker_cfg.worker.index, worker_cfg.worker.count, worker_cfg.worker.threads = index, workers, 0
+        try:
+            group.wait_turn(index)  # torch's RNG is global: set-up must take turns like the steps do
+            train(worker_cfg)
+            states[index] = "done"
+        except Exception:
+            logger.exception("worker %d failed", index)
+            states[index] = "failed"
+        finally:
+            group.finish(index)
+
+    threads = [threading.Thread(target=run_worker, args=(i,), daemon=True, name=f"worker-{i}") for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    if show_progress:
+        _watch(_Progress(run_dir, workers), cfg.inner.steps, lambda: list(states))
+    for thread in threads:
+        thread.join()
+    forget_group(cfg.comm.run_id)
+    return write_summary(run_dir)
+
+
+def run_inproc(cfg: Config, *, workers: int) -> int:
+    """``diloco local ... comm.backend=inproc``: simulate, show progress, print the summary."""
+    print(
+        f"run directory:  {cfg.run_dir}   ({workers} simulated workers taking turns, {torch.get_num_threads()} threads)"
+    )
+    logging.getLogger("diloco.worker_log").setLevel(logging.WARNING)  # the progress lines say it
+    summary = simulate(cfg, workers=workers, show_progress=True)
+    print(format_summary(summary))
+    if summary["failed_workers"]:
+        print(f"workers {summary['failed_workers']} failed; see the log above")
+        return 1
+    return 0
 
 
 def _state(child: subprocess.Popen) -> str:

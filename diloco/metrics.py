@@ -40,6 +40,8 @@ class LoggingConfig:
     project: str = "diloco"  # wandb project name
     log_every: int = 10  # inner steps between step records / progress lines
     eval_batches: int = 8  # validation batches evaluated after each round
+    eval_batch_size: int = 12  # sequences per validation batch (fixed, so runs of any batch size compare)
+    eval_every: int = 50  # data-parallel runs (outer.sync_every=0): inner steps between round records
 
 
 def _to_jsonable(value: Any) -> Any:

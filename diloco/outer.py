@@ -8,11 +8,15 @@ Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new 
 
 Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
 other optimizer need no new code here, only a line in ``build_outer_optimizer``.
+
+``outer.sync_every=0`` is the data-parallel baseline instead: ``GradientAveraging`` averages the
+gradients of every inner step over the same transport, counted the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +34,7 @@ class OuterConfig:
     optimizer: str = "nesterov"  # nesterov | sgd | adam (sgd with lr 1, momentum 0 is plain averaging)
     lr: float = 0.7  # outer learning rate
     momentum: float = 0.9  # SGD momentum, or Adam's beta1
-    sync_every: int = 50  # H: inner steps per round
+    sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
 
 
 def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -59,9 +63,7 @@ class OuterStep:
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
         """Global params at the start of the round minus local params now (fresh tensors)."""
-        return [
-            g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)
-        ]
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)]
 
     @torch.no_grad()
     def apply(self, averaged: Sequence[torch.Tensor]) -> None:
@@ -85,9 +87,7 @@ class OuterStep:
         whether the state came from a peer.
         """
         pseudo_gradients = self.pseudo_gradients()
-        result = backend.all_reduce_mean(
-            pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s
-        )
+        result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         if not result.ok:  # the backend left our own pseudo-gradient in place
             logger.warning("round %d: averaging failed (%s)", round_index, result.error)
         self.apply(pseudo_gradients)
@@ -126,3 +126,33 @@ class OuterStep:
         self.optimizer.load_state_dict(state["optimizer"])
         for local, param in zip(self.local_params, self.global_params):
             local.copy_(param)
+
+
+class GradientAveraging:
+    """The data-parallel baseline: called between backward and the inner optimizer's update, it
+    replaces every gradient by its mean over the workers. Each call is a round on the transport;
+    ``take_rounds`` hands back what the rounds since the last call cost."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], backend: CommBackend, *, weight: float, deadline_s: float):
+        self.params, self.backend = list(params), backend
+        self.weight, self.deadline_s = weight, deadline_s
+        self.rounds_done = 0
+        self._pending: list[tuple[SyncResult, float]] = []
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        started = time.perf_counter()
+        result = self.backend.all_reduce_mean(
+            grads, self.weight, round_index=self.rounds_done, deadline_s=self.deadline_s
+        )
+        measured = time.perf_counter() - started
+        for param, grad in zip(self.params, grads):
+            param.grad = grad
+        self.rounds_done += 1
+        self._pending.append((result, measured))
+
+    def take_rounds(self) -> list[tuple[SyncResult, float]]:
+        """(result, measured seconds) of each round since the last call."""
+        pending, self._pending = self._pending, []
+        return pending

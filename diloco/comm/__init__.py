@@ -2,6 +2,7 @@
 
 - ``base.py``            ``CommBackend`` (the interface), ``SyncResult``, ``CommConfig``
 - ``hivemind.py``        P2P over a DHT: the production path
+- ``inproc.py``          M simulated workers in one process, with a link model
 - ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
 """
 
@@ -13,13 +14,19 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig, SyncResult
 
-BACKENDS = ("hivemind",)
+BACKENDS = ("hivemind", "inproc")
 
 __all__ = ["BACKENDS", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
 
 
-def build_backend(cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int) -> CommBackend:
+def build_backend(
+    cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int, worker_index: int
+) -> CommBackend:
     """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``."""
+    if cfg.backend == "inproc":
+        from diloco.comm.inproc import InProcBackend
+
+        return InProcBackend(cfg, num_workers=num_workers, worker_index=worker_index)
     if cfg.backend == "hivemind":
         from diloco.comm.hivemind import HivemindBackend
 

@@ -34,7 +34,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["nonsense=1"], "nonsense"),
         (["inner.steps=many"], "inner.steps"),
         (["outer.optimizer=lion"], "outer.optimizer"),
-        (["outer.sync_every=0"], "outer.sync_every"),
+        (["outer.sync_every=-1"], "outer.sync_every"),
         (["logging.wandb=sometimes"], "logging.wandb"),
         (["model.n_head=3"], "model.n_head"),
         (["worker.index=2", "worker.count=2"], "worker.index"),
@@ -73,9 +73,7 @@ def test_missing_or_malformed_yaml_is_a_config_error(tmp_path):
     ],
 )
 def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv):
-    done = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", *argv], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-m", "diloco.cli", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("diloco: error:")]

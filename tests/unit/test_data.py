@@ -24,9 +24,7 @@ def _positions(n: int) -> torch.Tensor:
 
 
 def _sampler(tokens: torch.Tensor, shard: int, num_shards: int = 3, seed: int = 0) -> ShardSampler:
-    return ShardSampler(
-        tokens, block_size=BLOCK, batch_size=16, shard_index=shard, num_shards=num_shards, seed=seed
-    )
+    return ShardSampler(tokens, block_size=BLOCK, batch_size=16, shard_index=shard, num_shards=num_shards, seed=seed)
 
 
 def test_shard_bounds_tile_the_tokens_without_gaps_or_overlap():

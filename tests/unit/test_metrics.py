@@ -135,9 +135,7 @@ def test_disabled_wandb_gives_null_logger(tmp_path):
 
 def test_bad_wandb_mode_names_the_setting(tmp_path):
     with pytest.raises(ValueError, match=r"logging\.wandb.*disabled, offline, online"):
-        build_wandb_logger(
-            LoggingConfig(wandb="onlin"), run_dir=tmp_path, run_name="r", worker_index=0, config_dict={}
-        )
+        build_wandb_logger(LoggingConfig(wandb="onlin"), run_dir=tmp_path, run_name="r", worker_index=0, config_dict={})
 
 
 @pytest.mark.slow

@@ -28,9 +28,7 @@ def _batches(num_workers: int, steps: int) -> list[list[tuple[torch.Tensor, torc
 
 def _weighted_mean(tensor_lists: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
     total = sum(weights)
-    return [
-        sum(w * ts[k] for w, ts in zip(weights, tensor_lists)) / total for k in range(len(tensor_lists[0]))
-    ]
+    return [sum(w * ts[k] for w, ts in zip(weights, tensor_lists)) / total for k in range(len(tensor_lists[0]))]
 
 
 @pytest.mark.parametrize("num_workers", [2, 4])
@@ -159,6 +157,4 @@ def test_outer_state_round_trips_through_state_dict():
     restored.load_state_dict(outer.state_dict())
     torch.testing.assert_close(restored.global_params[0], outer.global_params[0])
     momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"]
-    torch.testing.assert_close(
-        restored.optimizer.state[restored.global_params[0]]["momentum_buffer"], momentum
-    )
+    torch.testing.assert_close(restored.optimizer.state[restored.global_params[0]]["momentum_buffer"], momentum)

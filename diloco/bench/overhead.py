@@ -1,0 +1,100 @@
+"""``diloco bench overhead``: the worker's inner-step throughput against a bare PyTorch loop.
+
+Both run in this process, alternately, on the same model ("baby"), batch, data sampler and
+AdamW with clipping. The worker side is the real ``train()`` loop (one worker, no sync until
+the end); its throughput is read from the timestamps of its own step records, so everything
+the loop does per step (schedule, timing, logging) is counted. Target: >= 0.97.
+
+    diloco bench overhead --steps 60 --repeats 5
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from diloco.config import load_config
+from diloco.data import ShardSampler, load_corpus
+from diloco.inner import build_inner_optimizer
+from diloco.model import build_model
+
+WARMUP_STEPS = 10
+
+
+def _bare_loop_tokens_per_s(cfg, steps: int) -> float:
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    optimizer = build_inner_optimizer(cfg.inner, model)
+    sampler = ShardSampler(
+        load_corpus(cfg.data).train,
+        block_size=cfg.model.block_size,
+        batch_size=cfg.inner.batch_size,
+        shard_index=0,
+        num_shards=1,
+        seed=cfg.seed,
+    )
+
+    def step() -> None:
+        x, y = sampler.next_batch()
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * cfg.inner.batch_size * cfg.model.block_size / (time.perf_counter() - started)
+
+
+def _worker_tokens_per_s(cfg, steps: int, run_dir: Path) -> float:
+    from diloco.train import train
+
+    cfg.run.dir = str(run_dir)
+    train(cfg)
+    records = [json.loads(line) for line in (run_dir / "worker-0.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time_s"] for r in records if r["event"] == "step"}
+    first, last = WARMUP_STEPS, WARMUP_STEPS + steps
+    return steps * cfg.inner.batch_size * cfg.model.block_size / (times[last] - times[first])
+
+
+def run_overhead_benchmark(*, steps: int = 60, repeats: int = 5) -> int:
+    steps = max(10, steps // 10 * 10)  # step records come every 10 steps
+    overrides = [
+        f"inner.steps={WARMUP_STEPS + steps}",
+        f"outer.sync_every={WARMUP_STEPS + steps}",
+        "logging.log_every=10",
+        "logging.eval_batches=1",
+        "checkpoint.every_rounds=0",
+        "data.max_bytes=1000000",
+        "worker.threads=" + str(torch.get_num_threads()),
+    ]
+    bare, worker = [], []
+    print(
+        f"overhead: model baby, batch 12 x 64, {steps} timed steps, {repeats} repeats, "
+        f"{torch.get_num_threads()} threads"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            cfg = load_config(None, overrides)
+            bare.append(_bare_loop_tokens_per_s(cfg, steps))
+            worker.append(_worker_tokens_per_s(cfg, steps, Path(tmp) / f"r{repeat}"))
+            print(
+                f"  repeat {repeat + 1}: bare {bare[-1]:8.0f} tok/s   worker {worker[-1]:8.0f} tok/s   "
+                f"ratio {worker[-1] / bare[-1]:.3f}",
+                flush=True,
+            )
+    ratios = [w / b for w, b in zip(worker, bare)]
+    print(
+        f"median: bare {statistics.median(bare):.0f} tok/s, worker {statistics.median(worker):.0f} tok/s, "
+        f"worker / bare = {statistics.median(ratios):.3f} (target >= 0.97)"
+    )
+    return 0

@@ -1,0 +1,149 @@
+"""M simulated workers inside one process, taking turns, with a model of their links.
+
+``diloco local CONFIG --workers M comm.backend=inproc`` runs the very same ``train()`` loop for
+every worker, each in its own thread; this backend is the only thing that differs. The workers
+take turns from the very start (``simulate`` in local.py makes each thread wait for its turn
+before it even builds its model, so the shared global RNG gives every worker the same initial
+params): exactly one computes at a time (so each one's measured compute time is its own, as
+if it had the machine to itself), and a round's mean is taken in worker order, so a run is
+deterministic for a seed.
+
+The link model turns the bytes of each round into the time the round would take on such links:
+in hivemind's butterfly all-reduce each of n workers uploads (n-1)/n of the payload to the
+reducers and then (n-1)/n back out as averaged parts, so a round costs
+
+    2 (n-1)/n x payload_bytes x 8 / (bandwidth_mbps x 1e6)  +  2 x latency_ms / 1000   seconds.
+
+That time is reported as the round's communication time, and its bytes as bytes sent and received.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from diloco.comm.base import CommBackend, CommConfig, SyncResult
+
+_GROUPS: dict[str, InProcGroup] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def round_time_s(payload_bytes: int, num_workers: int, *, bandwidth_mbps: float, latency_ms: float) -> float:
+    """Seconds for one butterfly all-reduce of ``payload_bytes`` among ``num_workers`` on links of
+    ``bandwidth_mbps`` (each direction) and ``latency_ms``; 0 for a single worker."""
+    if num_workers <= 1:
+        return 0.0
+    volume_bytes = 2 * (num_workers - 1) / num_workers * payload_bytes
+    transfer_s = volume_bytes * 8 / (bandwidth_mbps * 1e6) if bandwidth_mbps > 0 else 0.0
+    return transfer_s + 2 * latency_ms / 1000
+
+
+class InProcGroup:
+    """The rendezvous of M worker threads: whose turn it is, and the round being averaged."""
+
+    def __init__(self, num_workers: int):
+        self.num_workers = num_workers
+        self._cond = threading.Condition()
+        self._turn = 0  # the worker allowed to compute now
+        self._finished: set[int] = set()
+        self._arrived: dict[int, tuple[Sequence[torch.Tensor], float]] = {}
+        self._round_done = 0  # rounds averaged so far
+        self._last: tuple[int, float] = (0, 0.0)  # (workers, total weight) of the last round
+
+    def wait_turn(self, worker: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == worker)
+
+    def _pass_turn(self, worker: int) -> None:
+        """Hand the turn to the next worker that has not finished (called with the lock held)."""
+        for offset in range(1, self.num_workers + 1):
+            candidate = (worker + offset) % self.num_workers
+            if candidate not in self._finished:
+                self._turn = candidate
+                break
+        self._cond.notify_all()
+
+    def all_reduce(self, worker: int, tensors: Sequence[torch.Tensor], weight: float) -> tuple[int, float]:
+        """Block until every live worker has arrived; leave the weighted mean in ``tensors``.
+        Returns (workers averaged, total weight)."""
+        with self._cond:
+            self._arrived[worker] = (tensors, weight)
+            round_index = self._round_done
+            if not self._complete_round_if_all_arrived():
+                self._pass_turn(worker)
+            self._cond.wait_for(lambda: self._round_done > round_index and self._turn == worker)
+            return self._last
+
+    def _complete_round_if_all_arrived(self) -> bool:
+        """Average once every live worker has arrived (called with the lock held)."""
+        live = self.num_workers - len(self._finished)
+        if not self._arrived or len(self._arrived) < live:
+            return False
+        self._last = self._average()
+        self._round_done += 1
+        self._turn = min(self._arrived)  # the next round starts with the first worker again
+        self._arrived = {}
+        self._cond.notify_all()
+        return True
+
+    def _average(self) -> tuple[int, float]:
+        order = sorted(self._arrived)  # a fixed order: the same sum on every run
+        total = sum(self._arrived[w][1] for w in order)
+        first = self._arrived[order[0]][0]
+        for k in range(len(first)):
+            mean = sum(self._arrived[w][0][k].to(torch.float32) * (self._arrived[w][1] / total) for w in order)
+            for w in order:
+                self._arrived[w][0][k].copy_(mean)
+        return len(order), total
+
+    def finish(self, worker: int) -> None:
+        """A worker is done (or failed): nobody waits for it any more. Safe to call twice."""
+        with self._cond:
+            if worker in self._finished:
+                return
+            self._finished.add(worker)
+            self._arrived.pop(worker, None)
+            still_running = len(self._finished) < self.num_workers
+            if still_running and not self._complete_round_if_all_arrived() and self._turn == worker:
+                self._pass_turn(worker)
+
+
+def group_for(run_id: str, num_workers: int) -> InProcGroup:
+    """The process-wide group of ``run_id`` (created by the first worker that asks)."""
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(run_id)
+        if group is None or group.num_workers != num_workers:
+            group = _GROUPS[run_id] = InProcGroup(num_workers)
+        return group
+
+
+def forget_group(run_id: str) -> None:
+    with _GROUPS_LOCK:
+        _GROUPS.pop(run_id, None)
+
+
+class InProcBackend(CommBackend):
+    """One simulated worker's view of its ``InProcGroup``. Constructing it waits for the worker's turn."""
+
+    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int):
+        self.group = group_for(cfg.run_id, num_workers)
+        self.worker_index = worker_index
+        self.bandwidth_mbps, self.latency_ms = cfg.bandwidth_mbps, cfg.latency_ms
+        self._closed = False
+        self.group.wait_turn(worker_index)
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+    ) -> SyncResult:
+        payload = sum(t.numel() * t.element_size() for t in tensors)
+        peers, total = self.group.all_reduce(self.worker_index, tensors, weight)
+        volume = int(2 * (peers - 1) / peers * payload) if peers > 1 else 0
+        seconds = round_time_s(payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms)
+        return SyncResult(True, peers, total, bytes_sent=volume, bytes_recv=volume, simulated_s=seconds)
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.group.finish(self.worker_index)

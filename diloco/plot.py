@@ -1,0 +1,64 @@
+"""``diloco plot RUN_DIR ... --out FILE.png``: validation loss against tokens, wall time and bytes.
+
+Reads the round records of each run directory (worker 0's, since every worker holds the same
+global params) and draws one line per run, labelled with the run directory's name. Tokens are
+counted over all workers; bytes are what one worker sent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class PlotError(ValueError):
+    """A run directory that cannot be plotted; the message names it."""
+
+
+def load_curve(run_dir: Path) -> dict:
+    """The validation curve of one run: tokens (all workers), seconds, bytes sent (one worker), loss."""
+    run_dir = Path(run_dir)
+    files = sorted(run_dir.glob("worker-*.jsonl"))
+    if not files:
+        raise PlotError(f"{run_dir} has no worker-*.jsonl records (is it a run directory?)")
+    rounds = [r for r in map(json.loads, files[0].read_text().splitlines()) if r.get("event") == "round"]
+    if not rounds:
+        raise PlotError(f"{run_dir} has no round records yet")
+    workers = len(files)
+    sent, curve = 0, {"name": run_dir.name, "tokens": [], "seconds": [], "bytes": [], "val_loss": []}
+    for record in rounds:
+        sent += record["bytes_sent"]
+        curve["tokens"].append(record["tokens"] * workers)
+        curve["seconds"].append(record.get("time_s", 0.0))
+        curve["bytes"].append(sent)
+        curve["val_loss"].append(record["val_loss"])
+    return curve
+
+
+def plot_curves(curves: list[dict], out: Path, *, axes: tuple[str, ...] = ("tokens", "seconds", "bytes")) -> Path:
+    """Draw ``curves`` side by side, one panel per x axis, and save a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = {"tokens": "tokens (all workers)", "seconds": "wall time (s)", "bytes": "bytes sent per worker"}
+    figure, panels = plt.subplots(1, len(axes), figsize=(5.5 * len(axes), 4.2), squeeze=False)
+    for panel, axis in zip(panels[0], axes):
+        for curve in curves:
+            xs = curve[axis]
+            if axis == "bytes":
+                xs = [max(x, 1) for x in xs]  # a single worker sends nothing: keep it on the log axis
+            panel.plot(xs, curve["val_loss"], label=curve["name"], linewidth=1.3)
+        panel.set_xlabel(titles[axis])
+        panel.set_ylabel("validation loss (nats/token)")
+        if axis == "bytes":
+            panel.set_xscale("log")
+        panel.grid(alpha=0.3)
+    panels[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out

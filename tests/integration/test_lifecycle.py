@@ -1,0 +1,104 @@
+"""What a user sees around a run: Ctrl-C leaves no process behind, wandb offline writes a real run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (workers, their hivemind helpers, p2pd daemons)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)  # polling a condition with a deadline, not sleeping as synchronisation
+
+
+def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "local",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            *TINY,
+            "inner.steps=100000",
+            "outer.sync_every=20",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        # training has started when both workers have written a step record
+        _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
+        spawned = _descendants(launcher.pid)
+        assert len(spawned) >= 4  # 2 workers, each with hivemind helpers and a p2pd daemon
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 130, output[-3000:]
+        assert "Traceback" not in output
+        _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cli):
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "train",
+        *TINY,
+        "inner.steps=10",
+        "outer.sync_every=5",
+        f"run.dir={run_dir}",
+        "logging.wandb=offline",
+        "checkpoint.every_rounds=0",
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert any(path.suffix == ".wandb" and path.stat().st_size > 0 for path in runs[0].iterdir())

@@ -1,0 +1,87 @@
+"""The simulator tells the truth: the same seed and config give the same global params over
+hivemind (real processes) and inproc; the quality benchmark's short form; ``diloco plot``."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image
+import pytest
+import torch
+
+from diloco.checkpoint import read_checkpoint
+from tests.conftest import TINY, read_records
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_inproc_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cli):
+    common = [*TINY, "inner.steps=30", "outer.sync_every=10", "checkpoint.every_rounds=1", "checkpoint.keep=5"]
+    for backend in ("hivemind", "inproc"):
+        done = diloco_cli(
+            "local", "--workers", "2", "--run-dir", str(tmp_path / backend), *common, f"comm.backend={backend}"
+        )
+        assert done.returncode == 0, done.stdout[-3000:]
+    first = {
+        b: read_checkpoint(tmp_path / b / "checkpoints" / "worker-0" / "round-000001.pt")
+        for b in ("hivemind", "inproc")
+    }
+    real = torch.cat([p.flatten() for p in first["hivemind"]["outer"]["global_params"]])
+    simulated = torch.cat([p.flatten() for p in first["inproc"]["outer"]["global_params"]])
+    # relative to the size of the params: both ran the same arithmetic, up to the order of float sums
+    # inside torch's kernels (one thread per process against two threads in turn)
+    assert ((simulated - real).norm() / real.norm()).item() < 1e-5
+    losses = {b: read_records(tmp_path / b, 0)[-1]["val_loss"] for b in ("hivemind", "inproc")}
+    assert losses["inproc"] == pytest.approx(losses["hivemind"], rel=5e-3)
+
+
+def test_short_quality_benchmark_diloco_learns_with_h_times_fewer_bytes(tmp_path, diloco_cli):
+    out = tmp_path / "bench"
+    done = diloco_cli(
+        "bench",
+        "quality",
+        "--arms",
+        "ddp,m4-h10",
+        "--steps",
+        "40",
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        *TINY,
+        "logging.eval_every=10",
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    diloco = results["arms"]["m4-h10"]
+    assert diloco["traffic_saving"] == pytest.approx(10.0)  # H = 10 rounds fewer, same fp32 payload
+    rounds = [r for r in read_records(out / "m4-h10-seed0", 0) if r["event"] == "round"]
+    assert rounds[-1]["val_loss"] < 5.0  # from ln(256) = 5.55 at initialisation
+    assert "| m4-h10 |" in done.stdout
+    image = matplotlib.image.imread(out / "quality.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_plot_writes_a_readable_png_and_rejects_a_non_run(tmp_path, diloco_cli):
+    run = tmp_path / "run"
+    assert (
+        diloco_cli(
+            "local",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(run),
+            *TINY,
+            "comm.backend=inproc",
+            "inner.steps=20",
+            "outer.sync_every=5",
+        ).returncode
+        == 0
+    )
+    done = diloco_cli("plot", str(run), "--out", str(tmp_path / "p.png"))
+    assert done.returncode == 0, done.stdout
+    assert matplotlib.image.imread(tmp_path / "p.png").ndim == 3
+    bad = diloco_cli("plot", str(tmp_path / "nothing"), "--out", str(tmp_path / "q.png"))
+    assert bad.returncode == 2 and "no worker-*.jsonl" in bad.stdout and "Traceback" not in bad.stdout
