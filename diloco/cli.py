@@ -91,7 +91,10 @@ def _cmd_train(args) -> int:
     from diloco.faults import StopRequested
     from diloco.train import train
 
-    cfg = load_config(*_split_config(args.config, args.overrides))
+    config_path, overrides = _split_config(args.config, args.overrides)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: the rank is the worker
+        overrides = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *overrides]
+    cfg = load_config(config_path, overrides)
 
     def announce(addresses: list[str]) -> None:
         if addresses:
@@ -224,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("WANDB_SILENT", "true")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
+    from diloco.comm.base import CommError
     from diloco.config import ConfigError
     from diloco.data import DataError
 
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, ConfigError, DataError) as error:
+    except (UsageError, ConfigError, DataError, CommError) as error:
         print(f"diloco: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -173,6 +173,12 @@ def validate(cfg: Config) -> None:
     _check(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
     _check(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     _check(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
+    bad_peers = [peer for peer in cfg.comm.initial_peers if not peer.startswith("/")]
+    _check(
+        not bad_peers,
+        f"comm.initial_peers: {bad_peers[0] if bad_peers else ''!r} is not a multiaddr "
+        "(like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...)",
+    )
     _check(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
     _check(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")
     _check(

@@ -33,7 +33,7 @@ from diloco.metrics import format_summary, write_summary
 
 logger = logging.getLogger(__name__)
 
-GRACE_S = 15.0  # how long a worker gets to shut its peers down after being asked to stop
+GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
 REFRESH_S = 2.0  # progress refresh period
 
 

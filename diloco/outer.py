@@ -95,7 +95,7 @@ class OuterStep:
         backend.publish_state(round_index, peers, self.state_dict())
         if peers >= expected_peers:
             return result, False
-        better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=min(deadline_s, 10.0))
+        better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=deadline_s)
         if better is None:
             logger.warning(
                 "round %d: averaged over %d of %d workers and no peer did better",

@@ -83,13 +83,14 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
         logger.info("worker %d resumed at step %d, round %d", cfg.worker.index, step, round_index)
 
-    backend = with_faults(
-        build_backend(
-            cfg.comm, templates=outer.global_params, num_workers=cfg.worker.count, worker_index=cfg.worker.index
-        ),
-        cfg.faults,
-        cfg.worker.index,
+    transport = build_backend(
+        cfg.comm,
+        templates=outer.global_params,
+        num_workers=cfg.worker.count,
+        worker_index=cfg.worker.index,
+        device=device,
     )
+    backend = with_faults(transport, cfg.faults, cfg.worker.index)
     log = WorkerLog(
         cfg.logging,
         run_dir=run_dir,

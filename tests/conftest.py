@@ -25,9 +25,9 @@ TINY = [
     "data.max_bytes=400000",
     "logging.eval_batches=4",
     "logging.log_every=5",
-    "comm.matchmaking_s=4",
-    "comm.request_timeout_s=1",
-    "comm.deadline_s=60",
+    "comm.matchmaking_s=20",
+    "comm.request_timeout_s=2",
+    "comm.deadline_s=90",
 ]
 
 

@@ -3,6 +3,7 @@
 - ``base.py``            ``CommBackend`` (the interface), ``SyncResult``, ``CommConfig``
 - ``hivemind.py``        P2P over a DHT: the production path
 - ``inproc.py``          M simulated workers in one process, with a link model
+- ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
 """
 
@@ -14,15 +15,26 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig, SyncResult
 
-BACKENDS = ("hivemind", "inproc")
+BACKENDS = ("hivemind", "inproc", "torchdist")
 
 __all__ = ["BACKENDS", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
 
 
 def build_backend(
-    cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int, worker_index: int
+    cfg: CommConfig,
+    *,
+    templates: Sequence[torch.Tensor],
+    num_workers: int,
+    worker_index: int,
+    device: torch.device | None = None,
 ) -> CommBackend:
     """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``."""
+    if cfg.backend == "torchdist":
+        from diloco.comm.torchdist import TorchDistBackend
+
+        return TorchDistBackend(
+            cfg, num_workers=num_workers, worker_index=worker_index, device=device or torch.device("cpu")
+        )
     if cfg.backend == "inproc":
         from diloco.comm.inproc import InProcBackend
 

@@ -16,18 +16,22 @@ import torch
 
 @dataclass
 class CommConfig:
-    backend: str = "hivemind"  # transport: hivemind (P2P over a DHT) / inproc (simulated, in one process)
+    backend: str = "hivemind"  # transport: hivemind (P2P over a DHT) / inproc (simulated) / torchdist (torchrun)
     run_id: str = "diloco"  # name of the run on the DHT; peers of another run id never average together
     initial_peers: list[str] = field(default_factory=list)  # multiaddrs of live peers; [] = start a new run
     host: str = "127.0.0.1"  # address to listen on (0.0.0.0 to accept peers from other machines)
     port: int = 0  # TCP port to listen on; 0 = any free port
     announce_host: str = ""  # address other peers should dial (public IP behind NAT); "" = the listen address
     deadline_s: float = 60.0  # a round gives up on peers that have not arrived after this many seconds
-    matchmaking_s: float = 5.0  # how long a round waits for the whole group before starting without the rest
+    matchmaking_s: float = 15.0  # a round starts at once when all workers are in; else after this many seconds
     request_timeout_s: float = 3.0  # one matchmaking request; keep below matchmaking_s (hivemind deadlocks)
     startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
     bandwidth_mbps: float = 0.0  # inproc link model: each worker's link rate, each way; 0 = infinitely fast
     latency_ms: float = 0.0  # inproc link model: one-way latency added to each phase of a round
+
+
+class CommError(RuntimeError):
+    """The transport cannot start as configured (port taken, no peer reachable); one line, user-fixable."""
 
 
 @dataclass

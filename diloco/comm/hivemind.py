@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.base import CommBackend, CommConfig, CommError, SyncResult
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +30,31 @@ def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
     """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too)."""
     import hivemind
 
+    peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
     announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
-    return hivemind.DHT(
-        initial_peers=list(cfg.initial_peers if initial_peers is None else initial_peers),
-        host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
-        announce_maddrs=announce,
-        start=True,
-        startup_timeout=cfg.startup_timeout_s,
-    )
+    try:
+        return hivemind.DHT(
+            initial_peers=peers,
+            host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+            announce_maddrs=announce,
+            start=True,
+            startup_timeout=cfg.startup_timeout_s,
+        )
+    except Exception as error:  # p2pd reports everything as one error type: tell the user which mistake
+        raise CommError(_explain_start_failure(str(error), cfg, peers)) from None
+
+
+def _explain_start_failure(message: str, cfg: CommConfig, peers: list[str]) -> str:
+    if "address already in use" in message:
+        return f"comm.port={cfg.port} is already in use on {cfg.host}; pick another, or comm.port=0 for any free port"
+    if "bootstrap peers" in message or "initial" in message:
+        return (
+            f"could not reach any of comm.initial_peers ({', '.join(peers)}): check the address, that the "
+            f"peer is running, and that its port is open"
+        )
+    if "multiaddr" in message.lower() or "invalid" in message.lower():
+        return f"comm.initial_peers or comm.host is not a valid address: {message.splitlines()[0]}"
+    return f"the hivemind peer did not start: {message.strip().splitlines()[-1]}"
 
 
 def visible_addresses(dht) -> list[str]:
@@ -114,14 +131,30 @@ class HivemindBackend(CommBackend):
     def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            found = self._averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
-            if found is not None:
-                metadata, tensors = found
-                if metadata.get("round") == round_index and metadata.get("peers", 0) >= min_peers and tensors:
-                    return torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
+            offers = self._state_offers()
+            if any(r == round_index and p >= min_peers for r, p in offers):
+                found = self._averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                if found is not None:
+                    metadata, tensors = found
+                    if metadata.get("round") == round_index and metadata.get("peers", 0) >= min_peers and tensors:
+                        return torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
+            elif offers and all(r >= round_index for r, _ in offers):
+                return None  # every live peer has finished this round, and none averaged over more
             # the others may still be finishing this round's outer step: ask again shortly
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
+
+    def _state_offers(self) -> list[tuple[int, int]]:
+        """(round, peers) of the state each live peer offers, from the priorities it declares on the DHT."""
+        entry = self._dht.get(f"{self._averager.prefix}.all_averagers", latest=True)
+        if entry is None or not isinstance(entry.value, dict):
+            return []
+        offers = []
+        for declared in entry.value.values():
+            priority = getattr(declared, "value", None)
+            if isinstance(priority, int | float) and priority > 0:
+                offers.append((int(priority // 1000), int(priority % 1000)))
+        return offers
 
     def shutdown(self) -> None:
         if self._closed:

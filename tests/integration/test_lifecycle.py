@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,7 +79,7 @@ def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
         spawned = _descendants(launcher.pid)
         assert len(spawned) >= 4  # 2 workers, each with hivemind helpers and a p2pd daemon
         launcher.send_signal(signal.SIGINT)
-        output, _ = launcher.communicate(timeout=60)
+        output, _ = launcher.communicate(timeout=120)  # generous: CI machines are shared and slow
         assert launcher.returncode == 130, output[-3000:]
         assert "Traceback" not in output
         _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
@@ -102,3 +103,25 @@ def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cl
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert any(path.suffix == ".wandb" and path.stat().st_size > 0 for path in runs[0].iterdir())
+
+
+def test_port_in_use_is_one_clear_line(tmp_path, diloco_cli):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = diloco_cli("train", *TINY, "inner.steps=5", f"comm.port={port}", f"run.dir={tmp_path}")
+    assert done.returncode == 2 and "Traceback" not in done.stdout
+    assert f"diloco: error: comm.port={port} is already in use" in done.stdout
+
+
+def test_unreachable_peer_is_one_clear_line(tmp_path, diloco_cli):
+    with socket.socket() as closed:  # a port that nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    peer = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWCUrnkWAe24z2tswiyaWgkW98KV6g5XGKv1z2Ht2kzJ6H"
+    done = diloco_cli(
+        "train", *TINY, "inner.steps=5", "worker.count=2", f"comm.initial_peers=['{peer}']", f"run.dir={tmp_path}"
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stdout
+    assert "diloco: error: could not reach any of comm.initial_peers" in done.stdout

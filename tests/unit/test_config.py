@@ -40,6 +40,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["worker.index=2", "worker.count=2"], "worker.index"),
         (["comm.request_timeout_s=9", "comm.matchmaking_s=5"], "comm.request_timeout_s"),
         (["comm.backend=carrier_pigeon"], "comm.backend"),
+        (["comm.initial_peers=[garbage]"], "comm.initial_peers"),
         (["inner.lr"], "KEY=VALUE"),
     ],
 )
