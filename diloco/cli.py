@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hivemind").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
     os.environ.setdefault("WANDB_SILENT", "true")
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # a shell starts background jobs with SIGINT ignored, and children inherit that: restore Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from diloco.comm.base import CommError
     from diloco.config import ConfigError

@@ -17,6 +17,7 @@ import copy
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import CommConfig
-from diloco.comm.hivemind import start_dht, visible_addresses
+from diloco.comm.base import CommError
 from diloco.config import Config
 from diloco.metrics import format_summary, write_summary
 
@@ -107,9 +107,8 @@ def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, wor
     threads = max(1, (os.cpu_count() or 1) // workers)
     children: list[subprocess.Popen] = []
     logs = []
-    bootstrap = start_dht(CommConfig(host="127.0.0.1", startup_timeout_s=cfg.comm.startup_timeout_s), initial_peers=[])
+    bootstrap, peers = _start_bootstrap(timeout_s=cfg.comm.startup_timeout_s)
     try:
-        peers = visible_addresses(bootstrap)
         print(f"bootstrap peer: {peers[0]}")
         print(f"run directory:  {run_dir}   ({workers} workers, {threads} threads each)")
         progress = _Progress(run_dir, workers)
@@ -117,7 +116,15 @@ def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, wor
             log = (run_dir / f"worker-{i}.log").open("ab")
             logs.append(log)
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
-            children.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            children.append(
+                subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it stops them in order
+                    preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+                )
+            )
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers ...", flush=True)
@@ -127,7 +134,7 @@ def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, wor
         _stop_all(children)
         for log in logs:
             log.close()
-        bootstrap.shutdown()
+        _stop_all([bootstrap])
 
     failed = [i for i, child in enumerate(children) if child.returncode != 0]
     summary = write_summary(run_dir)
@@ -202,6 +209,39 @@ def run_inproc(cfg: Config, *, workers: int) -> int:
         print(f"workers {summary['failed_workers']} failed; see the log above")
         return 1
     return 0
+
+
+def _start_bootstrap(*, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
+    """A ``diloco bootstrap`` child on loopback (so that it, too, dies with the launcher); returns it
+    and the address it prints."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if "initial_peers=" in line:
+                return process, [line.split("['", 1)[1].split("']", 1)[0]]
+    _stop_all([process])
+    raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.startup_timeout_s)")
+
+
+def _die_with_launcher() -> None:
+    """In each worker, before exec: SIGTERM it when the launcher dies, however the launcher dies
+    (even kill -9), so that a worker never outlives the command that started it (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _state(child: subprocess.Popen) -> str:

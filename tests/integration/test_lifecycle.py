@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -84,8 +85,42 @@ def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
         assert "Traceback" not in output
         _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in [launcher.pid, *_descendants(launcher.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "local",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            *TINY,
+            "inner.steps=100000",
+            "outer.sync_every=20",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    spawned: set[int] = set()
+    try:
+        _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
+        spawned = _descendants(launcher.pid)
+        launcher.kill()  # kill -9: no chance to clean up
+        launcher.wait(timeout=10)
+        _wait_for(lambda: not any(_alive(pid) for pid in spawned), 60, "the orphaned workers to exit")
+    finally:
+        for pid in [launcher.pid, *spawned]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cli):
