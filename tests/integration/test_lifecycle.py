@@ -53,8 +53,10 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)  # polling a condition with a deadline, not sleeping as synchronisation
 
 
-def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
-    run_dir = tmp_path / "run"
+@contextlib.contextmanager
+def _training_launcher(run_dir):
+    """A ``diloco local`` run of 2 workers that would train for hours, started once both workers
+    have written a step record; every process it spawned is killed afterwards, whatever happened."""
     launcher = subprocess.Popen(
         [
             sys.executable,
@@ -74,53 +76,32 @@ def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
         text=True,
         start_new_session=True,
     )
+    spawned: set[int] = set()
     try:
-        # training has started when both workers have written a step record
         _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
         spawned = _descendants(launcher.pid)
         assert len(spawned) >= 4  # 2 workers, each with hivemind helpers and a p2pd daemon
+        yield launcher, spawned
+    finally:
+        for pid in [launcher.pid, *spawned, *_descendants(launcher.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
+    with _training_launcher(tmp_path / "run") as (launcher, spawned):
         launcher.send_signal(signal.SIGINT)
         output, _ = launcher.communicate(timeout=120)  # generous: CI machines are shared and slow
         assert launcher.returncode == 130, output[-3000:]
         assert "Traceback" not in output
         _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
-    finally:
-        for pid in [launcher.pid, *_descendants(launcher.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
-    run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "local",
-            "--workers",
-            "2",
-            "--run-dir",
-            str(run_dir),
-            *TINY,
-            "inner.steps=100000",
-            "outer.sync_every=20",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    spawned: set[int] = set()
-    try:
-        _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
-        spawned = _descendants(launcher.pid)
+    with _training_launcher(tmp_path / "run") as (launcher, spawned):
         launcher.kill()  # kill -9: no chance to clean up
-        launcher.wait(timeout=10)
+        launcher.communicate(timeout=10)
         _wait_for(lambda: not any(_alive(pid) for pid in spawned), 60, "the orphaned workers to exit")
-    finally:
-        for pid in [launcher.pid, *spawned]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cli):
