@@ -9,7 +9,7 @@ Faults wrap the real parts; nothing else in the code knows about them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ class SkipRoundBackend(CommBackend):
             return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
         return self.inner.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
 
-    def publish_state(self, round_index: int, peers: int, state: dict) -> None:
+    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
         self.inner.publish_state(round_index, peers, state)
 
     def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:

@@ -92,7 +92,7 @@ class OuterStep:
             logger.warning("round %d: averaging failed (%s)", round_index, result.error)
         self.apply(pseudo_gradients)
         peers = result.peers if result.ok else 1
-        backend.publish_state(round_index, peers, self.state_dict())
+        backend.publish_state(round_index, peers, self.state_dict)  # called only by transports that serve state
         if peers >= expected_peers:
             return result, False
         better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=deadline_s)

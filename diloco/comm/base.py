@@ -8,7 +8,7 @@ never branches on how bytes travel. A failed or partial round is a ``SyncResult`
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +58,10 @@ class CommBackend(abc.ABC):
         ``round_index``. Every worker that took part ends with bit-identical tensors. On failure the
         tensors are left as they were and the result says so."""
 
-    def publish_state(self, round_index: int, peers: int, state: dict) -> None:  # noqa: B027 - optional
+    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (averaged over ``peers`` workers) to
-        peers that missed the round or join late."""
+        peers that missed the round or join late; ``state()`` builds it (only transports that serve
+        state call it, so the others cost nothing on the outer step's path)."""
 
     def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
         """The state a peer published after round ``round_index``, averaged over at least

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -120,9 +120,9 @@ class HivemindBackend(CommBackend):
         total_weight = sum(float(g.get("weight", 0.0)) for g in gathered.values())
         return SyncResult(True, len(gathered), total_weight, sent, recv)
 
-    def publish_state(self, round_index: int, peers: int, state: dict) -> None:
+    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
         buffer = io.BytesIO()
-        torch.save(state, buffer)
+        torch.save(state(), buffer)
         # peers look for the newest round first, then the biggest group that averaged it
         self._averager.share_state(
             {"round": round_index, "peers": peers}, buffer.getvalue(), priority=round_index * 1000.0 + peers

@@ -118,7 +118,9 @@ def test_worker_that_misses_a_round_takes_the_global_state_from_a_peer(tmp_path,
     assert done.returncode == 0, done.stdout[-4000:]
     skipped = [r for r in read_records(run_dir, 2) if r["event"] == "round" and r["round"] == 2]
     assert skipped and skipped[0]["recovered"] and not skipped[0]["ok"]
-    others = [r for r in read_records(run_dir, 0) if r["event"] == "round" and r["round"] == 2]
-    assert others[0]["peers"] == 2 and not others[0]["recovered"]
+    others = [r for w in (0, 1) for r in read_records(run_dir, w) if r["event"] == "round" and r["round"] == 2]
+    # the other two averaged as a pair (one of them may itself have lost a part inside hivemind and
+    # recovered from the other: that is the same mechanism at work)
+    assert any(r["ok"] and r["peers"] == 2 and not r["recovered"] for r in others), others
     hashes = _round_hashes(run_dir, 3)
     assert sorted(hashes) == [1, 2, 3] and all(len(h) == 1 for h in hashes.values()), hashes
