@@ -47,6 +47,9 @@ class SkipRoundBackend(CommBackend):
     def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
         return self.inner.fetch_state(round_index, min_peers=min_peers, timeout_s=timeout_s)
 
+    def finish(self) -> None:
+        self.inner.finish()
+
     @property
     def addresses(self) -> list[str]:
         return self.inner.addresses

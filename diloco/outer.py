@@ -105,6 +105,7 @@ class OuterStep:
             )
             return result, False
         self.load_state_dict(better)
+        backend.publish_state(round_index, peers + 1, self.state_dict)  # no longer behind: peers may go
         logger.warning(
             "round %d: averaged over %d of %d workers; took the state of a peer that averaged over more",
             round_index,

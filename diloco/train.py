@@ -179,6 +179,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
                 save_checkpoint(checkpoints, cfg.worker.index, round_index, worker_state, keep=cfg.checkpoint.keep)
             check_stop(cfg.faults, cfg.worker.index, round_index)
 
+        backend.finish()
         return log.end(
             step, round_index, totals, val_loss=evaluate(model, held_out), param_hash=param_sha256(synced_params)
         )

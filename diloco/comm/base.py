@@ -68,6 +68,9 @@ class CommBackend(abc.ABC):
         ``min_peers`` workers; None if no such peer answers within ``timeout_s``."""
         return None
 
+    def finish(self) -> None:  # noqa: B027 - optional
+        """Training is over: stay reachable as long as a peer may still need this worker's state."""
+
     @property
     def addresses(self) -> list[str]:
         """Addresses other workers can join this one with (empty when not networked)."""

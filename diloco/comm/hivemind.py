@@ -85,6 +85,7 @@ class HivemindBackend(CommBackend):
             shutdown_timeout=5,
         )
         self._closed = False
+        self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
 
     @property
     def addresses(self) -> list[str]:
@@ -121,6 +122,7 @@ class HivemindBackend(CommBackend):
         return SyncResult(True, len(gathered), total_weight, sent, recv)
 
     def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
+        self._published = (round_index, peers)
         buffer = io.BytesIO()
         torch.save(state(), buffer)
         # peers look for the newest round first, then the biggest group that averaged it
@@ -143,6 +145,16 @@ class HivemindBackend(CommBackend):
             # the others may still be finishing this round's outer step: ask again shortly
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
+
+    def finish(self) -> None:
+        # after the last round nobody would serve a peer that lost part of it: linger while a live
+        # peer offers a worse state of that round (it is fetching ours), at most comm.matchmaking_s
+        if self._published is None:
+            return
+        last_round, peers = self._published
+        deadline = time.monotonic() + self.cfg.matchmaking_s
+        while time.monotonic() < deadline and any(r == last_round and p < peers for r, p in self._state_offers()):
+            time.sleep(0.5)
 
     def _state_offers(self) -> list[tuple[int, int]]:
         """(round, peers) of the state each live peer offers, from the priorities it declares on the DHT."""
