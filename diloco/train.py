@@ -114,7 +114,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
-        samples_this_round, window = 0, []
+        samples_this_round, window, val_loss = 0, [], None
         while step < cfg.inner.steps:
             # ---- inner step -------------------------------------------------------------
             started = time.perf_counter()
@@ -154,13 +154,14 @@ def train(cfg: Config, *, on_ready=None) -> dict:
                 )
                 comm_s = _account(result, time.perf_counter() - started, totals, log).comm_s
             round_index, samples_this_round = round_index + 1, 0
+            val_loss = evaluate(model, held_out)
             log.round(
                 round_index,
                 step,
                 result,
                 comm_s=comm_s,
                 recovered=recovered,
-                val_loss=evaluate(model, held_out),
+                val_loss=val_loss,
                 param_hash=param_sha256(synced_params),
             )
 
@@ -180,9 +181,10 @@ def train(cfg: Config, *, on_ready=None) -> dict:
             check_stop(cfg.faults, cfg.worker.index, round_index)
 
         backend.finish()
-        return log.end(
-            step, round_index, totals, val_loss=evaluate(model, held_out), param_hash=param_sha256(synced_params)
-        )
+        # the last round ran at the last step, on these very params: its evaluation is the final one
+        # (a run resumed after its end has no round left, so it evaluates here)
+        final_loss = val_loss if val_loss is not None else evaluate(model, held_out)
+        return log.end(step, round_index, totals, val_loss=final_loss, param_hash=param_sha256(synced_params))
     finally:
         log.close()
         backend.shutdown()
