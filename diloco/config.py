@@ -22,8 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from diloco.checkpoint import CheckpointConfig
 from diloco.comm import BACKENDS, CommConfig
+from diloco.compression import CODECS, CompressionConfig
 from diloco.data import DataConfig
-from diloco.faults import FaultConfig
+from diloco.faults import BAD_PAYLOADS, FaultConfig
 from diloco.inner import INNER_OPTIMIZERS, InnerConfig
 from diloco.metrics import WANDB_MODES, LoggingConfig
 from diloco.model import ModelConfig, validate_model_config
@@ -58,6 +59,7 @@ class Config:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -167,6 +169,28 @@ def validate(cfg: Config) -> None:
     _check(
         cfg.outer.sync_every >= 0,
         f"outer.sync_every={cfg.outer.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
+    )
+    _check(
+        cfg.compression.name in CODECS,
+        f"compression.name={cfg.compression.name!r} is not one of {', '.join(CODECS)}",
+    )
+    _check(cfg.compression.block_size >= 1, f"compression.block_size={cfg.compression.block_size} must be at least 1")
+    _check(
+        1 <= cfg.compression.topk_chunk <= 65536,
+        f"compression.topk_chunk={cfg.compression.topk_chunk} must be in [1, 65536]",
+    )
+    _check(
+        1 <= cfg.compression.topk_k <= cfg.compression.topk_chunk,
+        f"compression.topk_k={cfg.compression.topk_k} must be in [1, compression.topk_chunk]",
+    )
+    _check(
+        cfg.compression.name == "none" or cfg.outer.sync_every > 0,
+        f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "
+        "(outer.sync_every=0) sends fp32 gradients: use compression.name=none",
+    )
+    _check(
+        cfg.faults.bad_payload in BAD_PAYLOADS,
+        f"faults.bad_payload={cfg.faults.bad_payload!r} is not one of {', '.join(BAD_PAYLOADS[1:])} (or empty)",
     )
     _check(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
     _check(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")

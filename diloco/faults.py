@@ -3,6 +3,7 @@
     diloco train ... faults.skip_round=2        # sit out round 2's averaging, as if the link dropped
     diloco train ... faults.stop_after_round=3  # exit right after round 3's checkpoint, as if killed
     diloco local ... faults.worker=1 faults.skip_round=2   # only worker 1 of a local run
+    diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
 
 Faults wrap the real parts; nothing else in the code knows about them.
 """
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from diloco.comm.base import CommBackend, SyncResult
+from diloco.compression import Codec
+
+BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size")
 
 
 @dataclass
@@ -22,6 +26,7 @@ class FaultConfig:
     worker: int = -1  # the worker the faults apply to; -1 = every worker
     skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
     stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
+    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size; "" = off
 
 
 class StopRequested(Exception):
@@ -56,6 +61,46 @@ class SkipRoundBackend(CommBackend):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+class BadPayloadCodec(Codec):
+    """``inner``, except that what it compresses arrives broken in the way ``mode`` names."""
+
+    lossless = False
+
+    def __init__(self, inner: Codec, mode: str):
+        self.inner, self.mode = inner, mode
+        self.name, self.codec_id, self.align = inner.name, inner.codec_id, inner.align
+
+    def params(self) -> tuple[int, int]:
+        return self.inner.params()
+
+    def body_bytes(self, numel: int) -> int:
+        return self.inner.body_bytes(numel)
+
+    def _encode(self, flat: torch.Tensor) -> bytes:
+        return self.inner._encode(flat)
+
+    def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
+        return self.inner._decode(body, numel)
+
+    def compress(self, tensor: torch.Tensor) -> bytes:
+        if self.mode == "nan":
+            return self.inner.compress(torch.full_like(tensor, float("nan")))
+        if self.mode == "wrong_size":
+            return self.inner.compress(tensor.reshape(-1)[:-1])
+        payload = self.inner.compress(tensor)
+        return payload[: len(payload) // 2]  # truncated
+
+
+def with_bad_payloads(codec: Codec, cfg: FaultConfig, worker_index: int) -> Codec:
+    """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies."""
+    return BadPayloadCodec(codec, cfg.bad_payload) if cfg.bad_payload and applies_to(cfg, worker_index) else codec
+
+
+def intact(codec: Codec) -> Codec:
+    """``codec`` without the injected fault (what a simulated reducer uses for its replies)."""
+    return codec.inner if isinstance(codec, BadPayloadCodec) else codec
 
 
 def applies_to(cfg: FaultConfig, worker_index: int) -> bool:

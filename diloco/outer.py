@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.comm.base import CommBackend, SyncResult
+from diloco.compression import ErrorFeedback
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,19 @@ class OuterStep:
     """Holds the global params (fp32, CPU) and the outer optimizer over them.
 
     ``local_params`` are the model's parameters, trained by the inner optimizer; they are
-    overwritten with the global params after every round.
+    overwritten with the global params after every round. With a lossy codec on the wire,
+    ``error_feedback`` adds what the last rounds did not send to the pseudo-gradient.
     """
 
-    def __init__(self, local_params: Sequence[torch.nn.Parameter], cfg: OuterConfig):
+    def __init__(
+        self,
+        local_params: Sequence[torch.nn.Parameter],
+        cfg: OuterConfig,
+        *,
+        error_feedback: ErrorFeedback | None = None,
+    ):
         self.local_params = list(local_params)
+        self.error_feedback = error_feedback
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.local_params]
         self.optimizer = build_outer_optimizer(cfg, self.global_params)
 
@@ -87,6 +96,8 @@ class OuterStep:
         whether the state came from a peer.
         """
         pseudo_gradients = self.pseudo_gradients()
+        if self.error_feedback is not None:
+            pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
         result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         if not result.ok:  # the backend left our own pseudo-gradient in place
             logger.warning("round %d: averaging failed (%s)", round_index, result.error)

@@ -20,9 +20,10 @@ import torch
 
 from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from diloco.comm import SyncResult, build_backend
+from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
-from diloco.faults import check_stop, with_faults
+from diloco.faults import check_stop, with_bad_payloads, with_faults
 from diloco.inner import build_inner_optimizer, inner_step, lr_at
 from diloco.metrics import param_sha256
 from diloco.model import build_model
@@ -69,7 +70,9 @@ def train(cfg: Config, *, on_ready=None) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(device)
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
-    outer = OuterStep(list(model.parameters()), cfg.outer)
+    codec = build_codec(cfg.compression)  # how pseudo-gradients travel
+    error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
+    outer = OuterStep(list(model.parameters()), cfg.outer, error_feedback=error_feedback)
     torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
 
     # resume: rerunning the same command continues from the newest valid checkpoint
@@ -79,6 +82,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         model.load_state_dict(state["model"])
         inner_optimizer.load_state_dict(state["inner_optimizer"])
         outer.load_state_dict(state["outer"])
+        error_feedback.load_state_dict(state["error_feedback"])
         sampler.load_state_dict(state["sampler"])
         restore_rng_state(state["rng"])
         step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
@@ -90,6 +94,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         num_workers=cfg.worker.count,
         worker_index=cfg.worker.index,
         device=device,
+        codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
     )
     backend = with_faults(transport, cfg.faults, cfg.worker.index)
     log = WorkerLog(
@@ -173,6 +178,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
                     "model": model.state_dict(),
                     "inner_optimizer": inner_optimizer.state_dict(),
                     "outer": outer.state_dict(),
+                    "error_feedback": error_feedback.state_dict(),
                     "sampler": sampler.state_dict(),
                     "rng": capture_rng_state(),
                     "step": step,

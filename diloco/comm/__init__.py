@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.compression import Codec, NoCompression
 
 BACKENDS = ("hivemind", "inproc", "torchdist")
 
@@ -27,20 +28,23 @@ def build_backend(
     num_workers: int,
     worker_index: int,
     device: torch.device | None = None,
+    codec: Codec | None = None,
 ) -> CommBackend:
-    """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``."""
+    """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``, sending
+    them compressed by ``codec`` (default: fp32 as it is)."""
+    codec = codec or NoCompression()
     if cfg.backend == "torchdist":
         from diloco.comm.torchdist import TorchDistBackend
 
         return TorchDistBackend(
-            cfg, num_workers=num_workers, worker_index=worker_index, device=device or torch.device("cpu")
+            cfg, num_workers=num_workers, worker_index=worker_index, device=device or torch.device("cpu"), codec=codec
         )
     if cfg.backend == "inproc":
         from diloco.comm.inproc import InProcBackend
 
-        return InProcBackend(cfg, num_workers=num_workers, worker_index=worker_index)
+        return InProcBackend(cfg, num_workers=num_workers, worker_index=worker_index, codec=codec)
     if cfg.backend == "hivemind":
         from diloco.comm.hivemind import HivemindBackend
 
-        return HivemindBackend(cfg, templates=templates, num_workers=num_workers)
+        return HivemindBackend(cfg, templates=templates, num_workers=num_workers, codec=codec)
     raise ValueError(f"comm.backend={cfg.backend!r} is not one of {', '.join(BACKENDS)}")

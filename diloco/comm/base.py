@@ -8,10 +8,16 @@ never branches on how bytes travel. A failed or partial round is a ``SyncResult`
 from __future__ import annotations
 
 import abc
+import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from diloco.compression import Codec, PayloadError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,8 +61,9 @@ class CommBackend(abc.ABC):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
     ) -> SyncResult:
         """Replace ``tensors`` in place by their ``weight``-weighted mean over the workers of round
-        ``round_index``. Every worker that took part ends with bit-identical tensors. On failure the
-        tensors are left as they were and the result says so."""
+        ``round_index``, sent compressed by the backend's codec (see ``average_payloads``). Every
+        worker that took part ends with bit-identical tensors. On failure the tensors are left as
+        they were and the result says so."""
 
     def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (averaged over ``peers`` workers) to
@@ -84,3 +91,44 @@ class CommBackend(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+@dataclass
+class Contribution:
+    """One worker's compressed tensors (one payload each) and its weight, as a reducer receives them."""
+
+    worker: str  # who sent it, for the log
+    payloads: Sequence[bytes]
+    weight: float
+
+
+def average_payloads(
+    codec: Codec, contributions: Sequence[Contribution], numels: Sequence[int], *, round_index: int
+) -> tuple[list[torch.Tensor], list[Contribution]]:
+    """The rule every transport follows to average compressed tensors.
+
+    Each contribution is decoded (one with an invalid payload or weight is dropped, with a log line
+    that names the sender and the reason); the weighted mean is taken in fp32, in the order given;
+    and the result is what ``codec`` restores from the compressed mean. That last step is what a
+    reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves.
+    Returns the flat averaged tensors and the contributions that were used.
+    """
+    decoded, used = [], []
+    for contribution in contributions:
+        try:
+            if not (math.isfinite(contribution.weight) and contribution.weight > 0):
+                raise PayloadError(f"weight {contribution.weight} is not a positive number")
+            if len(contribution.payloads) != len(numels):
+                raise PayloadError(f"{len(contribution.payloads)} payloads, expected {len(numels)}")
+            decoded.append([codec.decompress(p, n) for p, n in zip(contribution.payloads, numels)])
+            used.append(contribution)
+        except PayloadError as error:
+            logger.warning("round %d: dropped the contribution of %s: %s", round_index, contribution.worker, error)
+    if not used:
+        return [], []
+    total = sum(c.weight for c in used)
+    means = []
+    for k in range(len(numels)):
+        mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
+        means.append(codec.roundtrip(mean))
+    return means, used

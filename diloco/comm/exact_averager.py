@@ -7,6 +7,13 @@ ulp per round and their parameter hashes never agree. Here a reducer returns the
 itself, the peers copy it in, and the reducer keeps exactly the values it sent. The same rule
 makes lossy codecs safe later: whatever a reducer sends is what everyone, itself included, uses.
 
+Parts travel compressed by the run's codec (diloco/compression): a sender compresses each part
+of its pseudo-gradient, the reducer checks and decodes every part it receives (a bad payload
+drops that sender, with a log line), averages in fp32, compresses the average once and sends
+those bytes to every sender, and uses what they decode to for its own share. Part boundaries
+fall on multiples of the codec's block, so a part's payload is the same bytes the worker's
+error feedback computed for it.
+
 The runner also counts the bytes of every averaging message it sends and receives, so a round
 reports traffic measured on the wire rather than estimated.
 """
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
+import math
 import multiprocessing as mp
 from collections.abc import AsyncIterator, Sequence
 
@@ -22,11 +31,16 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, BannedException
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+
+from diloco.compression import Codec, PayloadError
+from diloco.faults import intact
+
+logger = logging.getLogger(__name__)
 
 
 class _TrafficCounters:
@@ -53,50 +67,103 @@ class _TrafficCounters:
         return self._sent.value, self._recv.value, self._failed_values.value
 
 
-class _CountingStub:
-    """Wraps a peer stub so that replies from that peer are counted as received bytes."""
+class _ReducerStub:
+    """Wraps the stub of a peer that reduces parts for us: its replies are counted as received
+    bytes, checked, and decoded into the fp32 parts hivemind's runner expects."""
 
-    def __init__(self, stub, runner: ExactAllReduceRunner):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub, runner: ExactAllReduceRunner, peer: PeerID):
+        self._stub, self._runner, self._peer = stub, runner, peer
 
     async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]):
         replies = await self._stub.rpc_aggregate_part(requests)
-        return self._runner._count_received(replies)
+        return self._runner._decode_replies(self._runner._count_received(replies), self._peer)
 
 
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers hand out the average itself, not a delta."""
 
-    def __init__(self, *args, traffic: _TrafficCounters, **kwargs):
+    def __init__(self, *args, traffic: _TrafficCounters, codec: Codec, **kwargs):
         super().__init__(*args, **kwargs)
         # a failed reducer's part falls back to our own values rather than a zero delta
         self.tensor_part_container.return_deltas = False
-        self.traffic = traffic
+        self.traffic, self.codec = traffic, codec
+        self._replies: dict[int, tuple[bytes, torch.Tensor]] = {}  # our share: part -> (payload, decoded)
 
     async def _count_received(self, messages: AsyncIterator[averaging_pb2.AveragingData]):
         async for message in messages:
             self.traffic.add(recv=message.ByteSize())
             yield message
 
+    async def _decode_replies(self, messages: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID):
+        numels = [part.numel() for part in self._input_parts(self.ordered_peer_ids.index(peer))]
+        loop = asyncio.get_event_loop()
+        part_index = 0
+        async for message in messages:
+            if message.code != averaging_pb2.AVERAGED_PART:
+                yield message  # hivemind's runner reports it
+                continue
+            try:
+                numel = numels[part_index] if part_index < len(numels) else -1
+                part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+            except PayloadError as error:
+                logger.warning("reducer %s sent an unusable averaged part: %s", peer, error)
+                raise
+            part_index += 1
+            yield averaging_pb2.AveragingData(
+                code=averaging_pb2.AVERAGED_PART, tensor_part=serialize_torch_tensor(part)
+            )
+
+    def _input_parts(self, peer_index: int) -> list[torch.Tensor]:
+        return [part for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index]]
+
     def _get_peer_stub(self, peer: PeerID):
-        return _CountingStub(super()._get_peer_stub(peer), self)
+        return _ReducerStub(super()._get_peer_stub(peer), self, peer)
 
     async def _generate_input_for_peer(self, peer_index: int):
-        async for message in super()._generate_input_for_peer(peer_index):
+        self.tensor_part_container._inputs_consumed_by_peer[peer_index] = True
+        payloads = amap_in_executor(
+            self.codec.compress,
+            as_aiter(*self._input_parts(peer_index)),
+            max_prefetch=self.tensor_part_container.prefetch,
+        )
+        first = True
+        async for payload in payloads:
+            message = averaging_pb2.AveragingData(tensor_part=_bytes_part(payload), weight=self.weight)
+            if first:
+                message.code, message.group_id, first = averaging_pb2.PART_FOR_AVERAGING, self.group_id, False
             self.traffic.add(sent=message.ByteSize())
             yield message
+
+    def _reply(self, part_index: int, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """The compressed average of one part of our share, made once and sent to every sender,
+        and what it decodes to (which we keep ourselves)."""
+        if part_index not in self._replies:
+            codec = intact(self.codec)  # faults.bad_payload breaks a worker's contributions, not its replies
+            payload = codec.compress(averaged)
+            self._replies[part_index] = (payload, codec.decompress(payload, averaged.numel()))
+        return self._replies[part_index]
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:
             return await super()._communicate_with_peer(peer_id)
-        # our own share: reduce it locally and keep the average (the stock runner keeps a delta)
+        # our own share: reduce it locally and keep what the others get (the stock runner keeps a delta)
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
+            try:  # our part as the others would decode it
+                sent = await loop.run_in_executor(None, self.codec.roundtrip, part)
+            except PayloadError as error:  # as a peer would, the reducer drops what it cannot read
+                logger.warning("dropped our own contribution: %s", error)
+                await self._ban_sender(peer_id)
+                await self.tensor_part_reducer.finished.wait()  # keep serving the others until they are done
+                self.tensor_part_container.register_failed_reducer(peer_index)
+                return
             averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, part, weight=self.weight
+                sender_index, part_index, sent, weight=self.weight
             )
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            _, restored = await loop.run_in_executor(None, self._reply, part_index, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, restored)
 
     async def rpc_aggregate_part(self, stream, context: P2PContext):
         async for reply in super().rpc_aggregate_part(self._count_received(stream), context):
@@ -105,27 +172,50 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         loop = asyncio.get_event_loop()
+        reducer, sender = self.tensor_part_reducer, self.sender_peer_ids[sender_index]
         parts_done = 0
         try:
-            async for part, weight, codec in amap_in_executor(
-                _decode_request, stream, max_prefetch=self.tensor_part_container.prefetch
-            ):
+            async for message in stream:
                 try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, parts_done, part, weight=weight
-                    )
+                    if not (math.isfinite(message.weight) and message.weight > 0):
+                        raise PayloadError(f"weight {message.weight} is not a positive number")
+                    numel = reducer.part_shapes[parts_done].numel() if parts_done < reducer.num_parts else -1
+                    part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+                except PayloadError as error:
+                    logger.warning("dropped the contribution of peer %s: %s", sender, error)
+                    break
+                try:
+                    averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=message.weight)
                 except BannedException:
                     break  # the sender was dropped from this round; stop serving it
+                payload, _ = await loop.run_in_executor(None, self._reply, parts_done, averaged)
                 parts_done += 1
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, codec)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=_bytes_part(payload))
         finally:
-            if parts_done != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+            if parts_done != reducer.num_parts:
+                await self._ban_sender(sender)
 
 
-def _decode_request(message: averaging_pb2.AveragingData):
-    return deserialize_torch_tensor(message.tensor_part), message.weight, message.tensor_part.compression
+def _bytes_part(payload: bytes) -> runtime_pb2.Tensor:
+    """A payload as hivemind's tensor message (uint8, uncompressed: the codec has done the work)."""
+    return runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE, buffer=payload, size=[len(payload)], dtype="uint8"
+    )
+
+
+def _decode_part(codec: Codec, serialized: runtime_pb2.Tensor, numel: int) -> torch.Tensor:
+    if serialized.dtype != "uint8" or serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise PayloadError(f"payload is a {serialized.dtype} tensor, not the bytes of a compressed part")
+    if numel < 0:
+        raise PayloadError("more parts than this peer reduces")
+    return codec.decompress(serialized.buffer, numel)
+
+
+def aligned_part_size_bytes(codec: Codec) -> int:
+    """hivemind's part size (it cuts parts of size / 4 fp32 values from each tensor's start), made a
+    multiple of the codec's block so that no block straddles two parts."""
+    values = max(1, DEFAULT_PART_SIZE_BYTES // 4 // codec.align) * codec.align
+    return 4 * values
 
 
 class ExactAverager(DecentralizedAverager):
@@ -135,10 +225,10 @@ class ExactAverager(DecentralizedAverager):
     whose reducer failed are passed back through ``traffic``, shared counters.
     """
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, **kwargs):
-        self.traffic = _TrafficCounters()
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, codec: Codec, **kwargs):
+        self.traffic, self.codec = _TrafficCounters(), codec
         self._shared_state: tuple[dict, torch.Tensor] | None = None
-        super().__init__(averaged_tensors, dht, **kwargs)
+        super().__init__(averaged_tensors, dht, part_size_bytes=aligned_part_size_bytes(codec), **kwargs)
 
     def share_state(self, metadata: dict, payload: bytes, *, priority: float) -> None:
         """Serve ``payload`` (with ``metadata``) to peers that download state; peers try the
@@ -166,6 +256,7 @@ class ExactAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             traffic=self.traffic,
+            codec=self.codec,
             **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from diloco.comm.base import CommBackend, CommConfig, CommError, SyncResult
+from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def visible_addresses(dht) -> list[str]:
 class HivemindBackend(CommBackend):
     """One worker's DHT peer and averager. ``templates`` fix the shapes of what is averaged."""
 
-    def __init__(self, cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int):
+    def __init__(self, cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int, codec: Codec):
         from diloco.comm.exact_averager import ExactAverager
 
         self.cfg = cfg
@@ -73,6 +74,7 @@ class HivemindBackend(CommBackend):
         self._averager = ExactAverager(
             [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
             self._dht,
+            codec=codec,
             start=True,
             prefix=f"{cfg.run_id}_avg",
             target_group_size=num_workers,
@@ -157,12 +159,14 @@ class HivemindBackend(CommBackend):
             time.sleep(0.5)
 
     def _state_offers(self) -> list[tuple[int, int]]:
-        """(round, peers) of the state each live peer offers, from the priorities it declares on the DHT."""
+        """(round, peers) of the state each other live peer offers, from the priorities it declares on the DHT."""
         entry = self._dht.get(f"{self._averager.prefix}.all_averagers", latest=True)
         if entry is None or not isinstance(entry.value, dict):
             return []
-        offers = []
-        for declared in entry.value.values():
+        offers, own = [], self._dht.peer_id.to_bytes()
+        for subkey, declared in entry.value.items():
+            if subkey == own:
+                continue
             priority = getattr(declared, "value", None)
             if isinstance(priority, int | float) and priority > 0:
                 offers.append((int(priority // 1000), int(priority % 1000)))

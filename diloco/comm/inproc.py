@@ -6,7 +6,8 @@ take turns from the very start (``simulate`` in local.py makes each thread wait 
 before it even builds its model, so the shared global RNG gives every worker the same initial
 params): exactly one computes at a time (so each one's measured compute time is its own, as
 if it had the machine to itself), and a round's mean is taken in worker order, so a run is
-deterministic for a seed.
+deterministic for a seed. Pseudo-gradients are compressed and checked exactly as over the
+network (``average_payloads`` in base.py): bytes are counted from the real payloads.
 
 The link model turns the bytes of each round into the time the round would take on such links:
 in hivemind's butterfly all-reduce each of n workers uploads (n-1)/n of the payload to the
@@ -14,7 +15,8 @@ reducers and then (n-1)/n back out as averaged parts, so a round costs
 
     2 (n-1)/n x payload_bytes x 8 / (bandwidth_mbps x 1e6)  +  2 x latency_ms / 1000   seconds.
 
-That time is reported as the round's communication time, and its bytes as bytes sent and received.
+(payload_bytes is what the codec makes of the tensors.) That time is reported as the round's
+communication time, and its bytes as bytes sent and received.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.compression import Codec
+from diloco.faults import intact
 
 _GROUPS: dict[str, InProcGroup] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -48,9 +52,10 @@ class InProcGroup:
         self._cond = threading.Condition()
         self._turn = 0  # the worker allowed to compute now
         self._finished: set[int] = set()
-        self._arrived: dict[int, tuple[Sequence[torch.Tensor], float]] = {}
+        self._arrived: dict[int, Contribution] = {}
         self._round_done = 0  # rounds averaged so far
-        self._last: tuple[int, float] = (0, 0.0)  # (workers, total weight) of the last round
+        self._last: tuple[list[torch.Tensor], list[Contribution]] = ([], [])  # (means, contributions used)
+        self._reducer: tuple[Codec, list[int]] | None = None  # (codec for replies, numel of each tensor)
 
     def wait_turn(self, worker: int) -> None:
         with self._cond:
@@ -65,11 +70,14 @@ class InProcGroup:
                 break
         self._cond.notify_all()
 
-    def all_reduce(self, worker: int, tensors: Sequence[torch.Tensor], weight: float) -> tuple[int, float]:
-        """Block until every live worker has arrived; leave the weighted mean in ``tensors``.
-        Returns (workers averaged, total weight)."""
+    def all_reduce(
+        self, worker: int, contribution: Contribution, codec: Codec, numels: list[int]
+    ) -> tuple[list[torch.Tensor], list[Contribution]]:
+        """Block until every live worker has arrived; return the averaged flat tensors and the
+        contributions in them (see ``average_payloads``)."""
         with self._cond:
-            self._arrived[worker] = (tensors, weight)
+            self._reducer = self._reducer or (intact(codec), numels)
+            self._arrived[worker] = contribution
             round_index = self._round_done
             if not self._complete_round_if_all_arrived():
                 self._pass_turn(worker)
@@ -88,15 +96,10 @@ class InProcGroup:
         self._cond.notify_all()
         return True
 
-    def _average(self) -> tuple[int, float]:
-        order = sorted(self._arrived)  # a fixed order: the same sum on every run
-        total = sum(self._arrived[w][1] for w in order)
-        first = self._arrived[order[0]][0]
-        for k in range(len(first)):
-            mean = sum(self._arrived[w][0][k].to(torch.float32) * (self._arrived[w][1] / total) for w in order)
-            for w in order:
-                self._arrived[w][0][k].copy_(mean)
-        return len(order), total
+    def _average(self) -> tuple[list[torch.Tensor], list[Contribution]]:
+        codec, numels = self._reducer
+        in_order = [self._arrived[w] for w in sorted(self._arrived)]  # a fixed order: the same sum on every run
+        return average_payloads(codec, in_order, numels, round_index=self._round_done)
 
     def finish(self, worker: int) -> None:
         """A worker is done (or failed): nobody waits for it any more. Safe to call twice."""
@@ -127,9 +130,9 @@ def forget_group(run_id: str) -> None:
 class InProcBackend(CommBackend):
     """One simulated worker's view of its ``InProcGroup``. Constructing it waits for the worker's turn."""
 
-    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int):
+    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, codec: Codec):
         self.group = group_for(cfg.run_id, num_workers)
-        self.worker_index = worker_index
+        self.worker_index, self.codec = worker_index, codec
         self.bandwidth_mbps, self.latency_ms = cfg.bandwidth_mbps, cfg.latency_ms
         self._closed = False
         self.group.wait_turn(worker_index)
@@ -137,8 +140,17 @@ class InProcBackend(CommBackend):
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
     ) -> SyncResult:
-        payload = sum(t.numel() * t.element_size() for t in tensors)
-        peers, total = self.group.all_reduce(self.worker_index, tensors, weight)
+        payloads = [self.codec.compress(t) for t in tensors]
+        numels = [t.numel() for t in tensors]
+        mine = Contribution(f"worker {self.worker_index}", payloads, weight)
+        means, used = self.group.all_reduce(self.worker_index, mine, self.codec, numels)
+        peers, total = len(used), sum(c.weight for c in used)
+        if not used:
+            return SyncResult(False, 1, weight, error="every contribution was dropped")
+        for tensor, mean in zip(tensors, means):
+            tensor.copy_(mean.view_as(tensor))
+        # a butterfly moves (n-1)/n of each worker's payload out to the reducers and as much back
+        payload = sum(len(p) for p in payloads)
         volume = int(2 * (peers - 1) / peers * payload) if peers > 1 else 0
         seconds = round_time_s(payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms)
         return SyncResult(True, peers, total, bytes_sent=volume, bytes_recv=volume, simulated_s=seconds)

@@ -8,7 +8,12 @@ address; gloo on CPU, NCCL when the workers train on CUDA::
 ``diloco train`` takes ``worker.index`` and ``worker.count`` from RANK and WORLD_SIZE. A round is
 one all-reduce of the weighted, flattened pseudo-gradients: every rank ends with the same bytes
 (ring all-reduce reduces each chunk once). Bytes are counted as a ring all-reduce moves them,
-2 (n-1)/n of the payload each way. Unlike hivemind, a dead peer fails the whole group: this
+2 (n-1)/n of the payload each way.
+
+With a lossy codec (``compression.name``) the workers all-gather their compressed payloads
+instead and each decodes and averages them in rank order (``average_payloads``), so every rank
+computes the same mean from the same bytes; a ring all-gather sends (n-1) payloads a worker.
+Unlike hivemind, a dead peer fails the whole group: this
 transport is for reliable links.
 """
 
@@ -21,14 +26,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
 
 
 class TorchDistBackend(CommBackend):
-    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, device: torch.device):
-        self.device = device
+    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, device: torch.device, codec: Codec):
+        self.device, self.codec = device, codec
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
@@ -46,6 +52,8 @@ class TorchDistBackend(CommBackend):
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
     ) -> SyncResult:
+        if not self.codec.lossless:
+            return self._all_gather_compressed(tensors, weight, round_index)
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
         flat.mul_(weight)
         total = torch.tensor([float(weight)], dtype=torch.float64, device=self.device)
@@ -64,7 +72,50 @@ class TorchDistBackend(CommBackend):
         volume = int(2 * (self.num_workers - 1) / self.num_workers * payload)
         return SyncResult(True, self.num_workers, total.item(), bytes_sent=volume, bytes_recv=volume)
 
+    def _all_gather_compressed(self, tensors: Sequence[torch.Tensor], weight: float, round_index: int) -> SyncResult:
+        numels = [t.numel() for t in tensors]
+        payloads = [self.codec.compress(t) for t in tensors]
+        mine = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(self.device)
+        try:
+            lengths = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.num_workers)]
+            dist.all_gather(lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=self.device))
+            longest = int(max(length.item() for length in lengths))
+            gathered = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.num_workers)]
+            dist.all_gather(gathered, torch.nn.functional.pad(mine, (0, longest - mine.numel())))
+            weights = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(self.num_workers)]
+            dist.all_gather(weights, torch.tensor([float(weight)], dtype=torch.float64, device=self.device))
+        except RuntimeError as error:
+            return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
+        contributions = [
+            Contribution(
+                f"rank {rank}",
+                _split(gathered[rank][: int(lengths[rank].item())].cpu().numpy().tobytes(), self.codec, numels),
+                weights[rank].item(),
+            )
+            for rank in range(self.num_workers)
+        ]
+        means, used = average_payloads(self.codec, contributions, numels, round_index=round_index)
+        if not used:
+            return SyncResult(False, 1, weight, error="every contribution was dropped")
+        for tensor, mean in zip(tensors, means):
+            tensor.copy_(mean.view_as(tensor))
+        volume = (self.num_workers - 1) * mine.numel()
+        return SyncResult(True, len(used), sum(c.weight for c in used), bytes_sent=volume, bytes_recv=volume)
+
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():
             self._owns_group = False
             dist.destroy_process_group()
+
+
+def _split(data: bytes, codec: Codec, numels: Sequence[int]) -> list[bytes]:
+    """One rank's concatenated payloads, cut where ``codec`` says each should end (a payload of the
+    wrong length shows up as a wrong-sized piece, which ``average_payloads`` rejects)."""
+    pieces, offset = [], 0
+    for numel in numels:
+        size = codec.payload_bytes(numel)
+        pieces.append(data[offset : offset + size])
+        offset += size
+    if offset != len(data):  # let the last piece carry the difference so that the size check fails
+        pieces[-1] = data[offset - codec.payload_bytes(numels[-1]) :] if numels else data
+    return pieces

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from diloco.checkpoint import load_latest_checkpoint
+from diloco.comm.base import Contribution
 from diloco.comm.inproc import InProcGroup, round_time_s
+from diloco.compression import NoCompression
 from diloco.config import load_config
 from diloco.data import ShardSampler, load_corpus
 from diloco.inner import build_inner_optimizer, lr_at
@@ -24,15 +26,15 @@ def test_link_model_time_for_a_known_payload():
     assert round_time_s(10_000_000, 1, bandwidth_mbps=1, latency_ms=50) == 0.0
 
 
-def test_group_leaves_the_weighted_mean_in_every_workers_tensors():
-    group = InProcGroup(3)
-    tensors = [[torch.full((4,), float(i))] for i in range(3)]
+def test_group_returns_the_weighted_mean_to_every_worker():
+    group, codec = InProcGroup(3), NoCompression()
     weights = [1.0, 1.0, 2.0]
     results = [None] * 3
 
     def worker(i):
         group.wait_turn(i)
-        results[i] = group.all_reduce(i, tensors[i], weights[i])
+        mine = Contribution(f"worker {i}", [codec.compress(torch.full((4,), float(i)))], weights[i])
+        results[i] = group.all_reduce(i, mine, codec, [4])
         group.finish(i)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
@@ -41,9 +43,9 @@ def test_group_leaves_the_weighted_mean_in_every_workers_tensors():
     for thread in threads:
         thread.join(timeout=30)
     assert not any(thread.is_alive() for thread in threads)
-    for i in range(3):
-        torch.testing.assert_close(tensors[i][0], torch.full((4,), (0 + 1 + 4) / 4))
-        assert results[i] == (3, 4.0)
+    for means, used in results:
+        torch.testing.assert_close(means[0], torch.full((4,), (0 + 1 + 4) / 4))
+        assert [c.weight for c in used] == weights
 
 
 def test_data_parallel_baseline_equals_a_hand_written_data_parallel_loop(tmp_path):
@@ -111,7 +113,7 @@ def test_simulated_run_reports_link_time_and_equal_params(tmp_path):
     )
     summary = simulate(cfg, workers=3)
     assert summary["workers"] == 3 and summary["params_agree"] and summary["rounds"] == 2
-    payload = 4 * sum(p.numel() for p in build_model(cfg.model).parameters())
+    payload = sum(NoCompression().payload_bytes(p.numel()) for p in build_model(cfg.model).parameters())
     expected = 2 * round_time_s(payload, 3, bandwidth_mbps=10, latency_ms=20)
     assert summary["comm_wait_s"] == pytest.approx(expected, rel=1e-3)
     assert summary["bytes_sent"] == 2 * int(2 * 2 / 3 * payload)

@@ -1,0 +1,57 @@
+"""Compression of pseudo-gradients on the wire. ``build_codec`` picks one from ``compression.name``.
+
+- ``codec.py``           ``Codec`` (the interface and the self-describing payload), ``none``, ``fp16``
+- ``quantize.py``        ``int8`` and ``int4``: blockwise absmax quantization
+- ``topk.py``            ``topk``: chunked top-k with 2-bit values
+- ``error_feedback.py``  ``ErrorFeedback``: the residual a lossy codec carries into the next round
+
+DESIGN.md's ``Compressor`` is split in two: the stateless ``Codec`` that transports run where the
+bytes are made (hivemind's averager runs in its own process), and the worker's ``ErrorFeedback``
+state, which goes into its checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.compression.codec import HEADER_BYTES, Codec, Float16, NoCompression, PayloadError
+from diloco.compression.error_feedback import ErrorFeedback
+from diloco.compression.quantize import Int4, Int8
+from diloco.compression.topk import TopK
+
+CODECS = ("none", "fp16", "int8", "int4", "topk")
+
+__all__ = [
+    "CODECS",
+    "HEADER_BYTES",
+    "Codec",
+    "NoCompression",
+    "CompressionConfig",
+    "ErrorFeedback",
+    "PayloadError",
+    "build_codec",
+]
+
+
+@dataclass
+class CompressionConfig:
+    name: str = "none"  # pseudo-gradients on the wire: none (fp32) / fp16 / int8 / int4 / topk
+    block_size: int = 64  # int8 / int4: values that share one scale
+    topk_k: int = 64  # topk: values kept in each chunk
+    topk_chunk: int = 4096  # topk: chunk length (at most 65536)
+    error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
+
+
+def build_codec(cfg: CompressionConfig) -> Codec:
+    """The codec named by ``cfg.name``; raises ValueError naming the key to fix."""
+    if cfg.name == "none":
+        return NoCompression()
+    if cfg.name == "fp16":
+        return Float16()
+    if cfg.name == "int8":
+        return Int8(cfg.block_size)
+    if cfg.name == "int4":
+        return Int4(cfg.block_size)
+    if cfg.name == "topk":
+        return TopK(cfg.topk_k, cfg.topk_chunk)
+    raise ValueError(f"compression.name={cfg.name!r} is not one of {', '.join(CODECS)}")

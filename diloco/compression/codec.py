@@ -1,0 +1,149 @@
+"""The wire format of a compressed tensor, and the codecs that need no quantization.
+
+A ``Codec`` turns a flat fp32 tensor into a self-describing payload (``compress``) and back
+(``decompress``). It is stateless, so the transport can run it wherever the bytes are made:
+in the worker, or in hivemind's averager process. Error feedback, the one piece of state, is
+``ErrorFeedback`` in error_feedback.py.
+
+Every payload starts with a 20-byte header (magic, format version, codec id, number of values,
+two codec parameters such as the block size), so a peer checks what it receives before using
+it: ``decompress`` rejects a payload that is truncated, of another codec or size, or that
+decodes to non-finite values, with a ``PayloadError`` that says which.
+
+Codecs work on independent runs of ``align`` values from the start of the tensor (a block or a
+chunk), so compressing a slice that starts at a multiple of ``align`` gives exactly the bytes of
+that slice in the whole tensor's payload: transports may split a tensor at those boundaries.
+"""
+
+from __future__ import annotations
+
+import abc
+import struct
+from typing import ClassVar
+
+import torch
+
+_HEADER = struct.Struct("<2sBBQII")  # magic, version, codec id, numel, param a, param b
+_MAGIC, _VERSION = b"DL", 1
+HEADER_BYTES = _HEADER.size
+
+
+class PayloadError(ValueError):
+    """A received payload cannot be used; the message says why, in one line."""
+
+
+class Codec(abc.ABC):
+    """Stateless compression of a flat fp32 tensor into bytes that describe themselves."""
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    lossless: ClassVar[bool] = False
+    align: int = 1  # values per independent block: split points must be multiples of it
+
+    def params(self) -> tuple[int, int]:
+        """The codec's two header parameters (0 when unused)."""
+        return 0, 0
+
+    @abc.abstractmethod
+    def body_bytes(self, numel: int) -> int:
+        """Exact size of the body for ``numel`` values."""
+
+    @abc.abstractmethod
+    def _encode(self, flat: torch.Tensor) -> bytes:
+        """The body for a flat fp32 CPU tensor."""
+
+    @abc.abstractmethod
+    def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
+        """A flat fp32 tensor from a body of exactly ``body_bytes(numel)`` bytes."""
+
+    def payload_bytes(self, numel: int) -> int:
+        """Exact size of ``compress`` of ``numel`` values: header and body."""
+        return HEADER_BYTES + self.body_bytes(numel)
+
+    def compress(self, tensor: torch.Tensor) -> bytes:
+        flat = tensor.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+        header = _HEADER.pack(_MAGIC, _VERSION, self.codec_id, flat.numel(), *self.params())
+        return header + self._encode(flat)
+
+    def decompress(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+        """The flat fp32 tensor of ``numel`` values in ``payload``; raises ``PayloadError``."""
+        view = memoryview(payload).cast("B")
+        if len(view) < HEADER_BYTES:
+            raise PayloadError(f"payload truncated: {len(view)} bytes, shorter than the {HEADER_BYTES}-byte header")
+        magic, version, codec_id, count, a, b = _HEADER.unpack_from(view)
+        if magic != _MAGIC or version != _VERSION:
+            raise PayloadError(f"payload is not a diloco v{_VERSION} payload (magic {magic!r}, version {version})")
+        if codec_id != self.codec_id or (a, b) != self.params():
+            raise PayloadError(
+                f"payload was compressed with codec {_describe(codec_id, a, b)}, expected {self.describe()}; "
+                "every worker must use the same compression.* settings"
+            )
+        if count != numel:
+            raise PayloadError(f"payload holds {count} values, expected {numel}")
+        expected = self.payload_bytes(numel)
+        if len(view) != expected:
+            raise PayloadError(f"payload has {len(view)} bytes, expected {expected} for {numel} values")
+        values = self._decode(view[HEADER_BYTES:], numel)
+        if not bool(torch.isfinite(values).all()):
+            raise PayloadError("payload decodes to non-finite values (NaN or inf)")
+        return values
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a peer receives when ``tensor`` is sent: ``decompress(compress(tensor))``, same shape."""
+        return self.decompress(self.compress(tensor), tensor.numel()).view(tensor.shape)
+
+    def describe(self) -> str:
+        return _describe(self.codec_id, *self.params())
+
+
+_NAMES: dict[int, str] = {}
+
+
+def _describe(codec_id: int, a: int, b: int) -> str:
+    name = _NAMES.get(codec_id, f"#{codec_id}")
+    return f"{name}({a}, {b})" if (a, b) != (0, 0) else name
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    _NAMES[cls.codec_id] = cls.name
+    return cls
+
+
+def frombuffer(body: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over ``body`` (copied, so it outlives the buffer and is writable)."""
+    if len(body) == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(body), dtype=dtype)
+
+
+@register
+class NoCompression(Codec):
+    """fp32 as it is: 4 bytes a value."""
+
+    name, codec_id, lossless = "none", 0, True
+
+    def body_bytes(self, numel: int) -> int:
+        return 4 * numel
+
+    def _encode(self, flat: torch.Tensor) -> bytes:
+        return flat.numpy().tobytes()
+
+    def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
+        return frombuffer(body, torch.float32)
+
+
+@register
+class Float16(Codec):
+    """IEEE half precision, 2 bytes a value; magnitudes beyond fp16's range are clamped to it."""
+
+    name, codec_id = "fp16", 1
+    _MAX = torch.finfo(torch.float16).max
+
+    def body_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def _encode(self, flat: torch.Tensor) -> bytes:
+        return flat.clamp(-self._MAX, self._MAX).to(torch.float16).numpy().tobytes()
+
+    def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
+        return frombuffer(body, torch.float16).to(torch.float32)

@@ -1,0 +1,92 @@
+"""Chunked top-k sparsification with 2-bit values (SparseLoCo / DeMo style).
+
+The tensor is cut into chunks of ``chunk`` values (the last one may be shorter and keeps
+proportionally fewer, at least one). Each chunk keeps the ``k`` values of largest magnitude:
+their positions (uint16, ascending) and their values on four levels ``{-1, -1/3, 1/3, 1}``
+times the chunk's largest kept magnitude (one fp32 scale a chunk), four values a byte. At
+k/chunk = 64/4096 that is 148 bytes for every 16 KiB of fp32, 110 x smaller. What is not sent
+is not lost: ``ErrorFeedback`` carries it into the next round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.compression.codec import Codec, PayloadError, frombuffer, register
+
+_LEVELS = torch.tensor([-1.0, -1 / 3, 1 / 3, 1.0])
+
+
+@register
+class TopK(Codec):
+    name, codec_id = "topk", 4
+
+    def __init__(self, k: int, chunk: int):
+        if not 1 <= chunk <= 65536:
+            raise ValueError(f"compression.topk_chunk={chunk} must be in [1, 65536] (positions are 16-bit)")
+        if not 1 <= k <= chunk:
+            raise ValueError(f"compression.topk_k={k} must be in [1, compression.topk_chunk={chunk}]")
+        self.k, self.chunk = k, chunk
+        self.align = chunk
+
+    def params(self) -> tuple[int, int]:
+        return self.k, self.chunk
+
+    def _layout(self, numel: int) -> list[tuple[int, int, int]]:
+        """(number of chunks, chunk length, values kept a chunk) for the full chunks and the tail."""
+        full, tail = divmod(numel, self.chunk)
+        layout = [(full, self.chunk, self.k)] if full else []
+        if tail:
+            layout.append((1, tail, min(tail, max(1, -(-self.k * tail // self.chunk)))))
+        return layout
+
+    def body_bytes(self, numel: int) -> int:
+        chunks = sum(n for n, _, _ in self._layout(numel))
+        kept = sum(n * kept for n, _, kept in self._layout(numel))
+        return 4 * chunks + 2 * kept + -(-kept // 4)
+
+    def _encode(self, flat: torch.Tensor) -> bytes:
+        scales, positions, codes, offset = [], [], [], 0
+        for count, length, kept in self._layout(flat.numel()):
+            rows = flat[offset : offset + count * length].view(count, length)
+            offset += count * length
+            index = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
+            values = rows.gather(1, index)
+            scale = values.abs().amax(dim=1)
+            divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+            code = torch.round((values / divisor[:, None] + 1) * 1.5).clamp_(0, 3).to(torch.uint8)
+            scales.append(scale)
+            positions.append(index.to(torch.int32).view(-1))
+            codes.append(code.view(-1))
+        if not scales:
+            return b""
+        code = torch.cat(codes)
+        code = torch.nn.functional.pad(code, (0, -code.numel() % 4)).view(-1, 4)
+        packed = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
+        return (
+            torch.cat(scales).numpy().tobytes()
+            + torch.cat(positions).to(torch.uint16).numpy().tobytes()
+            + packed.numpy().tobytes()
+        )
+
+    def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
+        layout = self._layout(numel)
+        chunks = sum(n for n, _, _ in layout)
+        kept_total = sum(n * kept for n, _, kept in layout)
+        scales = frombuffer(body[: 4 * chunks], torch.float32)
+        positions = frombuffer(body[4 * chunks : 4 * chunks + 2 * kept_total], torch.uint16).to(torch.int64)
+        packed = frombuffer(body[4 * chunks + 2 * kept_total :], torch.uint8)
+        codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)[:kept_total]
+        out = torch.zeros(numel, dtype=torch.float32)
+        offset = chunk_offset = kept_offset = 0
+        for count, length, kept in layout:
+            index = positions[kept_offset : kept_offset + count * kept].view(count, kept)
+            if bool((index >= length).any()) or (kept > 1 and not bool((index[:, 1:] > index[:, :-1]).all())):
+                raise PayloadError("payload has top-k positions out of range or out of order")
+            level = _LEVELS[codes[kept_offset : kept_offset + count * kept].to(torch.int64)].view(count, kept)
+            values = level * scales[chunk_offset : chunk_offset + count, None]
+            out[offset : offset + count * length].view(count, length).scatter_(1, index, values)
+            offset += count * length
+            chunk_offset += count
+            kept_offset += count * kept
+        return out
