@@ -101,6 +101,8 @@ class OuterStep:
         result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         if not result.ok:  # the backend left our own pseudo-gradient in place
             logger.warning("round %d: averaging failed (%s)", round_index, result.error)
+            if self.error_feedback is not None:
+                self.error_feedback.forget()  # what it had carried over is applied now, in full
         self.apply(pseudo_gradients)
         peers = result.peers if result.ok else 1
         backend.publish_state(round_index, peers, self.state_dict)  # called only by transports that serve state

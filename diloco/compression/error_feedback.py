@@ -36,6 +36,12 @@ class ErrorFeedback:
             residual.copy_(value - self.codec.roundtrip(value))
         return corrected
 
+    def forget(self) -> None:
+        """The last round applied the corrected tensors in full (it was not averaged): nothing is owed."""
+        if self.residuals is not None:
+            for residual in self.residuals:
+                residual.zero_()
+
     def state_dict(self) -> dict:
         return {"residuals": None if self.residuals is None else [r.clone() for r in self.residuals]}
 

@@ -83,10 +83,12 @@ def test_rerunning_a_stopped_run_resumes_from_its_checkpoint(tmp_path, diloco_cl
     assert len(set(_round_hashes(run_dir, 2)[4])) == 1
 
 
-def test_single_worker_resume_is_bit_exact(tmp_path, diloco_cli):
-    """Checkpoints hold everything: model, both optimizers, data position, RNG."""
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_single_worker_resume_is_bit_exact(tmp_path, diloco_cli, compression):
+    """Checkpoints hold everything: model, both optimizers, data position, RNG, error feedback."""
     common = [
         *TINY,
+        f"compression.name={compression}",
         "inner.steps=30",
         "outer.sync_every=10",
         "checkpoint.every_rounds=1",
