@@ -9,6 +9,7 @@
     diloco plot runs/a runs/b --out curves.png              # loss against tokens, time and bytes
     diloco bench overhead                                   # inner-step throughput vs a bare loop
     diloco bench quality                                    # DiLoCo vs data-parallel at equal tokens
+    diloco bench compression                                # each codec vs dense DiLoCo
 
 Mistakes in the command line, the config or the data path end with one line on stderr and
 exit code 2; Ctrl-C stops everything this command started and exits 130.
@@ -72,6 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument("--out", default="runs/bench-quality", help="output folder")
     quality.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     quality.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    compression = bench.add_parser("compression", help="each compression codec against dense DiLoCo (M=4, H=50)")
+    compression.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    compression.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    compression.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
+    compression.add_argument("--seeds", type=int, default=3)
+    compression.add_argument("--out", default="runs/bench-compression", help="output folder")
+    compression.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    compression.add_argument("--device", default="auto", help="cpu / cuda / auto")
     return parser
 
 
@@ -179,6 +188,18 @@ def _cmd_bench(args) -> int:
         from diloco.bench.overhead import run_overhead_benchmark
 
         return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
+    if args.bench == "compression":
+        from diloco.bench.compression import run_compression_benchmark
+
+        return run_compression_benchmark(
+            data=args.data,
+            steps=args.steps,
+            seeds=args.seeds,
+            out=Path(args.out),
+            jobs=args.jobs,
+            device=args.device,
+            overrides=args.overrides,
+        )
     from diloco.bench.quality import run_quality_benchmark
 
     return run_quality_benchmark(

@@ -1,0 +1,153 @@
+"""What the training benchmarks share: an arm (workers, H, overrides), one run of it on the
+in-process simulator, and the driver that runs arms x seeds, saving results after every run.
+
+Every arm uses the workload of BENCHMARKS.md: tinyshakespeare (byte-level), model "baby", a
+fixed global batch of 48 sequences split over the workers, AdamW lr 1e-3, warm-up 50, cosine to
+1e-4, clipping 1.0, and the very same worker loop as a real run (``comm.backend=inproc``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+GLOBAL_BATCH = 48
+SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+COMMON = [
+    "inner.lr=1e-3",
+    "inner.min_lr=1e-4",
+    "inner.warmup_steps=50",
+    "inner.grad_clip=1.0",
+    "logging.eval_batches=32",
+    "logging.eval_batch_size=12",
+    "logging.eval_every=50",
+    "logging.log_every=100",
+    "checkpoint.every_rounds=0",
+    "comm.backend=inproc",
+]
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    workers: int
+    sync_every: int  # 0 = data-parallel
+    extra: tuple[str, ...] = ()  # further overrides (outer optimizer, compression)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"inner.batch_size={GLOBAL_BATCH // self.workers}", f"outer.sync_every={self.sync_every}", *self.extra]
+
+
+def default_data(data: str | None) -> str:
+    """The text file to train on: the one given, else tinyshakespeare beside the project, else "" (embedded)."""
+    return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")
+
+
+def _run_one(job: tuple) -> dict:
+    """One arm and seed, in its own process: returns the run's summary."""
+    arm, seed, data_path, steps, out, device, threads, overrides = job
+    import logging
+
+    import torch
+
+    from diloco.config import load_config
+    from diloco.local import simulate
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(threads)
+    run_dir = out / f"{arm.name}-seed{seed}"
+    cfg = load_config(
+        None,
+        [
+            *COMMON,
+            *arm.overrides,
+            f"inner.steps={steps}",
+            f"seed={seed}",
+            f"data.path={data_path}",
+            f"run.dir={run_dir}",
+            f"run.name={arm.name}",
+            f"worker.device={device}",
+            f"comm.run_id=q_{arm.name.replace('-', '_').replace('.', '_')}_{seed}",
+            *overrides,
+        ],
+    )
+    started = time.perf_counter()
+    summary = simulate(cfg, workers=arm.workers)
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "seconds": time.perf_counter() - started,
+        "final_val_loss": summary["final_val_loss"],
+        "bytes_sent": summary["bytes_sent"],
+        "params_agree": summary["params_agree"],
+        "workers": summary["workers"],
+    }
+
+
+def run_arms(
+    title: str,
+    arms: Sequence[Arm],
+    *,
+    data_path: str,
+    steps: int,
+    seeds: int,
+    out: Path,
+    jobs: int,
+    device: str,
+    overrides: list[str],
+    collect: Callable[[list[dict]], dict],
+    first: Sequence[str] = (),
+) -> tuple[dict, list[dict]]:
+    """Run every arm for every seed (the arms named in ``first`` first, so a run cut short still
+    answers them); ``results.json`` (``collect`` of the runs so far) is rewritten after each run.
+    Returns the last results and the runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
+    todo = [(arm, seed, data_path, steps, out, device, threads, overrides) for seed in range(seeds) for arm in arms]
+    todo.sort(key=lambda job: (job[0].name not in first, job[1]))
+    print(
+        f"{title}: {len(arms)} arms x {seeds} seeds, {steps} inner steps, global batch {GLOBAL_BATCH}, "
+        f"data {data_path or 'embedded corpus'}, device {device}, {jobs} at a time",
+        flush=True,
+    )
+    config = {"steps": steps, "seeds": seeds, "global_batch": GLOBAL_BATCH, "data": data_path, "device": device}
+    config["overrides"] = overrides
+    runs: list[dict] = []
+    results: dict = {}
+
+    def record(run: dict) -> None:
+        nonlocal results
+        runs.append(run)
+        print(
+            f"  [{len(runs)}/{len(todo)}] {run['arm']} seed {run['seed']}: val {run['final_val_loss']:.4f} "
+            f"({run['seconds']:.0f} s)",
+            flush=True,
+        )
+        results = {**collect(runs), "config": config}
+        (out / "results.json").write_text(json.dumps(results, indent=2))  # after every run: nothing lost
+
+    if jobs > 1:
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            for run in pool.imap_unordered(_run_one, todo):
+                record(run)
+    else:
+        for job in todo:
+            record(_run_one(job))
+    return results, runs
+
+
+def plot_seed0(runs: list[dict], path: Path, axes: tuple[str, ...]) -> None:
+    """Validation loss of every arm's seed-0 run against ``axes``."""
+    from diloco.plot import load_curve, plot_curves
+
+    curves = [load_curve(Path(r["run_dir"])) for r in runs if r["seed"] == 0]
+    for curve in curves:
+        curve["name"] = curve["name"].removesuffix("-seed0")
+    plot_curves(curves, path, axes=axes)
