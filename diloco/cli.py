@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     compression.add_argument("--out", default="runs/bench-compression", help="output folder")
     compression.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     compression.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    compression.add_argument(
+        "--speed-values", type=int, default=10_000_000, help="values in the codec speed test (default 10M)"
+    )
     return parser
 
 
@@ -199,6 +202,7 @@ def _cmd_bench(args) -> int:
             jobs=args.jobs,
             device=args.device,
             overrides=args.overrides,
+            speed_values=args.speed_values,
         )
     from diloco.bench.quality import run_quality_benchmark
 

@@ -9,7 +9,7 @@ the same way) are computed, not run: ``steps x 2 (M-1)/M x payload``.
     diloco bench compression --steps 600 --seeds 1   # a quick look
 
 Prints final val loss / dense DiLoCo, bytes per worker, DDP bytes / these bytes and each
-codec's encode+decode speed on a 10M-value pseudo-gradient (MB/s of fp32 in, on this CPU), and
+codec's encode+decode speed on a 10M-value pseudo-gradient (``--speed-values``) (MB/s of fp32 in, on this CPU), and
 writes ``results.json`` and ``compression.png`` (validation loss against bytes).
 """
 
@@ -107,9 +107,17 @@ def _table(results: dict, speeds: dict[str, float]) -> str:
 
 
 def run_compression_benchmark(
-    *, data: str | None, steps: int, seeds: int, out: Path, jobs: int, device: str, overrides: list[str]
+    *,
+    data: str | None,
+    steps: int,
+    seeds: int,
+    out: Path,
+    jobs: int,
+    device: str,
+    overrides: list[str],
+    speed_values: int = 10_000_000,
 ) -> int:
-    speeds = {name: codec_speed_mb_s(name) for name in CODECS}
+    speeds = {name: codec_speed_mb_s(name, speed_values) for name in CODECS}
     ddp_bytes = ddp_bytes_per_worker(steps, overrides)
     results, runs = run_arms(
         "compression",

@@ -64,6 +64,23 @@ def test_short_quality_benchmark_diloco_learns_with_h_times_fewer_bytes(tmp_path
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
+def test_short_compression_benchmark_orders_the_codecs_by_bytes(tmp_path, diloco_cli):
+    out = tmp_path / "bench"
+    done = diloco_cli(
+        "bench", "compression", "--steps", "50", "--seeds", "1", "--speed-values", "100000", "--out", str(out), *TINY
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    arms = results["arms"]
+    sent = [arms[name]["bytes_sent"] for name in ("dense", "fp16", "int8", "int4", "topk")]
+    assert sent == sorted(sent, reverse=True) and sent[-1] * 50 < sent[0]
+    assert arms["dense"]["traffic_saving_vs_ddp"] == pytest.approx(50.0, rel=1e-3)  # H = 50, both fp32
+    assert arms["int8"]["ratio_to_dense"] == pytest.approx(1.0, abs=0.01)  # 8 bits lose next to nothing
+    assert set(results["codec_mb_s"]) == {"none", "fp16", "int8", "int4", "topk"}
+    assert "| topk |" in done.stdout
+    assert matplotlib.image.imread(out / "compression.png").shape[0] > 100
+
+
 def test_plot_writes_a_readable_png_and_rejects_a_non_run(tmp_path, diloco_cli):
     run = tmp_path / "run"
     assert (
