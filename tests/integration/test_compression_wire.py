@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diloco.comm.base import CommConfig
-from diloco.compression import CODECS, CompressionConfig, build_codec
+from diloco.compression import CompressionConfig, build_codec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -80,11 +80,15 @@ def _run_peers(count: int, codecs: list[str], bad_peer: int = -1, bad: str = "")
             bootstrap.shutdown()
 
 
-def test_two_peers_end_identical_with_every_codec_and_count_the_compressed_bytes():
-    found = _run_peers(2, list(CODECS))
+# fp16 differs from int4 only inside the codec (unit-tested); int8 is the bad-payload test's codec
+WIRE_CODECS = ["none", "int4", "topk"]
+
+
+def test_two_peers_end_identical_with_each_codec_and_count_the_compressed_bytes():
+    found = _run_peers(2, WIRE_CODECS)
     weights = [1.0, 2.0]
     exact = [(a * weights[0] + b * weights[1]) / 3 for a, b in zip(_tensors(0), _tensors(1))]
-    for name in CODECS:
+    for name in WIRE_CODECS:
         codec = build_codec(CompressionConfig(name=name))
         first, second = found[(name, 0)], found[(name, 1)]
         assert first["ok"] and second["ok"], name
