@@ -192,6 +192,11 @@ def validate(cfg: Config) -> None:
         cfg.faults.bad_payload in BAD_PAYLOADS,
         f"faults.bad_payload={cfg.faults.bad_payload!r} is not one of {', '.join(BAD_PAYLOADS[1:])} (or empty)",
     )
+    _check(
+        not (cfg.faults.bad_payload and cfg.comm.backend == "torchdist" and cfg.compression.name == "none"),
+        "faults.bad_payload with comm.backend=torchdist needs a codec (compression.name): "
+        "fp32 goes through a plain all-reduce there, with no payload to break",
+    )
     _check(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
     _check(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
     _check(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")

@@ -66,11 +66,10 @@ class SkipRoundBackend(CommBackend):
 class BadPayloadCodec(Codec):
     """``inner``, except that what it compresses arrives broken in the way ``mode`` names."""
 
-    lossless = False
-
     def __init__(self, inner: Codec, mode: str):
         self.inner, self.mode = inner, mode
         self.name, self.codec_id, self.align = inner.name, inner.codec_id, inner.align
+        self.lossless = False  # even "none" goes through the payload path, where the fault is
 
     def params(self) -> tuple[int, int]:
         return self.inner.params()
@@ -84,6 +83,10 @@ class BadPayloadCodec(Codec):
     def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
         return self.inner._decode(body, numel)
 
+    @property
+    def reply_codec(self) -> Codec:
+        return self.inner  # faults.bad_payload breaks a worker's own contributions, not the averages it serves
+
     def compress(self, tensor: torch.Tensor) -> bytes:
         if self.mode == "nan":
             return self.inner.compress(torch.full_like(tensor, float("nan")))
@@ -96,11 +99,6 @@ class BadPayloadCodec(Codec):
 def with_bad_payloads(codec: Codec, cfg: FaultConfig, worker_index: int) -> Codec:
     """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies."""
     return BadPayloadCodec(codec, cfg.bad_payload) if cfg.bad_payload and applies_to(cfg, worker_index) else codec
-
-
-def intact(codec: Codec) -> Codec:
-    """``codec`` without the injected fault (what a simulated reducer uses for its replies)."""
-    return codec.inner if isinstance(codec, BadPayloadCodec) else codec
 
 
 def applies_to(cfg: FaultConfig, worker_index: int) -> bool:

@@ -82,7 +82,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         model.load_state_dict(state["model"])
         inner_optimizer.load_state_dict(state["inner_optimizer"])
         outer.load_state_dict(state["outer"])
-        error_feedback.load_state_dict(state["error_feedback"])
+        error_feedback.load_state_dict(state.get("error_feedback", {}))
         sampler.load_state_dict(state["sampler"])
         restore_rng_state(state["rng"])
         step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])

@@ -105,13 +105,15 @@ class Contribution:
 def average_payloads(
     codec: Codec, contributions: Sequence[Contribution], numels: Sequence[int], *, round_index: int
 ) -> tuple[list[torch.Tensor], list[Contribution]]:
-    """The rule every transport follows to average compressed tensors.
+    """The rule every transport follows to average compressed tensors (``codec`` decodes them).
 
     Each contribution is decoded (one with an invalid payload or weight is dropped, with a log line
     that names the sender and the reason); the weighted mean is taken in fp32, in the order given;
     and the result is what ``codec`` restores from the compressed mean. That last step is what a
     reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves.
-    Returns the flat averaged tensors and the contributions that were used.
+    Returns the flat averaged tensors and the contributions that were used (none when nothing, or
+    no usable average, came of them). hivemind's reducers follow the same rule part by part (their
+    sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
     """
     decoded, used = [], []
     for contribution in contributions:
@@ -130,5 +132,9 @@ def average_payloads(
     means = []
     for k in range(len(numels)):
         mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
-        means.append(codec.roundtrip(mean))
+        try:
+            means.append(codec.reply_codec.roundtrip(mean))
+        except PayloadError as error:  # finite inputs can still overflow
+            logger.warning("round %d: the average is unusable: %s", round_index, error)
+            return [], []
     return means, used

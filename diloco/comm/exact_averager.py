@@ -5,7 +5,7 @@ vector and sends every sender back ``average - what_you_sent``; the sender adds 
 its own part. ``x + (avg - x)`` is not ``avg`` in floating point, so peers drift apart by an
 ulp per round and their parameter hashes never agree. Here a reducer returns the averaged part
 itself, the peers copy it in, and the reducer keeps exactly the values it sent. The same rule
-makes lossy codecs safe later: whatever a reducer sends is what everyone, itself included, uses.
+makes lossy codecs safe: whatever a reducer sends is what everyone, itself included, uses.
 
 Parts travel compressed by the run's codec (diloco/compression): a sender compresses each part
 of its pseudo-gradient, the reducer checks and decodes every part it receives (a bad payload
@@ -38,7 +38,6 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 from diloco.compression import Codec, PayloadError
-from diloco.faults import intact
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         # a failed reducer's part falls back to our own values rather than a zero delta
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
-        self._replies: dict[int, tuple[bytes, torch.Tensor]] = {}  # our share: part -> (payload, decoded)
+        self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
 
     async def _count_received(self, messages: AsyncIterator[averaging_pb2.AveragingData]):
         async for message in messages:
@@ -134,14 +133,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.traffic.add(sent=message.ByteSize())
             yield message
 
-    def _reply(self, part_index: int, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        """The compressed average of one part of our share, made once and sent to every sender,
-        and what it decodes to (which we keep ourselves)."""
-        if part_index not in self._replies:
-            codec = intact(self.codec)  # faults.bad_payload breaks a worker's contributions, not its replies
-            payload = codec.compress(averaged)
-            self._replies[part_index] = (payload, codec.decompress(payload, averaged.numel()))
-        return self._replies[part_index]
+    async def _reply(self, part_index: int, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """The compressed average of one part of our share, made once (every sender and our own
+        share await the same future) and sent to every sender, and what it decodes to, which we
+        keep ourselves. Raises PayloadError if the average is not finite."""
+        if part_index not in self._replies:  # no await between the test and the set: one future per part
+            self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, _compress_reply, self.codec.reply_codec, averaged
+            )
+        return await self._replies[part_index]
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if peer_id != self.peer_id:
@@ -162,7 +162,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, sent, weight=self.weight
             )
-            _, restored = await loop.run_in_executor(None, self._reply, part_index, averaged)
+            try:
+                _, restored = await self._reply(part_index, averaged)
+            except PayloadError as error:
+                logger.warning("our share's average is unusable: %s", error)
+                self.tensor_part_container.register_failed_reducer(peer_index)
+                return
             self.tensor_part_container.register_processed_part(peer_index, part_index, restored)
 
     async def rpc_aggregate_part(self, stream, context: P2PContext):
@@ -188,7 +193,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=message.weight)
                 except BannedException:
                     break  # the sender was dropped from this round; stop serving it
-                payload, _ = await loop.run_in_executor(None, self._reply, parts_done, averaged)
+                payload, _ = await self._reply(parts_done, averaged)
                 parts_done += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=_bytes_part(payload))
         finally:
@@ -201,6 +206,11 @@ def _bytes_part(payload: bytes) -> runtime_pb2.Tensor:
     return runtime_pb2.Tensor(
         compression=runtime_pb2.CompressionType.NONE, buffer=payload, size=[len(payload)], dtype="uint8"
     )
+
+
+def _compress_reply(codec: Codec, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    payload = codec.compress(averaged)
+    return payload, codec.decompress(payload, averaged.numel())
 
 
 def _decode_part(codec: Codec, serialized: runtime_pb2.Tensor, numel: int) -> torch.Tensor:

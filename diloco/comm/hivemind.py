@@ -97,12 +97,10 @@ class HivemindBackend(CommBackend):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
     ) -> SyncResult:
         if self.num_workers <= 1:  # nobody to talk to, but the result is what the codec makes of it, as always
-            means, _ = average_payloads(
-                self.codec,
-                [Contribution("self", [self.codec.compress(t) for t in tensors], weight)],
-                [t.numel() for t in tensors],
-                round_index=round_index,
-            )
+            alone = [Contribution("self", [self.codec.compress(t) for t in tensors], weight)]
+            means, used = average_payloads(self.codec, alone, [t.numel() for t in tensors], round_index=round_index)
+            if not used:
+                return SyncResult(False, 1, weight, error="our own contribution was dropped")
             for tensor, mean in zip(tensors, means):
                 tensor.copy_(mean.view_as(tensor))
             return SyncResult(ok=True, peers=1, total_weight=weight)

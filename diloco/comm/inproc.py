@@ -28,7 +28,6 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
 from diloco.compression import Codec
-from diloco.faults import intact
 
 _GROUPS: dict[str, InProcGroup] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -76,7 +75,7 @@ class InProcGroup:
         """Block until every live worker has arrived; return the averaged flat tensors and the
         contributions in them (see ``average_payloads``)."""
         with self._cond:
-            self._reducer = self._reducer or (intact(codec), numels)
+            self._reducer = self._reducer or (codec.reply_codec, numels)
             self._arrived[worker] = contribution
             round_index = self._round_done
             if not self._complete_round_if_all_arrived():

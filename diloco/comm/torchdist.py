@@ -13,8 +13,8 @@ one all-reduce of the weighted, flattened pseudo-gradients: every rank ends with
 With a lossy codec (``compression.name``) the workers all-gather their compressed payloads
 instead and each decodes and averages them in rank order (``average_payloads``), so every rank
 computes the same mean from the same bytes; a ring all-gather sends (n-1) payloads a worker.
-Unlike hivemind, a dead peer fails the whole group: this
-transport is for reliable links.
+The fp32 all-reduce checks nothing: a rank's NaN reaches every rank (hivemind and the simulator
+drop it). Unlike hivemind, a dead peer fails the whole group: this transport is for reliable links.
 """
 
 from __future__ import annotations
@@ -109,13 +109,13 @@ class TorchDistBackend(CommBackend):
 
 
 def _split(data: bytes, codec: Codec, numels: Sequence[int]) -> list[bytes]:
-    """One rank's concatenated payloads, cut where ``codec`` says each should end (a payload of the
-    wrong length shows up as a wrong-sized piece, which ``average_payloads`` rejects)."""
+    """One rank's concatenated payloads, cut where ``codec`` says each ends; data of the wrong
+    total length comes back as one piece, which ``average_payloads`` rejects (wrong count)."""
+    sizes = [codec.payload_bytes(numel) for numel in numels]
+    if sum(sizes) != len(data):
+        return [data]
     pieces, offset = [], 0
-    for numel in numels:
-        size = codec.payload_bytes(numel)
+    for size in sizes:
         pieces.append(data[offset : offset + size])
         offset += size
-    if offset != len(data):  # let the last piece carry the difference so that the size check fails
-        pieces[-1] = data[offset - codec.payload_bytes(numels[-1]) :] if numels else data
     return pieces

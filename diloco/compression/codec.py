@@ -92,6 +92,16 @@ class Codec(abc.ABC):
         """What a peer receives when ``tensor`` is sent: ``decompress(compress(tensor))``, same shape."""
         return self.decompress(self.compress(tensor), tensor.numel()).view(tensor.shape)
 
+    def restore(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``roundtrip`` without the checks a receiver makes (non-finite values pass through)."""
+        flat = tensor.detach().reshape(-1).to("cpu", torch.float32).contiguous()
+        return self._decode(memoryview(self._encode(flat)), flat.numel()).view(tensor.shape)
+
+    @property
+    def reply_codec(self) -> Codec:
+        """The codec a reducer compresses averages with: this one (a fault injector returns the intact one)."""
+        return self
+
     def describe(self) -> str:
         return _describe(self.codec_id, *self.params())
 

@@ -33,7 +33,9 @@ class ErrorFeedback:
             self.residuals = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
         corrected = [t.to(torch.float32) + r for t, r in zip(tensors, self.residuals, strict=True)]
         for residual, value in zip(self.residuals, corrected):
-            residual.copy_(value - self.codec.roundtrip(value))
+            residual.copy_(value - self.codec.restore(value))
+            if not bool(torch.isfinite(residual).all()):  # a diverged step: peers drop it, owe nothing
+                residual.zero_()
         return corrected
 
     def forget(self) -> None:

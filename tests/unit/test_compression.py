@@ -168,3 +168,11 @@ def test_hivemind_parts_must_be_compressed_bytes():
         _decode_part(codec, serialize_torch_tensor(torch.ones(3)), 3)
     torch.testing.assert_close(_decode_part(codec, _bytes_part(codec.compress(torch.ones(3))), 3), torch.ones(3))
     assert aligned_part_size_bytes(codec_of("topk", CompressionConfig(topk_chunk=3000))) // 4 % 3000 == 0
+
+
+def test_error_feedback_survives_a_diverged_step():
+    feedback = ErrorFeedback(codec_of("int8"), enabled=True)
+    feedback.apply([torch.randn(20)])
+    (sent,) = feedback.apply([torch.full((20,), math.inf)])  # peers will drop it; the worker must not crash
+    assert not bool(torch.isfinite(sent).all())
+    assert bool((feedback.residuals[0] == 0).all())
