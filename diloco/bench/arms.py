@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -141,6 +142,27 @@ def run_arms(
         for job in todo:
             record(_run_one(job))
     return results, runs
+
+
+def rows_by_arm(runs: list[dict]) -> dict[str, dict]:
+    """The runs grouped by arm: seeds, final val losses (in seed order) and bytes sent per worker."""
+    by_arm: dict[str, dict] = {}
+    for run in sorted(runs, key=lambda r: (r["arm"], r["seed"])):
+        row = by_arm.setdefault(run["arm"], {"seeds": [], "final_val_loss": [], "bytes_sent": 0})
+        row["seeds"].append(run["seed"])
+        row["final_val_loss"].append(run["final_val_loss"])
+        row["bytes_sent"] = run["bytes_sent"]
+    return by_arm
+
+
+def loss_ratio(row: dict, base: dict) -> float | None:
+    """Mean over the seeds both rows ran of ``row``'s final val loss / ``base``'s."""
+    pairs = [
+        (loss, base["final_val_loss"][base["seeds"].index(seed)])
+        for seed, loss in zip(row["seeds"], row["final_val_loss"])
+        if seed in base["seeds"]
+    ]
+    return statistics.mean(a / b for a, b in pairs) if pairs else None
 
 
 def plot_seed0(runs: list[dict], path: Path, axes: tuple[str, ...]) -> None:

@@ -15,12 +15,11 @@ writes ``results.json`` and ``compression.png`` (validation loss against bytes).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
-from diloco.bench.arms import COMMON, Arm, default_data, plot_seed0, run_arms
+from diloco.bench.arms import COMMON, Arm, default_data, loss_ratio, plot_seed0, rows_by_arm, run_arms
 from diloco.compression import CODECS
 
 WORKERS, SYNC_EVERY = 4, 50
@@ -55,25 +54,15 @@ def ddp_bytes_per_worker(steps: int, overrides: list[str]) -> int:
     return steps * int(2 * (WORKERS - 1) / WORKERS * payload)
 
 
-def _collector(ddp_bytes: int):
+def _collector(ddp_bytes: int, speeds: dict[str, float]):
     def collect(runs: list[dict]) -> dict:
-        by_arm: dict[str, dict] = {}
-        for run in sorted(runs, key=lambda r: (r["arm"], r["seed"])):
-            row = by_arm.setdefault(run["arm"], {"seeds": [], "final_val_loss": [], "bytes_sent": 0})
-            row["seeds"].append(run["seed"])
-            row["final_val_loss"].append(run["final_val_loss"])
-            row["bytes_sent"] = run["bytes_sent"]
+        by_arm = rows_by_arm(runs)
         dense = by_arm.get("dense")
         for name, row in by_arm.items():
             row["traffic_saving_vs_ddp"] = ddp_bytes / row["bytes_sent"] if row["bytes_sent"] else None
             if dense and name != "dense":
-                pairs = [
-                    (loss, dense["final_val_loss"][dense["seeds"].index(seed)])
-                    for seed, loss in zip(row["seeds"], row["final_val_loss"])
-                    if seed in dense["seeds"]
-                ]
-                row["ratio_to_dense"] = statistics.mean(a / b for a, b in pairs) if pairs else None
-        return {"arms": by_arm, "runs": runs, "ddp_bytes_per_worker": ddp_bytes}
+                row["ratio_to_dense"] = loss_ratio(row, dense)
+        return {"arms": by_arm, "runs": runs, "ddp_bytes_per_worker": ddp_bytes, "codec_mb_s": speeds}
 
     return collect
 
@@ -129,11 +118,9 @@ def run_compression_benchmark(
         jobs=jobs,
         device=device,
         overrides=overrides,
-        collect=_collector(ddp_bytes),
+        collect=_collector(ddp_bytes, speeds),
         first=("dense",),
     )
-    results["codec_mb_s"] = speeds
-    (out / "results.json").write_text(json.dumps(results, indent=2))
     plot_seed0(runs, out / "compression.png", axes=("bytes",))
     print(_table(results, speeds))
     print(f"DDP would send {ddp_bytes:,} bytes per worker for the same {steps} steps")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from diloco.bench.arms import Arm, default_data, plot_seed0, run_arms
+from diloco.bench.arms import Arm, default_data, loss_ratio, plot_seed0, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
 ARMS = [
@@ -60,21 +60,11 @@ def _table(results: dict) -> str:
 
 
 def _collect(runs: list[dict]) -> dict:
-    by_arm: dict[str, dict] = {}
-    for run in sorted(runs, key=lambda r: (r["arm"], r["seed"])):
-        row = by_arm.setdefault(run["arm"], {"seeds": [], "final_val_loss": [], "bytes_sent": 0})
-        row["seeds"].append(run["seed"])
-        row["final_val_loss"].append(run["final_val_loss"])
-        row["bytes_sent"] = run["bytes_sent"]
+    by_arm = rows_by_arm(runs)
     ddp = by_arm.get("ddp")
     for name, row in by_arm.items():
         if ddp and name != "ddp":
-            pairs = [
-                (loss, ddp["final_val_loss"][ddp["seeds"].index(seed)])
-                for seed, loss in zip(row["seeds"], row["final_val_loss"])
-                if seed in ddp["seeds"]
-            ]
-            row["ratio_to_ddp"] = statistics.mean(a / b for a, b in pairs) if pairs else None
+            row["ratio_to_ddp"] = loss_ratio(row, ddp)
             row["traffic_saving"] = ddp["bytes_sent"] / row["bytes_sent"] if row["bytes_sent"] else None
     results = {"arms": by_arm, "runs": runs}
     nesterov, fedavg = by_arm.get("m4-h50"), by_arm.get("m4-h50-fedavg")
