@@ -79,17 +79,40 @@ def _run_one(job: tuple) -> dict:
         ],
     )
     started = time.perf_counter()
-    summary = simulate(cfg, workers=arm.workers)
+    summary = _finished_summary(cfg)
+    reused = summary is not None
+    if summary is None:
+        summary = simulate(cfg, workers=arm.workers)
     return {
         "arm": arm.name,
         "seed": seed,
         "run_dir": str(run_dir),
         "seconds": time.perf_counter() - started,
+        "reused": reused,
         "final_val_loss": summary["final_val_loss"],
         "bytes_sent": summary["bytes_sent"],
         "params_agree": summary["params_agree"],
         "workers": summary["workers"],
     }
+
+
+def _finished_summary(cfg) -> dict | None:
+    """The summary of a finished run of exactly this config in its run directory (a benchmark rerun
+    into the same ``--out`` reuses it instead of training again), else None."""
+    from diloco.config import ConfigError, load_config, to_dict
+
+    summary_path, config_path = cfg.run_dir / "summary.json", cfg.run_dir / "config.yaml"
+    if not (summary_path.exists() and config_path.exists()):
+        return None
+    try:
+        saved = to_dict(load_config(config_path))
+        summary = json.loads(summary_path.read_text())
+    except (ConfigError, ValueError):
+        return None
+    wanted = to_dict(cfg)
+    saved.pop("worker"), wanted.pop("worker")  # the simulator sets each worker's index, count and threads
+    finished = summary.get("inner_steps") == cfg.inner.steps and summary.get("final_val_loss") is not None
+    return summary if finished and saved == wanted else None
 
 
 def run_arms(
@@ -126,9 +149,9 @@ def run_arms(
     def record(run: dict) -> None:
         nonlocal results
         runs.append(run)
+        took = "reused a finished run" if run.get("reused") else f"{run['seconds']:.0f} s"
         print(
-            f"  [{len(runs)}/{len(todo)}] {run['arm']} seed {run['seed']}: val {run['final_val_loss']:.4f} "
-            f"({run['seconds']:.0f} s)",
+            f"  [{len(runs)}/{len(todo)}] {run['arm']} seed {run['seed']}: val {run['final_val_loss']:.4f} ({took})",
             flush=True,
         )
         results = {**collect(runs), "config": config}
