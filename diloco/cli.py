@@ -1,6 +1,7 @@
 """The ``diloco`` command.
 
     diloco local configs/tiny.yaml --workers 4              # M workers on this machine, then a summary
+    diloco testbed configs/tiny.yaml --workers 4 --rate 20  # the same on shaped links (root)
     diloco train configs/tiny.yaml [KEY=VALUE ...]          # one worker (start a run, or join one
                                                             #   with comm.initial_peers=[...])
     diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
@@ -46,6 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     local.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     local.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     local.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+
+    testbed = commands.add_parser(
+        "testbed", help="like local, each worker in its own network namespace on a shaped link (root)"
+    )
+    testbed.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
+    testbed.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    testbed.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    testbed.add_argument("--rate", type=float, default=0.0, help="each link's rate both ways, Mbit/s (0 = unshaped)")
+    testbed.add_argument("--up", type=float, help="each worker's upload rate, Mbit/s (default --rate)")
+    testbed.add_argument("--down", type=float, help="each worker's download rate, Mbit/s (default --rate)")
+    testbed.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
 
     bootstrap = commands.add_parser("bootstrap", help="run a DHT peer that workers can join through")
     bootstrap.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
@@ -147,6 +159,33 @@ def _cmd_local(args) -> int:
     return run_local(cfg, config_path, overrides, workers=args.workers)
 
 
+def _cmd_testbed(args) -> int:
+    from diloco.config import load_config
+    from diloco.local import run_local
+    from diloco.testbed import Testbed, TestbedError
+
+    if args.workers < 1:
+        raise UsageError(f"--workers={args.workers} must be at least 1")
+    up, down = args.rate if args.up is None else args.up, args.rate if args.down is None else args.down
+    if min(up, down) < 0:
+        raise UsageError("link rates (--rate, --up, --down) must be >= 0 Mbit/s")
+    config_path, overrides = _split_config(args.config, args.overrides)
+    if args.run_dir:
+        overrides = [*overrides, f"run.dir={args.run_dir}"]
+    cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])
+    if cfg.comm.backend != "hivemind":
+        raise UsageError(f"the testbed runs real peers: comm.backend must be hivemind, not {cfg.comm.backend}")
+    from diloco.data import load_corpus
+
+    load_corpus(cfg.data)
+    try:
+        testbed = Testbed(args.workers, up_mbit=up, down_mbit=down)
+    except TestbedError as error:
+        raise UsageError(str(error)) from None
+    with testbed:
+        return run_local(cfg, config_path, overrides, workers=args.workers, testbed=testbed)
+
+
 def _cmd_bootstrap(args) -> int:
     import threading
 
@@ -221,6 +260,7 @@ def _cmd_bench(args) -> int:
 COMMANDS = {
     "train": _cmd_train,
     "local": _cmd_local,
+    "testbed": _cmd_testbed,
     "bootstrap": _cmd_bootstrap,
     "config": _cmd_config,
     "plot": _cmd_plot,

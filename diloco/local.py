@@ -1,6 +1,7 @@
 """``diloco local``: a bootstrap peer and M workers on this machine, watched until they finish.
 
-With ``comm.backend=inproc`` the M workers are threads of this process instead, taking turns
+``diloco testbed`` runs the same, each worker in its own network namespace on a shaped link
+(``diloco/testbed.py``). With ``comm.backend=inproc`` the M workers are threads of this process instead, taking turns
 (see ``diloco/comm/inproc.py``); the run directory they write is the same.
 
 Each worker is a real ``diloco train`` process in its own session (so a terminal's Ctrl-C
@@ -30,6 +31,7 @@ import torch
 from diloco.comm.base import CommError
 from diloco.config import Config
 from diloco.metrics import format_summary, write_summary
+from diloco.testbed import Testbed
 
 logger = logging.getLogger(__name__)
 
@@ -100,22 +102,29 @@ class _Progress:
         return out
 
 
-def run_local(cfg: Config, config_path: str | None, overrides: list[str], *, workers: int) -> int:
-    """Run ``workers`` workers to the end. Returns the exit code: 0 when every worker finished."""
+def run_local(
+    cfg: Config, config_path: str | None, overrides: list[str], *, workers: int, testbed: Testbed | None = None
+) -> int:
+    """Run ``workers`` workers to the end, on loopback or each in its namespace of ``testbed``.
+    Returns the exit code: 0 when every worker finished."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // workers)
     children: list[subprocess.Popen] = []
     logs = []
-    bootstrap, peers = _start_bootstrap(timeout_s=cfg.comm.startup_timeout_s)
+    host = testbed.host if testbed else "127.0.0.1"
+    bootstrap, peers = _start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s)
     try:
         print(f"bootstrap peer: {peers[0]}")
-        print(f"run directory:  {run_dir}   ({workers} workers, {threads} threads each)")
+        where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
+        print(f"run directory:  {run_dir}   ({workers} workers {where}, {threads} threads each)")
         progress = _Progress(run_dir, workers)
         for i in range(workers):
             log = (run_dir / f"worker-{i}.log").open("ab")
             logs.append(log)
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
+            if testbed:
+                command = testbed.command(i, [*command, f"comm.host={testbed.address(i)}"])
             children.append(
                 subprocess.Popen(
                     command,
@@ -211,11 +220,11 @@ def run_inproc(cfg: Config, *, workers: int) -> int:
     return 0
 
 
-def _start_bootstrap(*, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
-    """A ``diloco bootstrap`` child on loopback (so that it, too, dies with the launcher); returns it
-    and the address it prints."""
+def _start_bootstrap(*, host: str, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
+    """A ``diloco bootstrap`` child listening on ``host`` (a child, so that it, too, dies with the
+    launcher); returns it and the address it prints."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", host, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -1,0 +1,185 @@
+"""A shaped-network testbed: one Linux network namespace per worker, real links, real rates.
+
+    diloco testbed configs/tiny.yaml --workers 4 --up 20 --down 20   # 4 workers on 20 Mbit/s links
+    launch/testbed.sh configs/tiny.yaml --workers 4 --rate 5          # the same, from the shell
+
+Each worker gets a namespace joined to the root namespace by a veth pair whose root end sits on
+a bridge; the bootstrap peer listens on the bridge's address. Every link is shaped with
+``tc ... tbf`` (``netem`` does not exist on these machines): the namespace end's egress is the
+worker's upload, the root end's egress its download, so both directions are limited
+separately and traffic between two workers crosses two shaped links, as between two sites.
+
+Needs root and iproute2 (``ip``, ``tc``); without them ``Testbed`` raises ``TestbedError`` (one
+line). Everything carries the creating process's id in its name; ``close()`` (also on error,
+Ctrl-C and SIGTERM, since the CLI turns those into exceptions) kills what runs in the namespaces
+and deletes them, their veths and the bridge, and ``remove_stale()`` clears what a testbed
+killed with -9 left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+_NAME = re.compile(r"^dl(?:b|v|p|n)(\d+)")  # every testbed object: dl + kind + owner pid
+
+
+class TestbedError(RuntimeError):
+    """The testbed cannot run here (not root, no iproute2); one line, user-fixable."""
+
+    __test__ = False  # not a pytest test class
+
+
+def testbed_unavailable() -> str | None:
+    """Why a testbed cannot be built on this machine, or None when it can."""
+    if os.geteuid() != 0:
+        return "the network testbed needs root (network namespaces, veth pairs and tc); run it as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"the network testbed needs iproute2 ({' and '.join(missing)} not found); install iproute2"
+    return None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise TestbedError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def _burst_bytes(mbit: float) -> int:
+    """tbf's bucket: 10 ms at the rate, at least 64 KiB (veths hand tbf segments that large)."""
+    return max(64 * 1024, int(mbit * 1e6 / 8 / 100))
+
+
+class Testbed:
+    """``workers`` network namespaces on shaped links to a bridge in the root namespace.
+
+    ``up_mbit`` / ``down_mbit`` are each worker's link rate in Mbit/s (0 = not shaped).
+    """
+
+    def __init__(self, workers: int, *, up_mbit: float, down_mbit: float):
+        if (reason := testbed_unavailable()) is not None:
+            raise TestbedError(reason)
+        if not 1 <= workers <= 200:
+            raise TestbedError(f"--workers={workers}: the testbed holds 1 to 200 workers")
+        self.workers = workers
+        self.up_mbit, self.down_mbit = up_mbit, down_mbit
+        tag = os.getpid()
+        subnet = 1 + tag % 250  # one /24 per testbed, so that two can run side by side
+        self._bridge = f"dlb{tag}"
+        self._prefix = f"10.231.{subnet}"
+        self.host = f"{self._prefix}.1"  # the root namespace's address on the bridge
+        self._namespaces = [f"dln{tag}w{i}" for i in range(workers)]
+        self._root_ends = [f"dlv{tag}x{i}" for i in range(workers)]
+        self._closed = False
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        def rate(mbit: float) -> str:
+            return f"{mbit:g} Mbit/s" if mbit > 0 else "unshaped"
+
+        return f"up {rate(self.up_mbit)}, down {rate(self.down_mbit)}"
+
+    def address(self, worker: int) -> str:
+        """The worker's address inside its namespace."""
+        return f"{self._prefix}.{10 + worker}"
+
+    def namespace(self, worker: int) -> str:
+        return self._namespaces[worker]
+
+    def command(self, worker: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside the worker's namespace (``ip netns exec`` execs it: same process)."""
+        return ["ip", "netns", "exec", self._namespaces[worker], *argv]
+
+    def _build(self) -> None:
+        remove_stale()
+        _run("ip", "link", "add", self._bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.host}/24", "dev", self._bridge)
+        _run("ip", "link", "set", self._bridge, "up")
+        for i, (namespace, root_end) in enumerate(zip(self._namespaces, self._root_ends)):
+            inside = f"dlp{os.getpid()}x{i}"
+            _run("ip", "netns", "add", namespace)
+            _run("ip", "link", "add", root_end, "type", "veth", "peer", "name", inside)
+            _run("ip", "link", "set", inside, "netns", namespace)
+            _run("ip", "link", "set", root_end, "master", self._bridge, "up")
+            _run("ip", "-n", namespace, "addr", "add", f"{self.address(i)}/24", "dev", inside)
+            _run("ip", "-n", namespace, "link", "set", inside, "up")
+            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+            _run("ip", "-n", namespace, "route", "add", "default", "via", self.host)
+            self._shape(["tc", "-n", namespace], inside, self.up_mbit)
+            self._shape(["tc"], root_end, self.down_mbit)
+
+    @staticmethod
+    def _shape(tc: list[str], device: str, mbit: float) -> None:
+        if mbit > 0:
+            burst = _burst_bytes(mbit)
+            rate = ["rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms"]
+            _run(*tc, "qdisc", "replace", "dev", device, "root", "tbf", *rate)
+
+    def set_link(self, worker: int, up: bool) -> None:
+        """Cut (``up=False``) or restore a worker's link, as a network outage would."""
+        _run("ip", "link", "set", self._root_ends[worker], "up" if up else "down")
+
+    def close(self) -> None:
+        """Kill whatever runs in the namespaces, then delete them, their veths and the bridge. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for namespace in self._namespaces:
+            _kill_inside(namespace)
+        for namespace, root_end in zip(self._namespaces, self._root_ends):
+            _run("ip", "netns", "del", namespace, check=False)
+            _run("ip", "link", "del", root_end, check=False)  # deleting the namespace frees it, but lazily
+        _run("ip", "link", "del", self._bridge, check=False)
+
+    def __enter__(self) -> Testbed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _kill_inside(namespace: str) -> None:
+    pids = _run("ip", "netns", "pids", namespace, check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+        if pids:
+            time.sleep(0.05)  # the kernel reaps SIGKILLed processes promptly; bounded by the deadline
+
+
+def leftovers() -> list[str]:
+    """Names of testbed namespaces and links that exist now (of any owner)."""
+    names = _run("ip", "netns", "list", check=False).stdout.split()
+    links = re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", "show", check=False).stdout, re.MULTILINE)
+    return [name for name in [*names, *links] if _NAME.match(name)]
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces and links of testbeds whose owner process is gone; return their names."""
+    removed = []
+    for name in leftovers():
+        owner = int(_NAME.match(name).group(1))
+        if os.path.exists(f"/proc/{owner}"):
+            continue
+        if name.startswith("dln"):
+            _kill_inside(name)
+            _run("ip", "netns", "del", name, check=False)
+        else:
+            _run("ip", "link", "del", name, check=False)
+        removed.append(name)
+    return removed

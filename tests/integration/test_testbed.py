@@ -1,0 +1,90 @@
+"""The shaped-network testbed: real workers in real network namespaces on tbf-limited links.
+
+Root only (CI runs as root); skipped elsewhere with the reason the testbed itself gives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from diloco.testbed import leftovers, remove_stale, testbed_unavailable
+from tests.conftest import TINY, read_records
+
+needs_root = pytest.mark.skipif(testbed_unavailable() is not None, reason=str(testbed_unavailable()))
+
+SMALL = [*TINY, "model.n_layer=1", "model.n_embd=32", "comm.matchmaking_s=8"]
+
+
+def _owned_by(pid: int) -> list[str]:
+    return [name for name in leftovers() if str(pid) in name]
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_a_slow_link_shows_in_the_round_times_and_nothing_is_left_behind(diloco_cli, tmp_path):
+    rate_mbit = 1.0
+    run_dir = tmp_path / "run"
+    before = set(leftovers())
+    done = diloco_cli(
+        "testbed", "--workers", "2", "--rate", str(rate_mbit), "--run-dir", str(run_dir),
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "checkpoint.every_rounds=0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "links up 1 Mbit/s, down 1 Mbit/s" in done.stdout
+    rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
+    assert len(rounds) == 2 and all(r["peers"] == 2 for r in rounds)
+    # two workers: each sends half its payload out and gets half back, over its own 1 Mbit/s link
+    bound_s = [r["bytes_sent"] * 8 / (rate_mbit * 1e6) for r in rounds]
+    assert min(bound_s) > 0.5, "the model is too small for the link to show"
+    measured = [r["comm_s"] for r in rounds]
+    assert statistics.median(m / b for m, b in zip(measured, bound_s)) >= 0.9, (measured, bound_s)
+    assert set(leftovers()) <= before
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_a_crashed_worker_leaves_no_namespace_or_link_behind(diloco_cli, tmp_path):
+    before = set(leftovers())
+    done = diloco_cli(
+        "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(tmp_path / "run"),
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.deadline_s=10",
+        "faults.worker=1", "faults.stop_after_round=1",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "worker 1 failed" in done.stdout
+    assert set(leftovers()) <= before
+
+
+@needs_root
+@pytest.mark.timeout(120)
+def test_the_leftovers_of_a_testbed_killed_with_sigkill_are_removed():
+    code = "from diloco.testbed import Testbed; import time; Testbed(2, up_mbit=5, down_mbit=5); print('up', flush=True); time.sleep(600)"  # noqa: E501
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        owned = [name for name in leftovers() if str(holder.pid) in name]
+        assert len(owned) == 5  # 2 namespaces, 2 veths, 1 bridge
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        assert sorted(remove_stale()) == sorted(owned)
+        assert [name for name in leftovers() if str(holder.pid) in name] == []
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+
+
+def test_without_root_the_testbed_says_so_in_one_line(monkeypatch, capsys):
+    from diloco.cli import main
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["testbed", "--workers", "2", "--rate", "5", *TINY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "diloco: error: the network testbed needs root (network namespaces, veth pairs and tc); run it as root"
+    )
