@@ -29,6 +29,7 @@ from diloco.inner import INNER_OPTIMIZERS, InnerConfig
 from diloco.metrics import WANDB_MODES, LoggingConfig
 from diloco.model import ModelConfig, validate_model_config
 from diloco.outer import OUTER_OPTIMIZERS, OuterConfig
+from diloco.overlap import OVERLAPS
 
 
 class ConfigError(ValueError):
@@ -130,6 +131,27 @@ def _describe(error: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
+def _check_overlap(outer: OuterConfig) -> None:
+    _check(outer.overlap in OVERLAPS, f"outer.overlap={outer.overlap!r} is not one of {', '.join(OVERLAPS)}")
+    if outer.overlap != "none":
+        _check(outer.sync_every > 0, f"outer.overlap={outer.overlap} needs DiLoCo rounds (outer.sync_every > 0)")
+    _check(0 <= outer.mix < 1, f"outer.mix={outer.mix} must be in [0, 1)")
+    _check(not outer.eager or outer.overlap == "delayed", "outer.eager=true applies to outer.overlap=delayed only")
+    if outer.overlap == "streaming":
+        _check(outer.fragments >= 1, f"outer.fragments={outer.fragments} must be at least 1")
+        _check(
+            outer.sync_every % outer.fragments == 0,
+            f"outer.sync_every={outer.sync_every} must be a multiple of outer.fragments={outer.fragments} "
+            "(fragments sync H/P steps apart)",
+        )
+        gap = min(outer.sync_every // outer.fragments, outer.sync_every - 1)
+        _check(
+            0 <= outer.delay_steps <= gap,
+            f"outer.delay_steps={outer.delay_steps} must be in [0, {gap}]: at most outer.sync_every / "
+            "outer.fragments, and below outer.sync_every (a whole round late is outer.overlap=delayed)",
+        )
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -170,6 +192,7 @@ def validate(cfg: Config) -> None:
         cfg.outer.sync_every >= 0,
         f"outer.sync_every={cfg.outer.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
     )
+    _check_overlap(cfg.outer)
     _check(
         cfg.compression.name in CODECS,
         f"compression.name={cfg.compression.name!r} is not one of {', '.join(CODECS)}",

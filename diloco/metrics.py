@@ -197,6 +197,7 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
         "final_val_loss": _rounded(mean_of("val_loss"), 4),
         "bytes_sent": None if bytes_sent is None else round(bytes_sent),
         "bytes_recv": None if bytes_recv is None else round(bytes_recv),
+        "peak_sync_bytes": max((int(e.get("peak_sync_bytes", 0)) for e in ends), default=0),
         "compute_s": _rounded(compute_s, 3),
         "comm_wait_s": _rounded(mean_of("comm_wait_s"), 3),
         "wall_s": _rounded(wall_s, 3),

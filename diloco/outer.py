@@ -36,6 +36,11 @@ class OuterConfig:
     lr: float = 0.7  # outer learning rate
     momentum: float = 0.9  # SGD momentum, or Adam's beta1
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
+    overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)
+    fragments: int = 1  # streaming: P fragments of the params, each synced every H steps, staggered by H/P
+    delay_steps: int = 1  # streaming: tau, inner steps between a fragment's sync and applying its average
+    mix: float = 0.0  # streaming/delayed: alpha; local params = alpha x local + (1 - alpha) x new global
+    eager: bool = False  # delayed: each worker's fresh pseudo-gradient stands in for its stale share
 
 
 def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:

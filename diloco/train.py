@@ -28,6 +28,7 @@ from diloco.inner import build_inner_optimizer, inner_step, lr_at
 from diloco.metrics import param_sha256
 from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
+from diloco.overlap import OverlappedOuter, fragments_for
 from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         worker_index=cfg.worker.index,
         device=device,
         codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
+        fragments=fragments_for(cfg.outer, outer.global_params),
     )
     backend = with_faults(transport, cfg.faults, cfg.worker.index)
     log = WorkerLog(
@@ -115,12 +117,20 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         if data_parallel
         else None
     )
+    # outer.overlap=delayed|streaming: averages run in the background and are applied inner steps later
+    overlapped = (
+        OverlappedOuter(outer, backend, cfg.outer, deadline_s=cfg.comm.deadline_s, expected_peers=cfg.worker.count)
+        if cfg.outer.overlap != "none"
+        else None
+    )
+    if overlapped is not None and state is not None and state.get("overlap"):
+        overlapped.load_state_dict(state["overlap"])
     record_every = cfg.logging.eval_every if data_parallel else cfg.outer.sync_every
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
-        samples_this_round, window, val_loss = 0, [], None
+        samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
         while step < cfg.inner.steps:
             # ---- inner step -------------------------------------------------------------
             started = time.perf_counter()
@@ -141,14 +151,19 @@ def train(cfg: Config, *, on_ready=None) -> dict:
             totals.compute_s += step_s
             step += 1
             samples_this_round += batch
+            if overlapped is not None:
+                costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)
+                window.extend(costs)
+                unattributed_comm_s += unattributed
             log.step(step, round_index, loss, lr, due=step % cfg.logging.log_every == 0)
             if step % record_every != 0 and step != cfg.inner.steps:
                 continue
 
             # ---- outer step: every H inner steps, and once more at the end ------------------
-            if data_parallel:
-                result, comm_s, recovered = _merge(window), sum(r.comm_s for r in window), False
-                window = []
+            if data_parallel or overlapped is not None:
+                result, recovered = _merge(window), False
+                comm_s = sum(r.comm_s for r in window) + unattributed_comm_s
+                window, unattributed_comm_s = [], 0.0
             else:
                 started = time.perf_counter()
                 result, recovered = outer.sync(
@@ -179,6 +194,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
                     "inner_optimizer": inner_optimizer.state_dict(),
                     "outer": outer.state_dict(),
                     "error_feedback": error_feedback.state_dict(),
+                    "overlap": overlapped.state_dict() if overlapped is not None else None,
                     "sampler": sampler.state_dict(),
                     "rng": capture_rng_state(),
                     "step": step,
@@ -219,6 +235,34 @@ def _account(result: SyncResult, measured_s: float, totals: Totals, log: WorkerL
     log.discount(measured_s - comm_s)
     totals.add_round(result, comm_s)
     return RoundCost(result, comm_s)
+
+
+def _overlapped_step(
+    overlapped: OverlappedOuter, step: int, batch: int, last_step: int, totals: Totals, log: WorkerLog
+) -> tuple[list[RoundCost], float]:
+    """Hand inner step ``step`` to the overlapped outer steps and account for what they did.
+
+    Over a real transport all the time spent there is the outer step's (waiting for an average,
+    and the local work around it). The simulator instead takes turns there: that time leaves the
+    wall clock, and each average costs only its modelled time that compute did not hide. Returns
+    the applied averages' costs, and the time spent when nothing was applied (starting a sync)."""
+    started = time.perf_counter()
+    applied = overlapped.after_inner_step(
+        step, samples_per_step=batch, compute_s=totals.compute_s, final=step == last_step
+    )
+    spent = time.perf_counter() - started
+    simulated = overlapped.backend.simulated
+    comm_s = sum(a.wait_s for a in applied) if simulated else spent
+    log.discount(spent - comm_s)
+    costs = []
+    for k, average in enumerate(applied):
+        share = comm_s if k == 0 else 0.0  # the step's time goes to the first average applied in it
+        totals.add_round(average.result, share)
+        costs.append(RoundCost(average.result, share))
+    if applied:
+        return costs, 0.0
+    totals.comm_wait_s += comm_s
+    return costs, comm_s
 
 
 def _merge(window: list[RoundCost]) -> SyncResult:

@@ -27,11 +27,13 @@ class Totals:
     bytes_sent: int = 0
     bytes_recv: int = 0
     wall_s: float = 0.0  # training time before this process (resumed runs)
+    peak_sync_bytes: int = 0  # the most bytes sent by one sync (streaming sends a fragment at a time)
 
     def add_round(self, result: SyncResult, comm_s: float) -> None:
         self.comm_wait_s += comm_s
         self.bytes_sent += result.bytes_sent
         self.bytes_recv += result.bytes_recv
+        self.peak_sync_bytes = max(self.peak_sync_bytes, result.bytes_sent)
 
 
 @dataclass
@@ -151,6 +153,7 @@ class WorkerLog:
             "val_loss": val_loss,
             "bytes_sent": totals.bytes_sent,
             "bytes_recv": totals.bytes_recv,
+            "peak_sync_bytes": totals.peak_sync_bytes,
             "compute_s": round(totals.compute_s, 3),
             "comm_wait_s": round(totals.comm_wait_s, 3),
             "wall_s": round(self.elapsed_s(), 3),

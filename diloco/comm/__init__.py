@@ -29,9 +29,11 @@ def build_backend(
     worker_index: int,
     device: torch.device | None = None,
     codec: Codec | None = None,
+    fragments: Sequence[Sequence[int]] | None = None,
 ) -> CommBackend:
     """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``, sending
-    them compressed by ``codec`` (default: fp32 as it is)."""
+    them compressed by ``codec`` (default: fp32 as it is). ``fragments`` (lists of indices into
+    ``templates``) are the groups of tensors averaged separately (default: all of them at once)."""
     codec = codec or NoCompression()
     if cfg.backend == "torchdist":
         from diloco.comm.torchdist import TorchDistBackend
@@ -46,5 +48,5 @@ def build_backend(
     if cfg.backend == "hivemind":
         from diloco.comm.hivemind import HivemindBackend
 
-        return HivemindBackend(cfg, templates=templates, num_workers=num_workers, codec=codec)
+        return HivemindBackend(cfg, templates=templates, num_workers=num_workers, codec=codec, fragments=fragments)
     raise ValueError(f"comm.backend={cfg.backend!r} is not one of {', '.join(BACKENDS)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,14 +57,27 @@ class SyncResult:
 class CommBackend(abc.ABC):
     """Averages a list of tensors across the workers of a run."""
 
+    simulated = False  # True for the simulator: its round times are modelled, not measured
+
     @abc.abstractmethod
     def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         """Replace ``tensors`` in place by their ``weight``-weighted mean over the workers of round
         ``round_index``, sent compressed by the backend's codec (see ``average_payloads``). Every
         worker that took part ends with bit-identical tensors. On failure the tensors are left as
-        they were and the result says so."""
+        they were and the result says so. ``fragment`` names which of the parameter fragments
+        given to ``build_backend`` the tensors are (streaming syncs them separately)."""
+
+    def start_all_reduce(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> PendingAverage:
+        """``all_reduce_mean``, started now and finished by ``PendingAverage.wait()``; inner steps can
+        run in between. Transports whose averaging happens elsewhere (hivemind's averager process,
+        torch.distributed) run it on a background thread; this default (the simulator) runs it at
+        once, and its modelled time says what overlapping it would have hidden."""
+        done = self.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
+        return PendingAverage.finished(done)
 
     def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (averaged over ``peers`` workers) to
@@ -91,6 +105,42 @@ class CommBackend(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+class PendingAverage:
+    """An all-reduce in flight; ``wait()`` blocks until it is done and returns its result."""
+
+    def __init__(self, run: Callable[[], SyncResult] | None = None, *, result: SyncResult | None = None):
+        self._result = result
+        self._error: BaseException | None = None
+        self._thread = None
+        if run is not None:
+            self._thread = threading.Thread(target=self._run, args=(run,), name="diloco-average", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def finished(cls, result: SyncResult) -> PendingAverage:
+        return cls(result=result)
+
+    @classmethod
+    def in_background(cls, run: Callable[[], SyncResult]) -> PendingAverage:
+        return cls(run)
+
+    def _run(self, run: Callable[[], SyncResult]) -> None:
+        try:
+            self._result = run()
+        except BaseException as error:  # handed to the thread that waits
+            self._error = error
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> SyncResult:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 @dataclass

@@ -14,7 +14,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, CommError, Contribution, SyncResult, average_payloads
+from diloco.comm.base import (
+    CommBackend,
+    CommConfig,
+    CommError,
+    Contribution,
+    PendingAverage,
+    SyncResult,
+    average_payloads,
+)
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -63,21 +71,44 @@ def visible_addresses(dht) -> list[str]:
 
 
 class HivemindBackend(CommBackend):
-    """One worker's DHT peer and averager. ``templates`` fix the shapes of what is averaged."""
+    """One worker's DHT peer and averager. ``templates`` fix the shapes of what is averaged;
+    ``fragments`` (lists of indices into ``templates``) get one averager each, so that streaming
+    can average one fragment while another trains (default: one fragment of everything)."""
 
-    def __init__(self, cfg: CommConfig, *, templates: Sequence[torch.Tensor], num_workers: int, codec: Codec):
-        from diloco.comm.exact_averager import ExactAverager
-
+    def __init__(
+        self,
+        cfg: CommConfig,
+        *,
+        templates: Sequence[torch.Tensor],
+        num_workers: int,
+        codec: Codec,
+        fragments: Sequence[Sequence[int]] | None = None,
+    ):
         self.cfg, self.codec = cfg, codec
         self.num_workers = num_workers
+        self._closed = False
+        self._averagers = []
         self._dht = start_dht(cfg)
-        self._averager = ExactAverager(
+        fragments = fragments or [range(len(templates))]
+        try:
+            for fragment, indices in enumerate(fragments):
+                self._averagers.append(self._start_averager([templates[i] for i in indices], fragment))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
+
+    def _start_averager(self, templates: Sequence[torch.Tensor], fragment: int):
+        from diloco.comm.exact_averager import ExactAverager
+
+        cfg = self.cfg
+        return ExactAverager(
             [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
             self._dht,
-            codec=codec,
+            codec=self.codec,
             start=True,
-            prefix=f"{cfg.run_id}_avg",
-            target_group_size=num_workers,
+            prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
+            target_group_size=self.num_workers,
             min_group_size=2,
             min_matchmaking_time=cfg.matchmaking_s,
             request_timeout=cfg.request_timeout_s,
@@ -86,15 +117,28 @@ class HivemindBackend(CommBackend):
             declare_state_period=max(cfg.deadline_s, 10.0),
             shutdown_timeout=5,
         )
-        self._closed = False
-        self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
+
+    @property
+    def _averager(self):
+        """The first fragment's averager; it also serves the worker's state to peers."""
+        return self._averagers[0]
 
     @property
     def addresses(self) -> list[str]:
         return visible_addresses(self._dht)
 
+    def start_all_reduce(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> PendingAverage:
+        # the averager process does the work; this thread only waits for it
+        return PendingAverage.in_background(
+            lambda: self.all_reduce_mean(
+                tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+            )
+        )
+
     def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         if self.num_workers <= 1:  # nobody to talk to, but the result is what the codec makes of it, as always
             alone = [Contribution("self", [self.codec.compress(t) for t in tensors], weight)]
@@ -104,7 +148,7 @@ class HivemindBackend(CommBackend):
             for tensor, mean in zip(tensors, means):
                 tensor.copy_(mean.view_as(tensor))
             return SyncResult(ok=True, peers=1, total_weight=weight)
-        averager = self._averager
+        averager = self._averagers[fragment]
         averager.set_group_bits(round_group_bits(round_index))
         sent_before, recv_before, failed_before = averager.traffic.read()
         with averager.get_tensors() as buffers:
@@ -182,7 +226,7 @@ class HivemindBackend(CommBackend):
         if self._closed:
             return
         self._closed = True
-        for part in (self._averager, self._dht):
+        for part in (*self._averagers, self._dht):
             try:
                 part.shutdown()
             except Exception:  # shutting down a half-dead daemon must not hide the real error

@@ -75,7 +75,8 @@ class InProcGroup:
         """Block until every live worker has arrived; return the averaged flat tensors and the
         contributions in them (see ``average_payloads``)."""
         with self._cond:
-            self._reducer = self._reducer or (codec.reply_codec, numels)
+            if not self._arrived:  # the first to arrive sets the round's shapes (fragments differ)
+                self._reducer = (codec.reply_codec, numels)
             self._arrived[worker] = contribution
             round_index = self._round_done
             if not self._complete_round_if_all_arrived():
@@ -129,6 +130,8 @@ def forget_group(run_id: str) -> None:
 class InProcBackend(CommBackend):
     """One simulated worker's view of its ``InProcGroup``. Constructing it waits for the worker's turn."""
 
+    simulated = True
+
     def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, codec: Codec):
         self.group = group_for(cfg.run_id, num_workers)
         self.worker_index, self.codec = worker_index, codec
@@ -137,7 +140,7 @@ class InProcBackend(CommBackend):
         self.group.wait_turn(worker_index)
 
     def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         payloads = [self.codec.compress(t) for t in tensors]
         numels = [t.numel() for t in tensors]

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.comm.base import CommBackend, CommConfig, Contribution, PendingAverage, SyncResult, average_payloads
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class TorchDistBackend(CommBackend):
 
     @torch.no_grad()
     def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         if not self.codec.lossless:
             return self._all_gather_compressed(tensors, weight, round_index)
@@ -71,6 +71,14 @@ class TorchDistBackend(CommBackend):
         payload = flat.numel() * 4
         volume = int(2 * (self.num_workers - 1) / self.num_workers * payload)
         return SyncResult(True, self.num_workers, total.item(), bytes_sent=volume, bytes_recv=volume)
+
+    def start_all_reduce(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> PendingAverage:
+        # the trainer starts at most one average at a time, so collectives never interleave
+        return PendingAverage.in_background(
+            lambda: self.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+        )
 
     def _all_gather_compressed(self, tensors: Sequence[torch.Tensor], weight: float, round_index: int) -> SyncResult:
         numels = [t.numel() for t in tensors]

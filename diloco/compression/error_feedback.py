@@ -17,36 +17,51 @@ from diloco.compression.codec import Codec
 
 
 class ErrorFeedback:
-    """The residual buffers of one worker. ``enabled=False`` (or a lossless codec) is a no-op."""
+    """The residual buffers of one worker. ``enabled=False`` (or a lossless codec) is a no-op.
+
+    Tensors are identified by their index in the model's parameter list (``indices``; default
+    0..n-1), so that fragments of the parameters (streaming) each keep their own residuals.
+    """
 
     def __init__(self, codec: Codec, *, enabled: bool):
         self.codec = codec
         self.enabled = enabled and not codec.lossless
-        self.residuals: list[torch.Tensor] | None = None
+        self.residuals: list[torch.Tensor | None] | None = None
 
     @torch.no_grad()
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, tensors: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
         """The tensors to send (each plus its residual); the residuals become what they lose in transit."""
         if not self.enabled:
             return list(tensors)
+        indices = range(len(tensors)) if indices is None else indices
         if self.residuals is None:
-            self.residuals = [torch.zeros_like(t, dtype=torch.float32) for t in tensors]
-        corrected = [t.to(torch.float32) + r for t, r in zip(tensors, self.residuals, strict=True)]
-        for residual, value in zip(self.residuals, corrected):
+            self.residuals = []
+        self.residuals.extend([None] * (max(indices, default=-1) + 1 - len(self.residuals)))
+        corrected = []
+        for index, tensor in zip(indices, tensors, strict=True):
+            residual = self.residuals[index]
+            if residual is None:
+                residual = self.residuals[index] = torch.zeros_like(tensor, dtype=torch.float32)
+            value = tensor.to(torch.float32) + residual
             residual.copy_(value - self.codec.restore(value))
             if not bool(torch.isfinite(residual).all()):  # a diverged step: peers drop it, owe nothing
                 residual.zero_()
+            corrected.append(value)
         return corrected
 
-    def forget(self) -> None:
+    def forget(self, indices: Sequence[int] | None = None) -> None:
         """The last round applied the corrected tensors in full (it was not averaged): nothing is owed."""
-        if self.residuals is not None:
-            for residual in self.residuals:
+        for index, residual in enumerate(self.residuals or []):
+            if residual is not None and (indices is None or index in indices):
                 residual.zero_()
 
     def state_dict(self) -> dict:
-        return {"residuals": None if self.residuals is None else [r.clone() for r in self.residuals]}
+        return {"residuals": None if self.residuals is None else [_clone(r) for r in self.residuals]}
 
     def load_state_dict(self, state: dict) -> None:
         residuals = state.get("residuals")
-        self.residuals = None if residuals is None else [r.clone() for r in residuals]
+        self.residuals = None if residuals is None else [_clone(r) for r in residuals]
+
+
+def _clone(residual: torch.Tensor | None) -> torch.Tensor | None:
+    return None if residual is None else residual.clone()

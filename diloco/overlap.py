@@ -1,0 +1,196 @@
+"""Outer steps that hide communication behind the next inner steps (``outer.overlap``).
+
+The blocking round (``overlap=none``, ``OuterStep.sync`` in outer.py) leaves the worker idle while
+its pseudo-gradient travels. Here the average runs in the background instead
+(``CommBackend.start_all_reduce``) and is applied some inner steps later:
+
+- ``streaming`` (Streaming DiLoCo, arXiv:2501.18512): the parameters are split into
+  ``outer.fragments`` P fragments; fragment p syncs every H steps, at steps (p+1) H/P mod H, so
+  only 1/P of the model is on the wire at a time. Its average is applied ``outer.delay_steps``
+  tau inner steps later: the outer optimizer steps that fragment's global params, and its local
+  params become ``mix`` x local + (1 - ``mix``) x global (alpha in the paper).
+- ``delayed`` (one-step delay, DiLoCoX arXiv:2506.21263; eager updates arXiv:2502.12996): the
+  whole round's average runs during the next round and is applied at its end, one round late.
+  With ``outer.eager=true`` the worker's own fresh pseudo-gradient stands in for its stale share
+  of that average: outer gradient = stale mean + (w/W) (own fresh - own stale). Eager workers'
+  global params then differ slightly, by design (each uses its own fresh share).
+
+Both are the same machine: at each inner step, (1) the pseudo-gradients of the fragments due now
+are taken (against the global params they started from), (2) averages started earlier whose
+delay is up are waited for and applied, (3) the new ones start, (4) any with no delay are
+applied. ``delayed`` is one fragment with a delay of H; one fragment with no delay is the
+blocking round. The last inner step syncs every fragment and waits for everything, so a run
+ends with every worker on the same params (eager excepted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from diloco.comm.base import CommBackend, PendingAverage, SyncResult
+from diloco.outer import OuterConfig, OuterStep
+
+logger = logging.getLogger(__name__)
+
+OVERLAPS = ("none", "delayed", "streaming")
+
+
+def split_fragments(params: list[torch.Tensor], count: int) -> list[list[int]]:
+    """``count`` contiguous groups of parameter indices with about equal numbers of values."""
+    total = sum(p.numel() for p in params)
+    fragments: list[list[int]] = [[] for _ in range(count)]
+    seen = 0
+    for index, param in enumerate(params):
+        # a tensor goes to the fragment its middle value falls in
+        fragment = min(count - 1, int((seen + param.numel() / 2) * count / total))
+        fragments[fragment].append(index)
+        seen += param.numel()
+    if any(not f for f in fragments):
+        raise ValueError(f"outer.fragments={count}: the model has too few parameter tensors to split that finely")
+    return fragments
+
+
+def fragments_for(cfg: OuterConfig, params: list[torch.Tensor]) -> list[list[int]]:
+    """The fragments ``cfg`` syncs separately: P of them for streaming, else one of everything."""
+    if cfg.overlap == "streaming":
+        return split_fragments(params, cfg.fragments)
+    return [list(range(len(params)))]
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    averaged: list[torch.Tensor]  # holds the fragment's pseudo-gradients, then their mean
+    sent: list[torch.Tensor]  # a copy of our own pseudo-gradients (the eager correction needs them)
+    weight: float
+    pending: PendingAverage
+    apply_at: int  # inner step at which the mean is applied
+    compute_s_at_start: float  # the worker's compute time when it started (to model the simulator's overlap)
+
+
+@dataclass
+class Applied:
+    """One average applied: its result and how long the worker waited for it."""
+
+    result: SyncResult
+    wait_s: float  # measured; for a simulated transport, the modelled time not hidden by compute
+
+
+class OverlappedOuter:
+    """The outer steps of ``overlap=streaming`` or ``delayed`` over ``outer``'s global params and
+    optimizer; ``after_inner_step`` is called after every inner step."""
+
+    def __init__(
+        self, outer: OuterStep, backend: CommBackend, cfg: OuterConfig, *, deadline_s: float, expected_peers: int
+    ):
+        self.outer, self.backend, self.deadline_s = outer, backend, deadline_s
+        self.expected_peers = expected_peers
+        self.every = cfg.sync_every
+        self.mix = cfg.mix
+        self.eager = cfg.overlap == "delayed" and cfg.eager
+        self.fragments = fragments_for(cfg, outer.global_params)
+        self.delay = cfg.sync_every if cfg.overlap == "delayed" else cfg.delay_steps
+        count = len(self.fragments)
+        self.offsets = [(p + 1) * self.every // count % self.every for p in range(count)]
+        self.syncs_started = [0] * count
+        self.last_start_step = [0] * count
+        self.in_flight: list[_InFlight] = []
+
+    def after_inner_step(self, step: int, *, samples_per_step: int, compute_s: float, final: bool) -> list[Applied]:
+        """Start the syncs due after inner step ``step`` and apply the averages due; at the ``final``
+        step, sync every fragment and apply everything. Returns what was applied."""
+        due = [p for p in range(len(self.fragments)) if final or step % self.every == self.offsets[p]]
+        taken = [(p, self._pseudo_gradients(p)) for p in due]
+        fresh = {p: deltas for p, deltas in taken}
+        applied = self._apply_due(step, fresh, final=final, compute_s=compute_s)
+        for p, deltas in taken:
+            if self.delay == self.every and self.syncs_started[p] == 0:  # delayed, first round: no stale mean yet
+                if self.eager:  # our own share alone
+                    self._step_fragment(p, [d / self.expected_peers for d in deltas])
+                else:  # the next round starts where this one did, as each later one starts from the last average
+                    self._restart_local(p)
+            weight = float(samples_per_step * (step - self.last_start_step[p]))
+            self.last_start_step[p] = step
+            sent = [d.clone() for d in deltas] if self.eager else []  # the average overwrites deltas
+            pending = self.backend.start_all_reduce(
+                deltas, weight, round_index=self.syncs_started[p], deadline_s=self.deadline_s, fragment=p
+            )
+            self.syncs_started[p] += 1
+            apply_at = step if final else step + self.delay
+            self.in_flight.append(_InFlight(p, deltas, sent, weight, pending, apply_at, compute_s))
+        return applied + self._apply_due(step, {}, final=final, compute_s=compute_s)
+
+    def _pseudo_gradients(self, fragment: int) -> list[torch.Tensor]:
+        indices = self.fragments[fragment]
+        outer = self.outer
+        deltas = [(outer.global_params[i] - outer.local_params[i].detach().to("cpu", torch.float32)) for i in indices]
+        if outer.error_feedback is not None:
+            deltas = outer.error_feedback.apply(deltas, indices)
+        return deltas
+
+    def _apply_due(
+        self, step: int, fresh: dict[int, list[torch.Tensor]], *, final: bool, compute_s: float
+    ) -> list[Applied]:
+        applied = []
+        for flight in [f for f in self.in_flight if final or f.apply_at <= step]:
+            self.in_flight.remove(flight)
+            started = time.perf_counter()
+            result = flight.pending.wait()
+            wait_s = time.perf_counter() - started
+            if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
+                wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
+            self._apply(flight, result, fresh.get(flight.fragment))
+            applied.append(Applied(result, wait_s))
+        return applied
+
+    def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
+        if not result.ok:  # the transport left our own pseudo-gradients in place: they are applied in full
+            logger.warning("fragment %d: averaging failed (%s)", flight.fragment, result.error)
+            if self.outer.error_feedback is not None:
+                self.outer.error_feedback.forget(self.fragments[flight.fragment])
+        gradient = self._eager(flight, result, fresh) if self.eager else flight.averaged
+        if self.eager and fresh is None and not any(bool(g.any()) for g in gradient):
+            self._restart_local(flight.fragment)  # alone, nothing is left to apply: no extra momentum step
+            return
+        self._step_fragment(flight.fragment, gradient)
+
+    @torch.no_grad()
+    def _step_fragment(self, fragment: int, gradient: list[torch.Tensor]) -> None:
+        """Outer step of one fragment's global params; its local params restart from them."""
+        indices, outer = self.fragments[fragment], self.outer
+        for i, grad in zip(indices, gradient):
+            outer.global_params[i].grad = grad
+        outer.optimizer.step()  # parameters without a gradient (other fragments) are left alone
+        outer.optimizer.zero_grad(set_to_none=True)
+        self._restart_local(fragment)
+
+    @torch.no_grad()
+    def _restart_local(self, fragment: int) -> None:
+        """The fragment's local params restart from its global ones (mixed with themselves by ``mix``)."""
+        outer = self.outer
+        for i in self.fragments[fragment]:
+            local, param = outer.local_params[i], outer.global_params[i]
+            local.copy_(param if self.mix == 0 else torch.lerp(param, local.detach().to(param), self.mix))
+
+    def _eager(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Stale mean + (w/W)(own fresh - own stale): our own share of the average, brought up to date.
+        For the last step's own average (``fresh`` None) the share applied eagerly is taken back out,
+        so that over the run each own pseudo-gradient counts once (the first one is applied alone)."""
+        share = flight.weight / result.total_weight if result.ok and result.total_weight > 0 else 1.0
+        gradient = []
+        for k, mean in enumerate(flight.averaged):
+            own_now = fresh[k] if fresh is not None else torch.zeros_like(mean)
+            gradient.append(mean + share * (own_now - flight.sent[k]))
+        return gradient
+
+    def state_dict(self) -> dict:
+        """Where the schedule stands (averages in flight are not saved: a resumed worker starts afresh)."""
+        return {"syncs_started": list(self.syncs_started), "last_start_step": list(self.last_start_step)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs_started = list(state["syncs_started"])
+        self.last_start_step = list(state["last_start_step"])

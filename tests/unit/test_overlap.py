@@ -1,0 +1,152 @@
+"""Overlapped outer steps (outer.overlap): the schedule, what each applies, and their agreement with
+the blocking round where they must agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.comm.base import CommBackend, SyncResult
+from diloco.config import ConfigError, load_config
+from diloco.local import simulate
+from diloco.outer import OuterConfig, OuterStep
+from diloco.overlap import OverlappedOuter, split_fragments
+from tests.conftest import TINY
+
+
+class ScriptedAverages(CommBackend):
+    """A transport whose n-th average (per fragment) is the value ``n + 1`` everywhere; records calls."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []  # (fragment, round_index)
+
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+        self.calls.append((fragment, round_index))
+        for tensor in tensors:
+            tensor.fill_(round_index + 1.0)
+        return SyncResult(True, 2, 2 * weight)
+
+
+def _outer(values: list[float], **cfg) -> tuple[OverlappedOuter, OuterStep, ScriptedAverages, list]:
+    local = [torch.nn.Parameter(torch.full((3,), v)) for v in values]
+    outer_cfg = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, **cfg)
+    outer = OuterStep(local, outer_cfg)
+    backend = ScriptedAverages()
+    return OverlappedOuter(outer, backend, outer_cfg, deadline_s=1, expected_peers=2), outer, backend, local
+
+
+def _run(overlapped: OverlappedOuter, steps: int, local: list, on_step=None) -> None:
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p in local:
+                p.sub_(0.5)  # "training"
+        overlapped.after_inner_step(step, samples_per_step=1, compute_s=0.0, final=step == steps)
+        if on_step:
+            on_step(step)
+
+
+def test_delayed_applies_exactly_the_previous_rounds_average():
+    overlapped, outer, backend, local = _outer([10.0], overlap="delayed", sync_every=4)
+    seen = {}
+    _run(overlapped, 12, local, lambda step: seen.setdefault(step, outer.global_params[0][0].item()))
+    # step 4: round 0 starts, nothing applied yet; step 8: round 0's average (1) applied; step 12 (the
+    # last): round 1's average (2) applied, then round 2 starts and is applied at once (3)
+    assert seen[3] == 10.0 and seen[4] == 10.0
+    assert seen[8] == 10.0 - 1
+    assert seen[12] == 10.0 - 1 - 2 - 3
+    assert backend.calls == [(0, 0), (0, 1), (0, 2)]
+    assert local[0][0].item() == outer.global_params[0][0].item()  # the run ends on the global params
+
+
+def test_streaming_syncs_fragments_staggered_and_applies_each_tau_steps_later():
+    overlapped, outer, backend, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
+                                               delay_steps=1)  # fmt: skip
+    applied_at: dict[int, list[float]] = {}
+    _run(overlapped, 8, local, lambda step: applied_at.setdefault(step, [g[0].item() for g in outer.global_params]))
+    # fragment 0 syncs at steps 2, 6; fragment 1 at steps 4, 8 (8 is the last: both sync, all applied)
+    assert backend.calls == [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1)]
+    assert applied_at[2] == [10.0, 20.0]  # started, not applied yet
+    assert applied_at[3] == [9.0, 20.0]  # fragment 0's first average, one step later
+    assert applied_at[5] == [9.0, 19.0]
+    assert applied_at[7] == [7.0, 19.0]
+    assert applied_at[8] == [7.0 - 3.0, 19.0 - 2.0]
+
+
+def test_streaming_restarts_local_params_mixed_with_alpha():
+    overlapped, outer, _, local = _outer([10.0], overlap="streaming", sync_every=4, fragments=1, delay_steps=2,
+                                         mix=0.5)  # fmt: skip
+    _run(overlapped, 6, local)
+    # sync at step 4, applied at step 6 (local 7): global 10 - 1 = 9, local (9 + 7) / 2 = 8; then the
+    # last step's sync: global 9 - 2 = 7, local (7 + 8) / 2
+    assert outer.global_params[0][0].item() == 7.0
+    assert local[0][0].item() == 7.5
+
+
+def test_split_fragments_balances_values_and_keeps_every_tensor_once():
+    params = [torch.zeros(n) for n in (100, 10, 10, 100, 50, 50)]
+    fragments = split_fragments(params, 2)
+    assert sorted(i for f in fragments for i in f) == list(range(6))
+    sizes = [sum(params[i].numel() for i in f) for f in fragments]
+    assert abs(sizes[0] - sizes[1]) <= 100
+    with pytest.raises(ValueError, match="too few parameter tensors"):
+        split_fragments(params[:1], 2)
+
+
+def _simulate(tmp_path, name, *overrides, workers=2):
+    cfg = load_config(
+        None,
+        [*TINY, "comm.backend=inproc", "inner.steps=24", "outer.sync_every=6", "checkpoint.every_rounds=0",
+         f"run.dir={tmp_path / name}", f"comm.run_id={name.replace('-', '_')}", *overrides],
+    )  # fmt: skip
+    return simulate(cfg, workers=workers)
+
+
+@pytest.mark.timeout(240)
+def test_streaming_with_one_fragment_and_no_delay_equals_blocking_diloco(tmp_path):
+    blocking = _simulate(tmp_path, "blocking")
+    streaming = _simulate(tmp_path, "streaming", "outer.overlap=streaming", "outer.fragments=1", "outer.delay_steps=0")
+    assert blocking["params_agree"] and streaming["params_agree"]
+    assert streaming["param_sha256"] == blocking["param_sha256"]
+    assert streaming["final_val_loss"] == blocking["final_val_loss"]
+
+
+@pytest.mark.timeout(240)
+def test_eager_with_one_worker_is_blocking_diloco(tmp_path):
+    # alone, a worker's stale share is the whole average: eager replaces it by the fresh one, every round
+    blocking = _simulate(tmp_path, "blocking1", workers=1)
+    eager = _simulate(tmp_path, "eager1", "outer.overlap=delayed", "outer.eager=true", workers=1)
+    assert eager["final_val_loss"] == pytest.approx(blocking["final_val_loss"], rel=1e-4)
+
+
+@pytest.mark.timeout(240)
+def test_overlap_hides_the_modelled_communication_behind_compute(tmp_path):
+    slow = ["comm.bandwidth_mbps=50"]
+    blocking = _simulate(tmp_path, "slow-blocking", *slow)
+    delayed = _simulate(tmp_path, "slow-delayed", *slow, "outer.overlap=delayed")
+    streaming = _simulate(tmp_path, "slow-streaming", *slow, "outer.overlap=streaming", "outer.fragments=2",
+                          "outer.delay_steps=3")  # fmt: skip
+    assert blocking["comm_wait_s"] > 0
+    assert delayed["comm_wait_s"] < blocking["comm_wait_s"]
+    assert streaming["comm_wait_s"] < blocking["comm_wait_s"]
+    assert delayed["params_agree"] and streaming["params_agree"]
+    assert delayed["bytes_sent"] == blocking["bytes_sent"]
+    # a fragment at a time on the wire; the last step syncs every fragment once more
+    assert streaming["peak_sync_bytes"] < 0.6 * blocking["peak_sync_bytes"]
+    assert blocking["bytes_sent"] < streaming["bytes_sent"] < 1.2 * blocking["bytes_sent"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["outer.overlap=sometimes"], "outer.overlap='sometimes' is not one of"),
+        (["outer.overlap=delayed", "outer.sync_every=0"], "needs DiLoCo rounds"),
+        (["outer.overlap=streaming", "outer.fragments=3", "outer.sync_every=50"], "multiple of outer.fragments"),
+        (["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=30"], "must be in [0, 25]"),
+        (["outer.overlap=streaming", "outer.delay_steps=50"], "must be in [0, 49]"),
+        (["outer.eager=true"], "outer.overlap=delayed only"),
+        (["outer.overlap=delayed", "outer.mix=1.0"], "outer.mix=1.0 must be in [0, 1)"),
+    ],
+)
+def test_bad_overlap_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
