@@ -136,6 +136,7 @@ def _check_overlap(outer: OuterConfig) -> None:
     if outer.overlap != "none":
         _check(outer.sync_every > 0, f"outer.overlap={outer.overlap} needs DiLoCo rounds (outer.sync_every > 0)")
     _check(0 <= outer.mix < 1, f"outer.mix={outer.mix} must be in [0, 1)")
+    _check(outer.mix == 0 or outer.overlap == "streaming", "outer.mix applies to outer.overlap=streaming only")
     _check(not outer.eager or outer.overlap == "delayed", "outer.eager=true applies to outer.overlap=delayed only")
     if outer.overlap == "streaming":
         _check(outer.fragments >= 1, f"outer.fragments={outer.fragments} must be at least 1")

@@ -39,7 +39,7 @@ class OuterConfig:
     overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)
     fragments: int = 1  # streaming: P fragments of the params, each synced every H steps, staggered by H/P
     delay_steps: int = 1  # streaming: tau, inner steps between a fragment's sync and applying its average
-    mix: float = 0.0  # streaming/delayed: alpha; local params = alpha x local + (1 - alpha) x new global
+    mix: float = 0.0  # streaming: alpha; a fragment's local params = alpha x local + (1 - alpha) x new global
     eager: bool = False  # delayed: each worker's fresh pseudo-gradient stands in for its stale share
 
 

@@ -9,11 +9,15 @@ its pseudo-gradient travels. Here the average runs in the background instead
   only 1/P of the model is on the wire at a time. Its average is applied ``outer.delay_steps``
   tau inner steps later: the outer optimizer steps that fragment's global params, and its local
   params become ``mix`` x local + (1 - ``mix``) x global (alpha in the paper).
-- ``delayed`` (one-step delay, DiLoCoX arXiv:2506.21263; eager updates arXiv:2502.12996): the
-  whole round's average runs during the next round and is applied at its end, one round late.
-  With ``outer.eager=true`` the worker's own fresh pseudo-gradient stands in for its stale share
-  of that average: outer gradient = stale mean + (w/W) (own fresh - own stale). Eager workers'
-  global params then differ slightly, by design (each uses its own fresh share).
+- ``delayed`` (one-step delay, as in DiLoCoX arXiv:2506.21263): the whole round's average runs
+  during the next round and is applied at its end, one round late. The local params are never
+  thrown back: after applying an average they restart from the new global params plus this
+  worker's own progress of the round that just ended (its fresh pseudo-gradient stands in for
+  the average still in flight), so no compute is lost and every round's progress reaches the
+  global params exactly once; the global params stay identical on every worker.
+  ``outer.eager=true`` is instead the eager update of arXiv:2502.12996: the outer gradient is the
+  stale mean + (w/W) (own fresh - own stale) and the local params restart from the result;
+  eager workers' global params then differ slightly, by design (each uses its own fresh share).
 
 Both are the same machine: at each inner step, (1) the pseudo-gradients of the fragments due now
 are taken (against the global params they started from), (2) averages started earlier whose
@@ -64,8 +68,8 @@ def fragments_for(cfg: OuterConfig, params: list[torch.Tensor]) -> list[list[int
 @dataclass
 class _InFlight:
     fragment: int
-    averaged: list[torch.Tensor]  # holds the fragment's pseudo-gradients, then their mean
-    sent: list[torch.Tensor]  # a copy of our own pseudo-gradients (the eager correction needs them)
+    averaged: list[torch.Tensor]  # holds what we sent for the fragment, then the mean
+    own: list[torch.Tensor]  # our own pseudo-gradients (before error feedback)
     weight: float
     pending: PendingAverage
     apply_at: int  # inner step at which the mean is applied
@@ -104,33 +108,41 @@ class OverlappedOuter:
         """Start the syncs due after inner step ``step`` and apply the averages due; at the ``final``
         step, sync every fragment and apply everything. Returns what was applied."""
         due = [p for p in range(len(self.fragments)) if final or step % self.every == self.offsets[p]]
-        taken = [(p, self._pseudo_gradients(p)) for p in due]
-        fresh = {p: deltas for p, deltas in taken}
+        taken = {p: self._pseudo_gradients(p) for p in due}  # before any average lands in the params
+        fresh = {p: own for p, (own, _) in taken.items()}
         applied = self._apply_due(step, fresh, final=final, compute_s=compute_s)
-        for p, deltas in taken:
-            if self.delay == self.every and self.syncs_started[p] == 0:  # delayed, first round: no stale mean yet
-                if self.eager:  # our own share alone
-                    self._step_fragment(p, [d / self.expected_peers for d in deltas])
-                else:  # the next round starts where this one did, as each later one starts from the last average
-                    self._restart_local(p)
+        for p, (own, to_send) in taken.items():
+            if self.eager and self.syncs_started[p] == 0:  # no stale mean yet: our own share alone
+                self._step_fragment(p, [d / self.expected_peers for d in own])
             weight = float(samples_per_step * (step - self.last_start_step[p]))
             self.last_start_step[p] = step
-            sent = [d.clone() for d in deltas] if self.eager else []  # the average overwrites deltas
             pending = self.backend.start_all_reduce(
-                deltas, weight, round_index=self.syncs_started[p], deadline_s=self.deadline_s, fragment=p
+                to_send, weight, round_index=self.syncs_started[p], deadline_s=self.deadline_s, fragment=p
             )
             self.syncs_started[p] += 1
             apply_at = step if final else step + self.delay
-            self.in_flight.append(_InFlight(p, deltas, sent, weight, pending, apply_at, compute_s))
+            self.in_flight.append(_InFlight(p, to_send, own, weight, pending, apply_at, compute_s))
         return applied + self._apply_due(step, {}, final=final, compute_s=compute_s)
 
-    def _pseudo_gradients(self, fragment: int) -> list[torch.Tensor]:
-        indices = self.fragments[fragment]
-        outer = self.outer
-        deltas = [(outer.global_params[i] - outer.local_params[i].detach().to("cpu", torch.float32)) for i in indices]
+    @torch.no_grad()
+    def _pseudo_gradients(self, fragment: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This fragment's own progress since its last sync, and what to send for it (with error feedback).
+
+        Usually global minus local params. With ``delayed`` (not eager) the local params carry the
+        progress of the round in flight on top of the global ones, so that is taken out."""
+        indices, outer = self.fragments[fragment], self.outer
+        own = [outer.global_params[i] - outer.local_params[i].detach().to("cpu", torch.float32) for i in indices]
+        carried = self._carries_progress and next((f.own for f in self.in_flight if f.fragment == fragment), None)
+        if carried:
+            own = [d - c for d, c in zip(own, carried)]
+        to_send = [d.clone() for d in own]  # the average overwrites what is sent
         if outer.error_feedback is not None:
-            deltas = outer.error_feedback.apply(deltas, indices)
-        return deltas
+            to_send = outer.error_feedback.apply(to_send, indices)
+        return own, to_send
+
+    @property
+    def _carries_progress(self) -> bool:
+        return self.delay == self.every and not self.eager
 
     def _apply_due(
         self, step: int, fresh: dict[int, list[torch.Tensor]], *, final: bool, compute_s: float
@@ -148,33 +160,43 @@ class OverlappedOuter:
         return applied
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
+        """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""
         if not result.ok:  # the transport left our own pseudo-gradients in place: they are applied in full
             logger.warning("fragment %d: averaging failed (%s)", flight.fragment, result.error)
             if self.outer.error_feedback is not None:
                 self.outer.error_feedback.forget(self.fragments[flight.fragment])
-        gradient = self._eager(flight, result, fresh) if self.eager else flight.averaged
-        if self.eager and fresh is None and not any(bool(g.any()) for g in gradient):
+        if not self.eager:
+            self._step_fragment(flight.fragment, flight.averaged, carried=fresh if self._carries_progress else None)
+            return
+        gradient = self._eager(flight, result, fresh)
+        if fresh is None and not any(bool(g.any()) for g in gradient):
             self._restart_local(flight.fragment)  # alone, nothing is left to apply: no extra momentum step
             return
         self._step_fragment(flight.fragment, gradient)
 
     @torch.no_grad()
-    def _step_fragment(self, fragment: int, gradient: list[torch.Tensor]) -> None:
+    def _step_fragment(
+        self, fragment: int, gradient: list[torch.Tensor], *, carried: list[torch.Tensor] | None = None
+    ) -> None:
         """Outer step of one fragment's global params; its local params restart from them."""
         indices, outer = self.fragments[fragment], self.outer
         for i, grad in zip(indices, gradient):
             outer.global_params[i].grad = grad
         outer.optimizer.step()  # parameters without a gradient (other fragments) are left alone
         outer.optimizer.zero_grad(set_to_none=True)
-        self._restart_local(fragment)
+        self._restart_local(fragment, carried)
 
     @torch.no_grad()
-    def _restart_local(self, fragment: int) -> None:
-        """The fragment's local params restart from its global ones (mixed with themselves by ``mix``)."""
+    def _restart_local(self, fragment: int, carried: list[torch.Tensor] | None = None) -> None:
+        """The fragment's local params restart from its global ones: minus the own progress ``carried``
+        over (delayed), or mixed with themselves by ``mix`` (streaming)."""
         outer = self.outer
-        for i in self.fragments[fragment]:
+        for k, i in enumerate(self.fragments[fragment]):
             local, param = outer.local_params[i], outer.global_params[i]
-            local.copy_(param if self.mix == 0 else torch.lerp(param, local.detach().to(param), self.mix))
+            if carried is not None:
+                local.copy_(param - carried[k])
+            else:
+                local.copy_(param if self.mix == 0 else torch.lerp(param, local.detach().to(param), self.mix))
 
     def _eager(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Stale mean + (w/W)(own fresh - own stale): our own share of the average, brought up to date.
@@ -184,7 +206,7 @@ class OverlappedOuter:
         gradient = []
         for k, mean in enumerate(flight.averaged):
             own_now = fresh[k] if fresh is not None else torch.zeros_like(mean)
-            gradient.append(mean + share * (own_now - flight.sent[k]))
+            gradient.append(mean + share * (own_now - flight.own[k]))
         return gradient
 
     def state_dict(self) -> dict:

@@ -130,3 +130,27 @@ def test_worker_that_misses_a_round_takes_the_global_state_from_a_peer(tmp_path,
     assert any(r["ok"] and r["peers"] == 2 and not r["recovered"] for r in others), others
     hashes = _round_hashes(run_dir, 3)
     assert sorted(hashes) == [1, 2, 3] and all(len(h) == 1 for h in hashes.values()), hashes
+
+
+@pytest.mark.parametrize(
+    "overlap",
+    [
+        ["outer.overlap=delayed"],
+        ["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2"],
+    ],
+    ids=["delayed", "streaming"],
+)
+def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloco_cli, overlap):
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "local", "--workers", "2", "--run-dir", str(run_dir), *TINY, "inner.steps=40", "outer.sync_every=10", *overlap
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["failed_workers"] == []
+    assert summary["params_agree"], summary["param_sha256"]
+    rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
+    assert len(rounds) == 4 and all(r["ok"] for r in rounds), rounds
+    assert all(r["peers"] == 2 for r in rounds[1:]), rounds  # delayed applies nothing in its first round
+    if "outer.overlap=streaming" in overlap:
+        assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4  # a fragment at a time

@@ -47,12 +47,19 @@ def _run(overlapped: OverlappedOuter, steps: int, local: list, on_step=None) -> 
 
 def test_delayed_applies_exactly_the_previous_rounds_average():
     overlapped, outer, backend, local = _outer([10.0], overlap="delayed", sync_every=4)
-    seen = {}
-    _run(overlapped, 12, local, lambda step: seen.setdefault(step, outer.global_params[0][0].item()))
+    seen, local_seen = {}, {}
+
+    def look(step):
+        seen[step], local_seen[step] = outer.global_params[0][0].item(), local[0][0].item()
+
+    _run(overlapped, 12, local, look)
     # step 4: round 0 starts, nothing applied yet; step 8: round 0's average (1) applied; step 12 (the
     # last): round 1's average (2) applied, then round 2 starts and is applied at once (3)
     assert seen[3] == 10.0 and seen[4] == 10.0
     assert seen[8] == 10.0 - 1
+    # the local params are never thrown back: they keep this worker's own progress of the round that
+    # just ended (4 steps of 0.5) on top of the new global params
+    assert local_seen[4] == 10.0 - 2 and local_seen[8] == 9.0 - 2
     assert seen[12] == 10.0 - 1 - 2 - 3
     assert backend.calls == [(0, 0), (0, 1), (0, 2)]
     assert local[0][0].item() == outer.global_params[0][0].item()  # the run ends on the global params
@@ -144,7 +151,8 @@ def test_overlap_hides_the_modelled_communication_behind_compute(tmp_path):
         (["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=30"], "must be in [0, 25]"),
         (["outer.overlap=streaming", "outer.delay_steps=50"], "must be in [0, 49]"),
         (["outer.eager=true"], "outer.overlap=delayed only"),
-        (["outer.overlap=delayed", "outer.mix=1.0"], "outer.mix=1.0 must be in [0, 1)"),
+        (["outer.overlap=streaming", "outer.mix=1.0"], "outer.mix=1.0 must be in [0, 1)"),
+        (["outer.overlap=delayed", "outer.mix=0.5"], "outer.overlap=streaming only"),
     ],
 )
 def test_bad_overlap_settings_are_one_line_errors(overrides, message):
