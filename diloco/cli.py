@@ -11,6 +11,7 @@
     diloco bench overhead                                   # inner-step throughput vs a bare loop
     diloco bench quality                                    # DiLoCo vs data-parallel at equal tokens
     diloco bench compression                                # each codec vs dense DiLoCo
+    diloco bench utilization                                # overlap strategies on shaped links (root)
 
 Mistakes in the command line, the config or the data path end with one line on stderr and
 exit code 2; Ctrl-C stops everything this command started and exits 130.
@@ -85,6 +86,20 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument("--out", default="runs/bench-quality", help="output folder")
     quality.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     quality.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    utilization = bench.add_parser(
+        "utilization", help="compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)"
+    )
+    utilization.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    utilization.add_argument("--steps", type=int, default=200, help="inner steps per training run (default 200)")
+    utilization.add_argument("--rates", default="20,5", help="link rates of the training runs, Mbit/s (default 20,5)")
+    utilization.add_argument("--codecs", default="none,int8", help="codecs of the training runs (default none,int8)")
+    utilization.add_argument("--overlaps", default="none,streaming,delayed", help="outer.overlap values")
+    utilization.add_argument("--peers", default="2,4,8", help="all-reduce group sizes (default 2,4,8)")
+    utilization.add_argument("--payload-mb", type=float, default=40.0, help="all-reduce payload, MB (default 40)")
+    utilization.add_argument("--allreduce-rate", type=float, default=20.0, help="all-reduce link rate, Mbit/s")
+    utilization.add_argument("--rounds", type=int, default=3, help="all-reduce rounds, the first a warm-up")
+    utilization.add_argument("--parts", default="training,allreduce", help="training, allreduce or both")
+    utilization.add_argument("--out", default="runs/bench-utilization", help="output folder")
     compression = bench.add_parser("compression", help="each compression codec against dense DiLoCo (M=4, H=50)")
     compression.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
     compression.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
@@ -230,6 +245,22 @@ def _cmd_bench(args) -> int:
         from diloco.bench.overhead import run_overhead_benchmark
 
         return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
+    if args.bench == "utilization":
+        from diloco.bench.utilization import run_utilization_benchmark
+
+        return run_utilization_benchmark(
+            data=args.data,
+            steps=args.steps,
+            rates=[float(r) for r in args.rates.split(",")],
+            codecs=args.codecs.split(","),
+            overlaps=args.overlaps.split(","),
+            peers=[int(p) for p in args.peers.split(",")],
+            payload_mb=args.payload_mb,
+            allreduce_rate=args.allreduce_rate,
+            rounds=args.rounds,
+            parts=args.parts.split(","),
+            out=Path(args.out),
+        )
     if args.bench == "compression":
         from diloco.bench.compression import run_compression_benchmark
 

@@ -113,7 +113,7 @@ def run_local(
     children: list[subprocess.Popen] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
-    bootstrap, peers = _start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s)
+    bootstrap, peers = start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s)
     try:
         print(f"bootstrap peer: {peers[0]}")
         where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
@@ -137,13 +137,13 @@ def run_local(
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers ...", flush=True)
-        _stop_all(children)
+        stop_all(children)
         return 130
     finally:
-        _stop_all(children)
+        stop_all(children)
         for log in logs:
             log.close()
-        _stop_all([bootstrap])
+        stop_all([bootstrap])
 
     failed = [i for i, child in enumerate(children) if child.returncode != 0]
     summary = write_summary(run_dir)
@@ -220,7 +220,7 @@ def run_inproc(cfg: Config, *, workers: int) -> int:
     return 0
 
 
-def _start_bootstrap(*, host: str, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
+def start_bootstrap(*, host: str, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
     """A ``diloco bootstrap`` child listening on ``host`` (a child, so that it, too, dies with the
     launcher); returns it and the address it prints."""
     process = subprocess.Popen(
@@ -238,7 +238,7 @@ def _start_bootstrap(*, host: str, timeout_s: float) -> tuple[subprocess.Popen, 
             line = process.stdout.readline()
             if "initial_peers=" in line:
                 return process, [line.split("['", 1)[1].split("']", 1)[0]]
-    _stop_all([process])
+    stop_all([process])
     raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.startup_timeout_s)")
 
 
@@ -258,7 +258,7 @@ def _state(child: subprocess.Popen) -> str:
     return "running" if code is None else ("done" if code == 0 else f"exit {code}")
 
 
-def _stop_all(children: list[subprocess.Popen]) -> None:
+def stop_all(children: list[subprocess.Popen]) -> None:
     """SIGTERM each worker (it shuts its peers down), then SIGKILL whatever is left of its session."""
     for child in children:
         if child.poll() is None:

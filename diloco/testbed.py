@@ -27,7 +27,18 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-_NAME = re.compile(r"^dl(?:b|v|p|n)(\d+)")  # every testbed object: dl + kind + owner pid
+_NAME = re.compile(r"^dl[bvpn]([0-9a-z]+)s")  # every testbed object: dl + kind + owner pid (base 36) + s + number
+_BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+_built = 0  # testbeds built by this process so far: each gets fresh names
+
+
+def _base36(number: int) -> str:
+    digits = ""
+    while True:
+        number, digit = divmod(number, 36)
+        digits = _BASE36[digit] + digits
+        if number == 0:
+            return digits
 
 
 class TestbedError(RuntimeError):
@@ -67,12 +78,15 @@ class Testbed:
     def __init__(self, workers: int, *, up_mbit: float, down_mbit: float):
         if (reason := testbed_unavailable()) is not None:
             raise TestbedError(reason)
-        if not 1 <= workers <= 200:
-            raise TestbedError(f"--workers={workers}: the testbed holds 1 to 200 workers")
+        if not 1 <= workers <= 99:
+            raise TestbedError(f"--workers={workers}: the testbed holds 1 to 99 workers")
+        global _built
+        _built += 1
         self.workers = workers
         self.up_mbit, self.down_mbit = up_mbit, down_mbit
-        tag = os.getpid()
-        subnet = 1 + tag % 250  # one /24 per testbed, so that two can run side by side
+        tag = f"{_base36(os.getpid())}s{_built % 100}"  # names stay within 15 characters
+        subnet = 1 + (os.getpid() * 7 + _built) % 250  # one /24 per testbed, so that two can run side by side
+        self._tag = tag
         self._bridge = f"dlb{tag}"
         self._prefix = f"10.231.{subnet}"
         self.host = f"{self._prefix}.1"  # the root namespace's address on the bridge
@@ -108,7 +122,7 @@ class Testbed:
         _run("ip", "addr", "add", f"{self.host}/24", "dev", self._bridge)
         _run("ip", "link", "set", self._bridge, "up")
         for i, (namespace, root_end) in enumerate(zip(self._namespaces, self._root_ends)):
-            inside = f"dlp{os.getpid()}x{i}"
+            inside = f"dlp{self._tag}x{i}"
             _run("ip", "netns", "add", namespace)
             _run("ip", "link", "add", root_end, "type", "veth", "peer", "name", inside)
             _run("ip", "link", "set", inside, "netns", namespace)
@@ -173,7 +187,7 @@ def remove_stale() -> list[str]:
     """Delete the namespaces and links of testbeds whose owner process is gone; return their names."""
     removed = []
     for name in leftovers():
-        owner = int(_NAME.match(name).group(1))
+        owner = int(_NAME.match(name).group(1), 36)
         if os.path.exists(f"/proc/{owner}"):
             continue
         if name.startswith("dln"):

@@ -5,6 +5,7 @@ Root only (CI runs as root); skipped elsewhere with the reason the testbed itsel
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -68,15 +69,19 @@ def test_the_leftovers_of_a_testbed_killed_with_sigkill_are_removed():
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert holder.stdout.readline().strip() == "up"
-        owned = [name for name in leftovers() if str(holder.pid) in name]
+        owned = [name for name in leftovers() if _owner(name) == holder.pid]
         assert len(owned) == 5  # 2 namespaces, 2 veths, 1 bridge
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=10)
         assert sorted(remove_stale()) == sorted(owned)
-        assert [name for name in leftovers() if str(holder.pid) in name] == []
+        assert [name for name in leftovers() if _owner(name) == holder.pid] == []
     finally:
         if holder.poll() is None:
             os.killpg(holder.pid, signal.SIGKILL)
+
+
+def _owner(name: str) -> int:
+    return int(name[3:].split("s")[0], 36)
 
 
 def test_without_root_the_testbed_says_so_in_one_line(monkeypatch, capsys):
@@ -88,3 +93,16 @@ def test_without_root_the_testbed_says_so_in_one_line(monkeypatch, capsys):
     assert err == (
         "diloco: error: the network testbed needs root (network namespaces, veth pairs and tc); run it as root"
     )
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_the_allreduce_efficiency_benchmark_measures_a_small_payload(diloco_cli, tmp_path):
+    done = diloco_cli(
+        "bench", "utilization", "--parts", "allreduce", "--peers", "2", "--payload-mb", "1",
+        "--allreduce-rate", "8", "--rounds", "2", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    (row,) = json.loads((tmp_path / "results.json").read_text())["allreduce"]
+    assert row["every_round_complete"] and row["bound_s"] == pytest.approx(1.0)
+    assert 0.2 < row["efficiency"] <= 1.0  # the link, not the loopback, sets the pace

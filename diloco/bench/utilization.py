@@ -1,0 +1,254 @@
+"""``diloco bench utilization``: how much compute each overlap strategy keeps on slow links.
+
+Runs in the network testbed (``diloco/testbed.py``, root only): real hivemind peers, one network
+namespace each, links shaped with tbf to the same rate both ways.
+
+1. Training: 4 workers, model "baby", H=50, on links of each ``--rates`` (Mbit/s), for each codec
+   and each ``outer.overlap`` (none / streaming / delayed). Per run: compute_utilization
+   (compute / wall), the bound min(1, compute per round / communication per round) where the
+   communication is the bytes each worker sent over its link rate, the round time, the inner
+   step time (does background communication slow compute?), the final val loss / blocking's at
+   the same tokens, and peak and total bytes per worker.
+2. All-reduce efficiency: a synthetic fp32 payload (``--payload-mb``) averaged by 2, 4 and 8
+   peers at ``--allreduce-rate``: the lower bound 2 (n-1)/n x payload / rate over the measured
+   round time (the last peer's arrival to the last peer's finish; the first round is a warm-up).
+
+    diloco bench utilization                                   # everything (~1 hour on 2 cores)
+    diloco bench utilization --parts allreduce --peers 2,4     # a part
+
+Prints both tables and writes ``results.json`` and ``utilization.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from diloco.bench.arms import default_data
+
+WORKERS, SYNC_EVERY = 4, 50
+OVERLAPS = {
+    "none": [],
+    "streaming": ["outer.overlap=streaming", "outer.fragments=5", "outer.delay_steps=5"],
+    "delayed": ["outer.overlap=delayed"],
+}
+
+
+def _training_overrides(data: str, steps: int, rate: float, codec: str, overlap: str, run_dir: Path) -> list[str]:
+    tag = f"{rate:g}_{codec}_{overlap}".replace(".", "_")
+    return [
+        f"data.path={data}",
+        f"inner.steps={steps}",
+        "inner.batch_size=12",
+        f"outer.sync_every={SYNC_EVERY}",
+        f"compression.name={codec}",
+        *OVERLAPS[overlap],
+        "logging.eval_batches=8",
+        "logging.log_every=50",
+        "checkpoint.every_rounds=0",
+        "comm.deadline_s=180",
+        "comm.matchmaking_s=30",
+        f"comm.run_id=util_{tag}",
+        f"run.dir={run_dir}",
+        f"run.name={tag}",
+    ]
+
+
+def run_training(data: str, steps: int, rate: float, codec: str, overlap: str, out: Path) -> dict:
+    """One 4-worker run in a fresh testbed; returns the row of the table."""
+    from diloco.config import load_config
+    from diloco.local import run_local
+    from diloco.testbed import Testbed
+
+    run_dir = out / f"train-{rate:g}mbit-{codec}-{overlap}"
+    overrides = _training_overrides(data, steps, rate, codec, overlap, run_dir)
+    cfg = load_config(None, [*overrides, f"worker.count={WORKERS}"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (
+        Testbed(WORKERS, up_mbit=rate, down_mbit=rate) as testbed,
+        open(run_dir / "launcher.log", "w") as log,
+        contextlib.redirect_stdout(log),
+    ):
+        code = run_local(cfg, None, overrides, workers=WORKERS, testbed=testbed)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rounds = max(1, summary["rounds"])
+    compute_per_round = summary["compute_s"] / rounds
+    comm_per_round = summary["bytes_sent"] * 8 / (rate * 1e6) / rounds
+    return {
+        "rate_mbit": rate,
+        "codec": codec,
+        "overlap": overlap,
+        "exit_code": code,
+        "compute_utilization": summary["compute_utilization"],
+        "bound": min(1.0, compute_per_round / comm_per_round) if comm_per_round else 1.0,
+        "round_s": summary["wall_s"] / rounds,
+        "inner_step_ms": 1000 * summary["compute_s"] / max(1, summary["inner_steps"]),
+        "final_val_loss": summary["final_val_loss"],
+        "params_agree": summary["params_agree"],
+        "peak_sync_bytes": summary["peak_sync_bytes"],
+        "bytes_sent": summary["bytes_sent"],
+        "run_dir": str(run_dir),
+    }
+
+
+def run_allreduce(peers: int, rate: float, payload_mb: float, rounds: int, out: Path) -> dict:
+    """``peers`` processes in a fresh testbed average ``payload_mb`` MB ``rounds`` times."""
+    from diloco.local import start_bootstrap, stop_all
+    from diloco.testbed import Testbed
+
+    log_dir = out / f"allreduce-{peers}peers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with Testbed(peers, up_mbit=rate, down_mbit=rate) as testbed:
+        bootstrap, addresses = start_bootstrap(host=testbed.host, timeout_s=120)
+        processes = []
+        try:
+            for i in range(peers):
+                command = [
+                    sys.executable, "-m", "diloco.bench.allreduce_peer", "--peers", addresses[0],
+                    "--count", str(peers), "--host", testbed.address(i),
+                    "--payload-mb", str(payload_mb), "--rounds", str(rounds),
+                ]  # fmt: skip
+                with open(log_dir / f"peer-{i}.log", "w") as stderr:
+                    processes.append(
+                        subprocess.Popen(testbed.command(i, command), stdout=subprocess.PIPE, stderr=stderr, text=True)
+                    )
+            timeout_s = 120 + rounds * 4 * payload_mb * 8 / rate
+            reports = [json.loads(p.communicate(timeout=timeout_s)[0].strip().splitlines()[-1]) for p in processes]
+        finally:
+            stop_all([*processes, bootstrap])
+    measured = [
+        max(r["ends"][k] for r in reports) - max(r["starts"][k] for r in reports)
+        for k in range(1, rounds)  # round 0 includes start-up skew
+    ]
+    complete = all(min(r["peers"][1:]) == peers for r in reports)
+    bound_s = 2 * (peers - 1) / peers * payload_mb * 1e6 * 8 / (rate * 1e6)
+    round_s = statistics.median(measured)
+    return {
+        "peers": peers,
+        "rate_mbit": rate,
+        "payload_mb": payload_mb,
+        "round_s": round_s,
+        "rounds_s": measured,
+        "bound_s": bound_s,
+        "efficiency": bound_s / round_s,
+        "every_round_complete": complete,
+    }
+
+
+def _training_table(rows: list[dict]) -> str:
+    lines = [
+        "| link | codec | overlap | utilization | bound | round s | inner step ms | val loss | / blocking "
+        "| peak bytes per sync | bytes per worker |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        ratio = f"{row['loss_ratio']:.4f}" if row.get("loss_ratio") else "-"
+        lines.append(
+            f"| {row['rate_mbit']:g} Mbit/s | {row['codec']} | {row['overlap']} | {row['compute_utilization']:.3f} "
+            f"| {row['bound']:.3f} | {row['round_s']:.1f} | {row['inner_step_ms']:.0f} | {row['final_val_loss']:.4f} "
+            f"| {ratio} | {row['peak_sync_bytes']:,} | {row['bytes_sent']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def _allreduce_table(rows: list[dict]) -> str:
+    lines = [
+        "| peers | payload | link | bound s | measured s (median) | efficiency |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['peers']} | {row['payload_mb']:g} MB | {row['rate_mbit']:g} Mbit/s | {row['bound_s']:.1f} "
+            f"| {row['round_s']:.1f} | {row['efficiency']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def _with_loss_ratios(rows: list[dict]) -> None:
+    for row in rows:
+        blocking = next(
+            (r for r in rows if (r["rate_mbit"], r["codec"], r["overlap"]) == (row["rate_mbit"], row["codec"], "none")),
+            None,
+        )
+        if blocking and row["overlap"] != "none":
+            row["loss_ratio"] = row["final_val_loss"] / blocking["final_val_loss"]
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['rate_mbit']:g}M {r['codec']}\n{r['overlap']}" for r in rows]
+    ax.bar(range(len(rows)), [r["compute_utilization"] for r in rows], label="compute utilization")
+    ax.scatter(range(len(rows)), [r["bound"] for r in rows], color="black", marker="_", s=400, label="bound")
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("compute / wall")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_utilization_benchmark(
+    *,
+    data: str | None,
+    steps: int,
+    rates: list[float],
+    codecs: list[str],
+    overlaps: list[str],
+    peers: list[int],
+    payload_mb: float,
+    allreduce_rate: float,
+    rounds: int,
+    parts: list[str],
+    out: Path,
+) -> int:
+    from diloco.cli import UsageError
+    from diloco.testbed import testbed_unavailable
+
+    if (reason := testbed_unavailable()) is not None:
+        raise UsageError(reason)
+    unknown = sorted(set(overlaps) - set(OVERLAPS))
+    if unknown:
+        raise UsageError(f"unknown overlap(s) {', '.join(unknown)}; choose from {', '.join(OVERLAPS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"training": [], "allreduce": []}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+
+    if "training" in parts:
+        data_path = default_data(data)
+        print(f"training: {WORKERS} workers, H={SYNC_EVERY}, {steps} inner steps, data {data_path or 'embedded'}")
+        for rate in rates:
+            for codec in codecs:
+                for overlap in overlaps:
+                    row = run_training(data_path, steps, rate, codec, overlap, out)
+                    results["training"].append(row)
+                    _with_loss_ratios(results["training"])
+                    save()
+                    print(
+                        f"  {rate:g} Mbit/s {codec} {overlap}: utilization {row['compute_utilization']:.3f} "
+                        f"(bound {row['bound']:.3f}), val {row['final_val_loss']:.4f}",
+                        flush=True,
+                    )
+        _plot(results["training"], out / "utilization.png")
+        print(_training_table(results["training"]))
+    if "allreduce" in parts:
+        print(f"all-reduce: {payload_mb:g} MB fp32 at {allreduce_rate:g} Mbit/s, {rounds} rounds (first is warm-up)")
+        for count in peers:
+            row = run_allreduce(count, allreduce_rate, payload_mb, rounds, out)
+            results["allreduce"].append(row)
+            save()
+            print(f"  {count} peers: efficiency {row['efficiency']:.3f}", flush=True)
+        print(_allreduce_table(results["allreduce"]))
+    print(f"wrote {out / 'results.json'}" + (f" and {out / 'utilization.png'}" if "training" in parts else ""))
+    return 0
