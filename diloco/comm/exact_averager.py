@@ -31,7 +31,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, BannedException
+from hivemind.averaging.partition import BannedException
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -221,10 +221,17 @@ def _decode_part(codec: Codec, serialized: runtime_pb2.Tensor, numel: int) -> to
     return codec.decompress(serialized.buffer, numel)
 
 
+# hivemind cuts each reducer's share into parts of 512 KiB (fp32) and a reducer answers part k only
+# once every sender's part k is in: on slow links the last part's replies are a tail nothing
+# overlaps. 64 KiB parts measured better (testbed, 4 peers at 20 Mbit/s, all-reduce efficiency:
+# 10 MB 0.753 -> 0.802, 40 MB 0.722 -> 0.784; 32 KiB no better, 2 MiB 0.61).
+PART_SIZE_BYTES = 64 * 1024
+
+
 def aligned_part_size_bytes(codec: Codec) -> int:
-    """hivemind's part size (it cuts parts of size / 4 fp32 values from each tensor's start), made a
+    """The part size (hivemind cuts parts of size / 4 fp32 values from each tensor's start), made a
     multiple of the codec's block so that no block straddles two parts."""
-    values = max(1, DEFAULT_PART_SIZE_BYTES // 4 // codec.align) * codec.align
+    values = max(1, PART_SIZE_BYTES // 4 // codec.align) * codec.align
     return 4 * values
 
 
