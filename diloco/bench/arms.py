@@ -79,7 +79,7 @@ def _run_one(job: tuple) -> dict:
         ],
     )
     started = time.perf_counter()
-    summary = _finished_summary(cfg)
+    summary = finished_summary(cfg)
     reused = summary is not None
     if summary is None:
         summary = simulate(cfg, workers=arm.workers)
@@ -96,9 +96,10 @@ def _run_one(job: tuple) -> dict:
     }
 
 
-def _finished_summary(cfg) -> dict | None:
+def finished_summary(cfg) -> dict | None:
     """The summary of a finished run of exactly this config in its run directory (a benchmark rerun
-    into the same ``--out`` reuses it instead of training again), else None."""
+    into the same ``--out`` reuses it instead of training again), else None. Only the config is
+    compared: delete a run directory to rerun it after changing the code."""
     from diloco.config import ConfigError, load_config, to_dict
 
     summary_path, config_path = cfg.run_dir / "summary.json", cfg.run_dir / "config.yaml"
@@ -110,7 +111,9 @@ def _finished_summary(cfg) -> dict | None:
     except (ConfigError, ValueError):
         return None
     wanted = to_dict(cfg)
-    saved.pop("worker"), wanted.pop("worker")  # the simulator sets each worker's index, count and threads
+    for config in (saved, wanted):  # what launchers set per worker: index, count, threads, address, peers
+        config.pop("worker")
+        config["comm"].pop("host"), config["comm"].pop("initial_peers")
     finished = summary.get("inner_steps") == cfg.inner.steps and summary.get("final_val_loss") is not None
     return summary if finished and saved == wanted else None
 

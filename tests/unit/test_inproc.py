@@ -20,9 +20,10 @@ from tests.conftest import TINY
 
 
 def test_link_model_time_for_a_known_payload():
-    # 4 workers, 10 MB: each uploads 2 * 3/4 * 10 MB = 15 MB = 120 Mbit; at 20 Mbit/s that is 6 s
-    assert round_time_s(10_000_000, 4, bandwidth_mbps=20, latency_ms=0) == pytest.approx(6.0)
-    assert round_time_s(10_000_000, 2, bandwidth_mbps=80, latency_ms=50) == pytest.approx(1.0 + 0.1)
+    # 4 workers, 10 MB: each uploads 2 * 3/4 * 10 MB = 15 MB = 120 Mbit; at 20 Mbit/s of which 1448/1514
+    # are TCP payload, that is 6 s / 0.956
+    assert round_time_s(10_000_000, 4, bandwidth_mbps=20, latency_ms=0) == pytest.approx(6.0 * 1514 / 1448)
+    assert round_time_s(10_000_000, 2, bandwidth_mbps=80, latency_ms=50) == pytest.approx(1514 / 1448 + 0.1)
     assert round_time_s(10_000_000, 1, bandwidth_mbps=1, latency_ms=50) == 0.0
 
 
