@@ -61,7 +61,6 @@ def _run_one(job: tuple) -> dict:
     from diloco.local import simulate
 
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(threads)
     run_dir = out / f"{arm.name}-seed{seed}"
     cfg = load_config(
         None,
@@ -78,6 +77,7 @@ def _run_one(job: tuple) -> dict:
             *overrides,
         ],
     )
+    torch.set_num_threads(cfg.worker.threads or threads)  # worker.threads=N overrides the share of the cores
     started = time.perf_counter()
     summary = finished_summary(cfg)
     reused = summary is not None
