@@ -110,18 +110,25 @@ class OuterStep:
                 self.error_feedback.forget()  # what it had carried over is applied now, in full
         self.apply(pseudo_gradients)
         peers = result.peers if result.ok else 1
+        return result, self.catch_up(
+            backend, round_index=round_index, peers=peers, expected_peers=expected_peers, timeout_s=deadline_s
+        )
+
+    def catch_up(
+        self, backend: CommBackend, *, round_index: int, peers: int, expected_peers: int, timeout_s: float
+    ) -> bool:
+        """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
+        if fewer than ``expected_peers`` took part, take the state of a peer that averaged over more.
+        Returns whether the state came from a peer (the local params then restart from it)."""
         backend.publish_state(round_index, peers, self.state_dict)  # called only by transports that serve state
         if peers >= expected_peers:
-            return result, False
-        better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=deadline_s)
+            return False
+        better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=timeout_s)
         if better is None:
             logger.warning(
-                "round %d: averaged over %d of %d workers and no peer did better",
-                round_index,
-                peers,
-                expected_peers,
+                "round %d: averaged over %d of %d workers and no peer did better", round_index, peers, expected_peers
             )
-            return result, False
+            return False
         self.load_state_dict(better)
         backend.publish_state(round_index, peers + 1, self.state_dict)  # no longer behind: peers may go
         logger.warning(
@@ -130,7 +137,7 @@ class OuterStep:
             peers,
             expected_peers,
         )
-        return result, True
+        return True
 
     def state_dict(self) -> dict:
         return {

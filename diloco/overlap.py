@@ -164,25 +164,17 @@ class OverlappedOuter:
         return applied
 
     def _catch_up(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
-        """As the blocking round does (``OuterStep.sync``): offer our state after this average, and
-        if it covered fewer workers than expected, take the state of a peer that averaged over
-        more (keeping our own progress carried over). One fragment only: a fragment's state is
-        not served on its own yet."""
-        outer, backend = self.outer, self.backend
-        peers = result.peers if result.ok else 1
-        backend.publish_state(flight.round_index, peers, outer.state_dict)
-        if peers >= self.expected_peers:
-            return
-        better = backend.fetch_state(flight.round_index, min_peers=peers + 1, timeout_s=self.deadline_s)
-        if better is None:
-            logger.warning("sync %d: averaged over %d of %d workers and no peer did better", flight.round_index,
-                           peers, self.expected_peers)  # fmt: skip
-            return
-        outer.load_state_dict(better)
-        self._restart_local(flight.fragment, fresh if self._carries_progress else None)
-        backend.publish_state(flight.round_index, peers + 1, outer.state_dict)
-        logger.warning("sync %d: averaged over %d of %d workers; took the state of a peer that averaged over more",
-                       flight.round_index, peers, self.expected_peers)  # fmt: skip
+        """The blocking round's recovery (``OuterStep.catch_up``) after an applied average, keeping our
+        own progress carried over. One fragment only: a fragment's state is not served on its own yet."""
+        took_state = self.outer.catch_up(
+            self.backend,
+            round_index=flight.round_index,
+            peers=result.peers if result.ok else 1,
+            expected_peers=self.expected_peers,
+            timeout_s=self.deadline_s,
+        )
+        if took_state:
+            self._restart_local(flight.fragment, fresh if self._carries_progress else None)
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""
