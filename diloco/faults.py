@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import CommBackend, PendingAverage, SyncResult
+from diloco.comm.base import CommBackend, SyncResult
 from diloco.compression import Codec
 
 BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size")
@@ -38,7 +38,7 @@ class SkipRoundBackend(CommBackend):
 
     def __init__(self, inner: CommBackend, skip_round: int):
         self.inner, self.skip_round = inner, skip_round
-        self.simulated = inner.simulated
+        self.simulated, self.averages_in_background = inner.simulated, inner.averages_in_background
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
@@ -46,15 +46,6 @@ class SkipRoundBackend(CommBackend):
         if round_index + 1 == self.skip_round:
             return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
         return self.inner.all_reduce_mean(
-            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
-        )
-
-    def start_all_reduce(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
-    ) -> PendingAverage:
-        if round_index + 1 == self.skip_round:
-            return PendingAverage.finished(self.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=0))
-        return self.inner.start_all_reduce(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
 

@@ -58,6 +58,7 @@ class CommBackend(abc.ABC):
     """Averages a list of tensors across the workers of a run."""
 
     simulated = False  # True for the simulator: its round times are modelled, not measured
+    averages_in_background = False  # True where averaging happens elsewhere (a process, a collective library)
 
     @abc.abstractmethod
     def all_reduce_mean(
@@ -73,11 +74,17 @@ class CommBackend(abc.ABC):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> PendingAverage:
         """``all_reduce_mean``, started now and finished by ``PendingAverage.wait()``; inner steps can
-        run in between. Transports whose averaging happens elsewhere (hivemind's averager process,
-        torch.distributed) run it on a background thread; this default (the simulator) runs it at
-        once, and its modelled time says what overlapping it would have hidden."""
-        done = self.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
-        return PendingAverage.finished(done)
+        run in between. Transports whose averaging happens elsewhere (``averages_in_background``:
+        hivemind's averager process, torch.distributed) run it on a thread that only waits; the
+        simulator runs it at once, and its modelled time says what overlapping it would have hidden.
+        The trainer starts at most one at a time, so torch.distributed's collectives never interleave."""
+
+        def run() -> SyncResult:
+            return self.all_reduce_mean(
+                tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+            )
+
+        return PendingAverage.in_background(run) if self.averages_in_background else PendingAverage.finished(run())
 
     def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (averaged over ``peers`` workers) to
@@ -131,9 +138,6 @@ class PendingAverage:
             self._result = run()
         except BaseException as error:  # handed to the thread that waits
             self._error = error
-
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> SyncResult:
         if self._thread is not None:

@@ -19,7 +19,6 @@ from diloco.comm.base import (
     CommConfig,
     CommError,
     Contribution,
-    PendingAverage,
     SyncResult,
     average_payloads,
 )
@@ -75,6 +74,8 @@ class HivemindBackend(CommBackend):
     ``fragments`` (lists of indices into ``templates``) get one averager each, so that streaming
     can average one fragment while another trains (default: one fragment of everything)."""
 
+    averages_in_background = True  # the averager process does the work
+
     def __init__(
         self,
         cfg: CommConfig,
@@ -126,16 +127,6 @@ class HivemindBackend(CommBackend):
     @property
     def addresses(self) -> list[str]:
         return visible_addresses(self._dht)
-
-    def start_all_reduce(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
-    ) -> PendingAverage:
-        # the averager process does the work; this thread only waits for it
-        return PendingAverage.in_background(
-            lambda: self.all_reduce_mean(
-                tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
-            )
-        )
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0

@@ -26,13 +26,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import CommBackend, CommConfig, Contribution, PendingAverage, SyncResult, average_payloads
+from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
 
 
 class TorchDistBackend(CommBackend):
+    averages_in_background = True
+
     def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, device: torch.device, codec: Codec):
         self.device, self.codec = device, codec
         if not dist.is_initialized():
@@ -71,14 +73,6 @@ class TorchDistBackend(CommBackend):
         payload = flat.numel() * 4
         volume = int(2 * (self.num_workers - 1) / self.num_workers * payload)
         return SyncResult(True, self.num_workers, total.item(), bytes_sent=volume, bytes_recv=volume)
-
-    def start_all_reduce(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
-    ) -> PendingAverage:
-        # the trainer starts at most one average at a time, so collectives never interleave
-        return PendingAverage.in_background(
-            lambda: self.all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
-        )
 
     def _all_gather_compressed(self, tensors: Sequence[torch.Tensor], weight: float, round_index: int) -> SyncResult:
         numels = [t.numel() for t in tensors]
