@@ -137,10 +137,9 @@ class OverlappedOuter:
         carried = self._carries_progress and next((f.own for f in self.in_flight if f.fragment == fragment), None)
         if carried:
             own = [d - c for d, c in zip(own, carried)]
-        to_send = [d.clone() for d in own]  # the average overwrites what is sent
-        if outer.error_feedback is not None:
-            to_send = outer.error_feedback.apply(to_send, indices)
-        return own, to_send
+        to_send = own if outer.error_feedback is None else outer.error_feedback.apply(own, indices)
+        # the average overwrites what is sent: copy only what error feedback did not already make anew
+        return own, [t.clone() if t is d else t for t, d in zip(to_send, own)]
 
     @property
     def _carries_progress(self) -> bool:
