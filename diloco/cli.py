@@ -156,43 +156,41 @@ def _cmd_train(args) -> int:
     return 0
 
 
-def _cmd_local(args) -> int:
+def _local_run_config(args):
+    """``diloco local`` / ``testbed``'s config, checked here (with its data) rather than in M workers:
+    (cfg, config path, the overrides every worker gets)."""
     from diloco.config import load_config
-    from diloco.local import run_inproc, run_local
+    from diloco.data import load_corpus
 
     if args.workers < 1:
         raise UsageError(f"--workers={args.workers} must be at least 1")
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
-    cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])  # fail here, not in M workers
-    from diloco.data import load_corpus
-
+    cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])
     load_corpus(cfg.data)
+    return cfg, config_path, overrides
+
+
+def _cmd_local(args) -> int:
+    from diloco.local import run_inproc, run_local
+
+    cfg, config_path, overrides = _local_run_config(args)
     if cfg.comm.backend == "inproc":
         return run_inproc(cfg, workers=args.workers)
     return run_local(cfg, config_path, overrides, workers=args.workers)
 
 
 def _cmd_testbed(args) -> int:
-    from diloco.config import load_config
     from diloco.local import run_local
     from diloco.testbed import Testbed, TestbedError
 
-    if args.workers < 1:
-        raise UsageError(f"--workers={args.workers} must be at least 1")
     up, down = args.rate if args.up is None else args.up, args.rate if args.down is None else args.down
     if min(up, down) < 0:
         raise UsageError("link rates (--rate, --up, --down) must be >= 0 Mbit/s")
-    config_path, overrides = _split_config(args.config, args.overrides)
-    if args.run_dir:
-        overrides = [*overrides, f"run.dir={args.run_dir}"]
-    cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])
+    cfg, config_path, overrides = _local_run_config(args)
     if cfg.comm.backend != "hivemind":
         raise UsageError(f"the testbed runs real peers: comm.backend must be hivemind, not {cfg.comm.backend}")
-    from diloco.data import load_corpus
-
-    load_corpus(cfg.data)
     try:
         testbed = Testbed(args.workers, up_mbit=up, down_mbit=down)
     except TestbedError as error:
