@@ -238,6 +238,14 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _numbers(text: str, kind: type, option: str) -> list:
+    """A comma-separated list of numbers from the command line."""
+    try:
+        return [kind(word) for word in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{option}={text!r} is not a comma-separated list of {kind.__name__} numbers") from None
+
+
 def _cmd_bench(args) -> int:
     if args.bench == "overhead":
         from diloco.bench.overhead import run_overhead_benchmark
@@ -249,10 +257,10 @@ def _cmd_bench(args) -> int:
         return run_utilization_benchmark(
             data=args.data,
             steps=args.steps,
-            rates=[float(r) for r in args.rates.split(",")],
+            rates=_numbers(args.rates, float, "--rates"),
             codecs=args.codecs.split(","),
             overlaps=args.overlaps.split(","),
-            peers=[int(p) for p in args.peers.split(",")],
+            peers=_numbers(args.peers, int, "--peers"),
             payload_mb=args.payload_mb,
             allreduce_rate=args.allreduce_rate,
             rounds=args.rounds,

@@ -31,6 +31,7 @@ from pathlib import Path
 from diloco.bench.arms import default_data, finished_summary
 
 WORKERS, SYNC_EVERY = 4, 50
+PARTS = ("training", "allreduce")
 OVERLAPS = {
     "none": [],
     "streaming": ["outer.overlap=streaming", "outer.fragments=5", "outer.delay_steps=5"],
@@ -218,9 +219,15 @@ def run_utilization_benchmark(
 
     if (reason := testbed_unavailable()) is not None:
         raise UsageError(reason)
-    unknown = sorted(set(overlaps) - set(OVERLAPS))
-    if unknown:
-        raise UsageError(f"unknown overlap(s) {', '.join(unknown)}; choose from {', '.join(OVERLAPS)}")
+    from diloco.compression import CODECS
+
+    for kind, given, known in (("overlap", overlaps, OVERLAPS), ("codec", codecs, CODECS), ("part", parts, PARTS)):
+        if unknown := sorted(set(given) - set(known)):
+            raise UsageError(f"unknown {kind}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    if min(peers) < 2 or rounds < 2 or min(rates) <= 0 or allreduce_rate <= 0 or payload_mb <= 0 or steps < 1:
+        raise UsageError(
+            "need --peers >= 2, --rounds >= 2 (the first is a warm-up), rates and --payload-mb > 0, --steps >= 1"
+        )
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"training": [], "allreduce": []}
 
