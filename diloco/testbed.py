@@ -156,6 +156,7 @@ class Testbed:
             _run("ip", "netns", "del", namespace, check=False)
             _run("ip", "link", "del", root_end, check=False)  # deleting the namespace frees it, but lazily
         _run("ip", "link", "del", self._bridge, check=False)
+        _wait_gone({*self._namespaces, *self._root_ends, self._bridge})
 
     def __enter__(self) -> Testbed:
         return self
@@ -196,4 +197,12 @@ def remove_stale() -> list[str]:
         else:
             _run("ip", "link", "del", name, check=False)
         removed.append(name)
+    _wait_gone(set(removed))
     return removed
+
+
+def _wait_gone(names: set[str], timeout_s: float = 5.0) -> None:
+    """Until the kernel has finished deleting ``names`` (it deletes a namespace's veths lazily)."""
+    deadline = time.monotonic() + timeout_s
+    while names & set(leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
