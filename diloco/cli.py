@@ -4,6 +4,7 @@
     diloco testbed configs/tiny.yaml --workers 4 --rate 20  # the same on shaped links (root)
     diloco train configs/tiny.yaml [KEY=VALUE ...]          # one worker (start a run, or join one
                                                             #   with comm.initial_peers=[...])
+    diloco join configs/tiny.yaml --peers ADDR [KEY=VALUE]  # a volunteer joins a live run in a free slot
     diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
     diloco config [CONFIG] [KEY=VALUE ...]                  # print the resolved configuration
     diloco config --reference                               # every key, type, default, meaning
@@ -42,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run one worker")
     train.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+    join = commands.add_parser("join", help="join a live run in a free slot, starting from the run's current state")
+    join.add_argument("config", nargs="?", help="the run's YAML config")
+    join.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    join.add_argument("--peers", required=True, help="multiaddr(s) of live peers of the run, comma-separated")
 
     local = commands.add_parser("local", help="run a bootstrap peer and M workers on this machine")
     local.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
@@ -86,6 +92,17 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument("--out", default="runs/bench-quality", help="output folder")
     quality.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     quality.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    faults = bench.add_parser("faults", help="crash, cut link, slow link, join, bad and wrong-key peers, 4 workers")
+    faults.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
+    faults.add_argument("--scenarios", default="crash,cut,slow,join,bad,wrong_key", help="comma-separated")
+    faults.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    faults.add_argument("--workers", type=int, default=4)
+    faults.add_argument("--steps", type=int, default=300, help="inner steps per worker")
+    faults.add_argument("--sync-every", type=int, default=20, help="H")
+    faults.add_argument("--outage", type=float, default=20.0, help="seconds a crashed worker or a cut link stays out")
+    faults.add_argument("--join-round", type=int, default=5)
+    faults.add_argument("--rate", type=float, help="testbed link rate, Mbit/s (default 20 as root, else loopback)")
+    faults.add_argument("--out", default="runs/bench-faults", help="output folder")
     utilization = bench.add_parser(
         "utilization", help="compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)"
     )
@@ -125,7 +142,7 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _cmd_train(args) -> int:
+def _cmd_train(args, *, join: bool = False) -> int:
     from diloco.config import load_config
     from diloco.faults import StopRequested
     from diloco.train import train
@@ -144,7 +161,7 @@ def _cmd_train(args) -> int:
             )
 
     try:
-        end = train(cfg, on_ready=announce)
+        end = train(cfg, on_ready=announce, join=join)
     except StopRequested as stop:
         print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
         return 3
@@ -154,6 +171,36 @@ def _cmd_train(args) -> int:
         flush=True,
     )
     return 0
+
+
+def _cmd_join(args) -> int:
+    from diloco.comm.hivemind import probe_roster
+    from diloco.comm.roster import free_slot
+    from diloco.config import load_config
+    from diloco.train import JoinError
+
+    config_path, overrides = _split_config(args.config, args.overrides)
+    peers = [peer.strip() for peer in args.peers.split(",") if peer.strip()]
+    overrides = [*overrides, "comm.initial_peers=[" + ",".join(f"'{p}'" for p in peers) + "]"]
+    cfg = load_config(config_path, overrides)
+    if cfg.comm.backend != "hivemind":
+        raise UsageError(f"joining a live run needs comm.backend=hivemind, not {cfg.comm.backend}")
+    entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=cfg.comm.matchmaking_s).items() if not e.leaving}
+    if not entries:
+        raise JoinError(
+            f"no live worker of run {cfg.comm.run_id!r} answered through {', '.join(peers)}: check the address, "
+            f"that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run's key"
+        )
+    slot = free_slot(entries, cfg.worker.shards)
+    if slot is None:
+        raise UsageError(
+            f"run {cfg.comm.run_id!r} is full: its {cfg.worker.shards} data shards are all held by live workers "
+            f"(a run takes volunteers up to worker.slots)"
+        )
+    print(f"joining run {cfg.comm.run_id!r} as worker {slot} ({len(entries)} live)", flush=True)
+    args.overrides = [*overrides, f"worker.index={slot}"]
+    args.config = config_path
+    return _cmd_train(args, join=True)
 
 
 def _local_run_config(args):
@@ -251,6 +298,21 @@ def _cmd_bench(args) -> int:
         from diloco.bench.overhead import run_overhead_benchmark
 
         return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
+    if args.bench == "faults":
+        from diloco.bench.faults import run_faults_benchmark
+
+        return run_faults_benchmark(
+            scenarios=[s for s in args.scenarios.split(",") if s],
+            out=Path(args.out),
+            data=args.data,
+            overrides=args.overrides,
+            workers=args.workers,
+            steps=args.steps,
+            sync_every=args.sync_every,
+            outage_s=args.outage,
+            join_round=args.join_round,
+            rate_mbit=args.rate,
+        )
     if args.bench == "utilization":
         from diloco.bench.utilization import run_utilization_benchmark
 
@@ -297,6 +359,7 @@ def _cmd_bench(args) -> int:
 COMMANDS = {
     "train": _cmd_train,
     "local": _cmd_local,
+    "join": _cmd_join,
     "testbed": _cmd_testbed,
     "bootstrap": _cmd_bootstrap,
     "config": _cmd_config,

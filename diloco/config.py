@@ -45,9 +45,15 @@ class RunConfig:
 @dataclass
 class WorkerConfig:
     index: int = 0  # this worker's number: picks its data shard and its worker-<index>.jsonl
-    count: int = 1  # workers expected in the run: the number of data shards and the group size
+    count: int = 1  # workers planned for the run: the group size rounds wait for
+    slots: int = 0  # data shards, so the most workers the run can hold (volunteers join free ones); 0 = count
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
     device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
+
+    @property
+    def shards(self) -> int:
+        """How many disjoint shards the train split is cut into."""
+        return max(self.count, self.slots)
 
 
 @dataclass
@@ -99,11 +105,20 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML, the run key masked (it is written to run directories and logs)."""
+    return OmegaConf.to_yaml(_redacted(cfg))
 
 
 def to_dict(cfg: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    """The config as plain containers, the run key masked."""
+    return OmegaConf.to_container(_redacted(cfg))
+
+
+def _redacted(cfg: Config):
+    conf = OmegaConf.structured(cfg)
+    if conf.comm.run_key:
+        conf.comm.run_key = "<set>"
+    return conf
 
 
 def _read_yaml(path: Path):
@@ -165,9 +180,11 @@ def validate(cfg: Config) -> None:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     _check(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
+    _check(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")
     _check(
-        0 <= cfg.worker.index < cfg.worker.count,
-        f"worker.index={cfg.worker.index} must be in [0, worker.count={cfg.worker.count})",
+        0 <= cfg.worker.index < cfg.worker.shards,
+        f"worker.index={cfg.worker.index} must be in [0, {cfg.worker.shards}) "
+        f"(worker.count={cfg.worker.count}, worker.slots={cfg.worker.slots})",
     )
     _check(
         cfg.worker.device in ("cpu", "cuda", "auto"), f"worker.device={cfg.worker.device!r} is not cpu, cuda or auto"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
 from diloco.compression import Codec
 
 BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size")
@@ -49,11 +49,25 @@ class SkipRoundBackend(CommBackend):
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
 
-    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
-        self.inner.publish_state(round_index, peers, state)
+    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+        self.inner.publish_state(round_index, rank, state)
 
-    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
-        return self.inner.fetch_state(round_index, min_peers=min_peers, timeout_s=timeout_s)
+    def fetch_state(
+        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+    ) -> PeerState | None:
+        return self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
+
+    def expected_peers(self) -> int | None:
+        return self.inner.expected_peers()
+
+    def report_progress(self, round_index: int, step: int) -> None:
+        self.inner.report_progress(round_index, step)
+
+    def live_workers(self) -> dict:
+        return self.inner.live_workers()
+
+    def leave(self) -> None:
+        self.inner.leave()
 
     def finish(self) -> None:
         self.inner.finish()

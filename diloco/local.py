@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from diloco.comm.base import CommError
+from diloco.comm.run_key import RUN_KEY_ENV
 from diloco.config import Config
 from diloco.metrics import format_summary, write_summary
 from diloco.testbed import Testbed
@@ -113,7 +114,7 @@ def run_local(
     children: list[subprocess.Popen] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
-    bootstrap, peers = start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s)
+    bootstrap, peers = start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s, run_key=cfg.comm.run_key)
     try:
         print(f"bootstrap peer: {peers[0]}")
         where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
@@ -220,11 +221,13 @@ def run_inproc(cfg: Config, *, workers: int) -> int:
     return 0
 
 
-def start_bootstrap(*, host: str, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
+def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[subprocess.Popen, list[str]]:
     """A ``diloco bootstrap`` child listening on ``host`` (a child, so that it, too, dies with the
-    launcher); returns it and the address it prints."""
+    launcher), holding the run key if there is one; returns it and the address it prints."""
+    env = {**os.environ, RUN_KEY_ENV: run_key} if run_key else None
     process = subprocess.Popen(
         [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", host, "--port", "0"],
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

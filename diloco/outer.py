@@ -15,6 +15,7 @@ gradients of every inner step over the same transport, counted the same way.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import CommBackend, StateRank, SyncResult
 from diloco.compression import ErrorFeedback
 
 logger = logging.getLogger(__name__)
@@ -91,14 +92,15 @@ class OuterStep:
 
     def sync(
         self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
-    ) -> tuple[SyncResult, bool]:
+    ) -> tuple[SyncResult, int | None]:
         """One round: pseudo-gradient, average with the other workers, outer step.
 
         When the average fails or covers fewer than ``expected_peers`` workers (hivemind can lose
         a peer or part of the vector inside a round), the worker applies what it has, then
-        takes the global state of a peer that averaged in a bigger group, so that it ends the
-        round with the others' params instead of drifting. Returns the averaging result and
-        whether the state came from a peer.
+        takes the global state of a peer that averaged in a bigger group, or of a later round
+        when the others have moved on, so that it ends with the others' params instead of
+        drifting. Returns the averaging result and the round of the state taken from a peer
+        (None when none was).
         """
         pseudo_gradients = self.pseudo_gradients()
         if self.error_feedback is not None:
@@ -111,33 +113,59 @@ class OuterStep:
         self.apply(pseudo_gradients)
         peers = result.peers if result.ok else 1
         return result, self.catch_up(
-            backend, round_index=round_index, peers=peers, expected_peers=expected_peers, timeout_s=deadline_s
+            backend,
+            round_index=round_index,
+            peers=peers,
+            expected_peers=expected_peers,
+            timeout_s=deadline_s,
+            newer=True,
         )
 
     def catch_up(
-        self, backend: CommBackend, *, round_index: int, peers: int, expected_peers: int, timeout_s: float
-    ) -> bool:
+        self,
+        backend: CommBackend,
+        *,
+        round_index: int,
+        peers: int,
+        expected_peers: int,
+        timeout_s: float,
+        newer: bool = False,
+    ) -> int | None:
         """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
-        if fewer than ``expected_peers`` took part, take the state of a peer that averaged over more.
-        Returns whether the state came from a peer (the local params then restart from it)."""
-        backend.publish_state(round_index, peers, self.state_dict)  # called only by transports that serve state
-        if peers >= expected_peers:
-            return False
-        better = backend.fetch_state(round_index, min_peers=peers + 1, timeout_s=timeout_s)
-        if better is None:
+        if fewer than expected took part, take the state of a peer that ranks higher (a bigger
+        group, or the agreed winner between groups of one size), or, with ``newer``, of a later
+        round. ``expected_peers`` is the plan; a transport that tracks who is alive says how many
+        are left. Returns the round of the state taken (the local params then restart from it), or None."""
+        rank = StateRank(peers, self.fingerprint())
+        backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
+        live = backend.expected_peers()
+        expected = expected_peers if live is None else live
+        if peers >= expected:
+            return None
+        found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
+        if found is None:
             logger.warning(
-                "round %d: averaged over %d of %d workers and no peer did better", round_index, peers, expected_peers
+                "round %d: averaged over %d of %d workers and no peer did better", round_index, peers, expected
             )
-            return False
-        self.load_state_dict(better)
-        backend.publish_state(round_index, peers + 1, self.state_dict)  # no longer behind: peers may go
+            return None
+        self.load_state_dict(found.state)
+        backend.publish_state(found.round, found.rank, self.state_dict)  # no longer behind: peers may go
         logger.warning(
-            "round %d: averaged over %d of %d workers; took the state of a peer that averaged over more",
+            "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
             round_index,
             peers,
-            expected_peers,
+            expected,
+            found.rank.peers,
+            found.round,
         )
-        return True
+        return found.round
+
+    def fingerprint(self) -> float:
+        """A number in [0, 1) from the hash of the global params: equal exactly when they are."""
+        digest = hashlib.sha256()
+        for param in self.global_params:
+            digest.update(param.numpy().tobytes())
+        return int.from_bytes(digest.digest()[:3], "big") / (1 << 24)
 
     def state_dict(self) -> dict:
         return {

@@ -165,14 +165,14 @@ class OverlappedOuter:
     def _catch_up(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """The blocking round's recovery (``OuterStep.catch_up``) after an applied average, keeping our
         own progress carried over. One fragment only: a fragment's state is not served on its own yet."""
-        took_state = self.outer.catch_up(
+        taken = self.outer.catch_up(
             self.backend,
             round_index=flight.round_index,
             peers=result.peers if result.ok else 1,
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
         )
-        if took_state:
+        if taken is not None:
             self._restart_local(flight.fragment, fresh if self._carries_progress else None)
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:

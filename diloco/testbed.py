@@ -141,6 +141,11 @@ class Testbed:
             rate = ["rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms"]
             _run(*tc, "qdisc", "replace", "dev", device, "root", "tbf", *rate)
 
+    def set_rate(self, worker: int, *, up_mbit: float, down_mbit: float) -> None:
+        """Reshape one worker's link (a slow volunteer among fast ones)."""
+        self._shape(["tc", "-n", self._namespaces[worker]], f"dlp{self._tag}x{worker}", up_mbit)
+        self._shape(["tc"], self._root_ends[worker], down_mbit)
+
     def set_link(self, worker: int, up: bool) -> None:
         """Cut (``up=False``) or restore a worker's link, as a network outage would."""
         _run("ip", "link", "set", self._root_ends[worker], "up" if up else "down")

@@ -20,6 +20,7 @@ import torch
 
 from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from diloco.comm import SyncResult, build_backend
+from diloco.comm.base import CommError, StateRank
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
@@ -34,10 +35,12 @@ from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 logger = logging.getLogger(__name__)
 
 
-def train(cfg: Config, *, on_ready=None) -> dict:
+def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     """Run one worker to the end (or to ``faults.stop_after_round``); return its end record.
 
-    ``on_ready(addresses)`` is called once the worker is reachable by peers.
+    ``on_ready(addresses)`` is called once the worker is reachable by peers. A worker whose peers
+    are rounds ahead (it joins a live run, or restarts from an old checkpoint) first takes their
+    state; with ``join`` a live run is required (``JoinError`` when none is found).
     """
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -54,7 +57,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         block_size=block,
         batch_size=batch,
         shard_index=cfg.worker.index,
-        num_shards=cfg.worker.count,
+        num_shards=cfg.worker.shards,
         seed=cfg.seed,
     )
     held_out = val_batches(
@@ -130,6 +133,10 @@ def train(cfg: Config, *, on_ready=None) -> dict:
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
+        if not data_parallel and overlapped is None:
+            step, round_index = _catch_up_with_run(
+                outer, backend, step, round_index, sync_every=cfg.outer.sync_every, cfg=cfg, required=join
+            )
         samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
         while step < cfg.inner.steps:
             # ---- inner step -------------------------------------------------------------
@@ -151,6 +158,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
             totals.compute_s += step_s
             step += 1
             samples_this_round += batch
+            backend.report_progress(round_index, step)
             if overlapped is not None:
                 costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)
                 window.extend(costs)
@@ -166,7 +174,7 @@ def train(cfg: Config, *, on_ready=None) -> dict:
                 window, unattributed_comm_s = [], 0.0
             else:
                 started = time.perf_counter()
-                result, recovered = outer.sync(
+                result, taken_round = outer.sync(
                     backend,
                     weight=samples_this_round,
                     round_index=round_index,
@@ -174,7 +182,13 @@ def train(cfg: Config, *, on_ready=None) -> dict:
                     expected_peers=cfg.worker.count,
                 )
                 comm_s = _account(result, time.perf_counter() - started, totals, log).comm_s
+                recovered = taken_round is not None
+                if recovered and taken_round > round_index:  # the others are rounds ahead: skip to them
+                    logger.warning("worker %d skips from round %d to %d", cfg.worker.index, round_index, taken_round)
+                    step = min(cfg.inner.steps, step + (taken_round - round_index) * cfg.outer.sync_every)
+                    round_index = taken_round
             round_index, samples_this_round = round_index + 1, 0
+            backend.report_progress(round_index, step)
             param_hash = param_sha256(synced_params)
             val_loss = _evaluate_once(model, held_out, held_out_hash, param_hash)
             log.round(
@@ -211,7 +225,51 @@ def train(cfg: Config, *, on_ready=None) -> dict:
         return log.end(step, round_index, totals, val_loss=final_loss, param_hash=param_sha256(synced_params))
     finally:
         log.close()
+        backend.leave()
         backend.shutdown()
+
+
+class JoinError(CommError):
+    """``diloco join`` found no live run to join (wrong address, wrong run key, or the run is over)."""
+
+
+def _catch_up_with_run(
+    outer: OuterStep, backend, step: int, round_index: int, *, sync_every: int, cfg: Config, required: bool
+) -> tuple[int, int]:
+    """Before the first round: if live peers are rounds ahead, take a peer's global params and
+    outer-optimizer state and start on the round they are in, at their inner step (a round
+    that has begun is joined with fewer samples, and weighted by them). Returns (step, round)."""
+    others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
+    if required and not others:
+        raise JoinError(
+            f"no live worker of run {cfg.comm.run_id!r} answered through comm.initial_peers: check the address, "
+            f"that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run's key"
+        )
+    if not any(e.round > round_index for e in others.values()):
+        return step, round_index
+    found = backend.fetch_state(
+        round_index - 1, better_than=StateRank(1 << 30), timeout_s=cfg.comm.deadline_s, newer=True
+    )
+    if found is None:
+        if required:
+            raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")
+        logger.warning("worker %d: peers are ahead but none served its state; continuing", cfg.worker.index)
+        return step, round_index
+    taken_round = found.round
+    outer.load_state_dict(found.state)
+    round_index = taken_round + 1
+    in_round = [e.step for e in others.values() if e.round == round_index]
+    round_start = round_index * sync_every
+    step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)
+    logger.warning(
+        "worker %d took the state after round %d from a peer; starts round %d at step %d",
+        cfg.worker.index,
+        taken_round,
+        round_index,
+        step,
+    )
+    backend.report_progress(round_index, step)
+    return step, round_index
 
 
 # Workers simulated in one process (comm.backend=inproc) hold bit-identical params after every

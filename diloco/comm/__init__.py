@@ -48,5 +48,12 @@ def build_backend(
     if cfg.backend == "hivemind":
         from diloco.comm.hivemind import HivemindBackend
 
-        return HivemindBackend(cfg, templates=templates, num_workers=num_workers, codec=codec, fragments=fragments)
+        return HivemindBackend(
+            cfg,
+            templates=templates,
+            num_workers=num_workers,
+            codec=codec,
+            fragments=fragments,
+            worker_index=worker_index,
+        )
     raise ValueError(f"comm.backend={cfg.backend!r} is not one of {', '.join(BACKENDS)}")

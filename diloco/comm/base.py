@@ -29,6 +29,10 @@ class CommConfig:
     host: str = "127.0.0.1"  # address to listen on (0.0.0.0 to accept peers from other machines)
     port: int = 0  # TCP port to listen on; 0 = any free port
     announce_host: str = ""  # address other peers should dial (public IP behind NAT); "" = the listen address
+    client_mode: bool = False  # behind NAT with no open port: dial out only (serves no state, reduces no part)
+    use_relay: bool = True  # libp2p circuit relay: reach peers behind NAT through other peers
+    use_auto_relay: bool = False  # behind NAT: look for a relay to become reachable through
+    run_key: str = ""  # shared secret: only peers holding it join the run ("" = open; or $DILOCO_RUN_KEY)
     deadline_s: float = 60.0  # a round gives up on peers that have not arrived after this many seconds
     matchmaking_s: float = 15.0  # a round starts at once when all workers are in; else after this many seconds
     request_timeout_s: float = 3.0  # one matchmaking request; keep below matchmaking_s (hivemind deadlocks)
@@ -52,6 +56,25 @@ class SyncResult:
     bytes_recv: int = 0  # payload bytes this worker took off the wire for the round
     error: str = ""  # why the round failed or was partial, for the log
     simulated_s: float | None = None  # a simulated transport's modelled round time; None = measure it
+
+
+@dataclass(frozen=True, order=True)
+class StateRank:
+    """How good a worker's state after a round is: averaged over more peers first; between groups
+    of the same size (hivemind's matchmaking can split a round in two), the larger fingerprint of
+    the params, so that every group agrees on one winner and the others take its state."""
+
+    peers: int
+    fingerprint: float = 0.0  # in [0, 1): from the hash of the global params, the same across a group
+
+
+@dataclass
+class PeerState:
+    """A state downloaded from a peer: after which round, how it ranked, and the state itself."""
+
+    round: int
+    rank: StateRank
+    state: dict
 
 
 class CommBackend(abc.ABC):
@@ -86,15 +109,33 @@ class CommBackend(abc.ABC):
 
         return PendingAverage.in_background(run) if self.averages_in_background else PendingAverage.finished(run())
 
-    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:  # noqa: B027
-        """Offer the worker's state after round ``round_index`` (averaged over ``peers`` workers) to
-        peers that missed the round or join late; ``state()`` builds it (only transports that serve
-        state call it, so the others cost nothing on the outer step's path)."""
+    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:  # noqa: B027
+        """Offer the worker's state after round ``round_index`` (ranked by ``rank``) to peers that
+        missed the round or join late; ``state()`` builds it (only transports that serve state
+        call it, so the others cost nothing on the outer step's path)."""
 
-    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
-        """The state a peer published after round ``round_index``, averaged over at least
-        ``min_peers`` workers; None if no such peer answers within ``timeout_s``."""
+    def fetch_state(
+        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+    ) -> PeerState | None:
+        """A peer's state after round ``round_index`` ranked above ``better_than``, or (``newer``)
+        after any later round, the newest and best first; None if no such peer answers within
+        ``timeout_s``."""
         return None
+
+    def expected_peers(self) -> int | None:
+        """How many workers a round should expect now (transports that track who is alive);
+        None = the planned ``worker.count``."""
+        return None
+
+    def report_progress(self, round_index: int, step: int) -> None:  # noqa: B027 - optional
+        """Rounds completed and inner steps done, for peers deciding where a newcomer starts."""
+
+    def live_workers(self) -> dict:
+        """The live workers' roster entries by index (transports that track who is alive)."""
+        return {}
+
+    def leave(self) -> None:  # noqa: B027 - optional
+        """Tell the peers this worker is leaving, so that no round waits for it."""
 
     def finish(self) -> None:  # noqa: B027 - optional
         """Training is over: stay reachable as long as a peer may still need this worker's state."""

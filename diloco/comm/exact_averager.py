@@ -36,7 +36,9 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
 
+from diloco.comm.run_key import keyed_schema_hash
 from diloco.compression import Codec, PayloadError
 
 logger = logging.getLogger(__name__)
@@ -246,10 +248,38 @@ class ExactAverager(DecentralizedAverager):
     whose reducer failed are passed back through ``traffic``, shared counters.
     """
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, *, codec: Codec, **kwargs):
+    def __init__(
+        self, averaged_tensors: Sequence[torch.Tensor], dht, *, codec: Codec, run_key: str = "", start: bool, **kwargs
+    ):
         self.traffic, self.codec = _TrafficCounters(), codec
         self._shared_state: tuple[dict, torch.Tensor] | None = None
-        super().__init__(averaged_tensors, dht, part_size_bytes=aligned_part_size_bytes(codec), **kwargs)
+        super().__init__(averaged_tensors, dht, part_size_bytes=aligned_part_size_bytes(codec), start=False, **kwargs)
+        # a join request must present the leader's schema hash: keyed, only run-key holders can
+        self.schema_hash = keyed_schema_hash(run_key, self.schema_hash)
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def set_group(self, group_bits: str, *, target_group_size: int) -> None:
+        """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers are in."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_set_group", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future))
+        )
+        future.result()
+
+    async def _set_group(self, group_bits: str, target_group_size: int, future: MPFuture):
+        try:
+            matchmaking = self._matchmaking
+            matchmaking.group_key_manager.group_bits = group_bits
+            # the next key is set here every round: hivemind's own key update must not fail on a
+            # group bigger than it planned for (a worker joined), so it sizes by the group instead
+            matchmaking.group_key_manager.target_group_size = None
+            matchmaking.target_group_size = target_group_size
+            matchmaking.potential_leaders.target_group_size = target_group_size
+            future.set_result(None)
+        except Exception as error:
+            if not future.done():
+                future.set_exception(error)
 
     def share_state(self, metadata: dict, payload: bytes, *, priority: float) -> None:
         """Serve ``payload`` (with ``metadata``) to peers that download state; peers try the

@@ -2,13 +2,18 @@
 
 Each round is matched under its own DHT key (run id + round number), so a worker that is a
 round behind never averages with the others' newer pseudo-gradients. Rounds wait up to
-``comm.matchmaking_s`` for the whole expected group and start at once when it is full.
+``comm.matchmaking_s`` for the group the roster expects (``roster.py``: the planned workers
+minus those seen gone, plus those that joined) and start at once when it is full. A round whose
+group broke (a peer crashed inside the all-reduce) is tried once more among the survivors, under
+a key of its own, while its deadline lasts. With a run key (``run_key.py``) only key holders
+can write the run's DHT records or join its groups.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -19,9 +24,13 @@ from diloco.comm.base import (
     CommConfig,
     CommError,
     Contribution,
+    PeerState,
+    StateRank,
     SyncResult,
     average_payloads,
 )
+from diloco.comm.roster import Roster, RosterEntry
+from diloco.comm.run_key import RunKeyValidator, resolve_run_key
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -29,9 +38,9 @@ logger = logging.getLogger(__name__)
 _ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any peer can lag
 
 
-def round_group_bits(round_index: int) -> str:
-    """The hivemind group bits that key a round's matchmaking on the DHT."""
-    return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b")
+def round_group_bits(round_index: int, attempt: int = 0) -> str:
+    """The hivemind group bits that key a round's matchmaking on the DHT (a retry gets its own key)."""
+    return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
 
 
 def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
@@ -40,11 +49,16 @@ def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
 
     peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
     announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
+    run_key = resolve_run_key(cfg.run_key)
     try:
         return hivemind.DHT(
             initial_peers=peers,
             host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
             announce_maddrs=announce,
+            client_mode=cfg.client_mode,
+            use_relay=cfg.use_relay,
+            use_auto_relay=cfg.use_auto_relay,
+            record_validators=[RunKeyValidator(run_key)] if run_key else [],
             start=True,
             startup_timeout=cfg.startup_timeout_s,
         )
@@ -65,14 +79,44 @@ def _explain_start_failure(message: str, cfg: CommConfig, peers: list[str]) -> s
     return f"the hivemind peer did not start: {message.strip().splitlines()[-1]}"
 
 
+def _priority(round_index: int, rank: StateRank) -> float:
+    """A state's download priority (hivemind serves the highest first): round, then peers, then
+    fingerprint, packed into one float (exact: fewer than 53 bits in all)."""
+    return round_index * 1000.0 + rank.peers + round(rank.fingerprint * (1 << 24)) / (1 << 24) * 0.99
+
+
+def _offer(priority: float) -> tuple[int, StateRank]:
+    round_index, rest = divmod(priority, 1000.0)
+    peers = int(rest)
+    return int(round_index), StateRank(peers, round((rest - peers) / 0.99 * (1 << 24)) / (1 << 24))
+
+
+def probe_roster(cfg: CommConfig, *, timeout_s: float = 10.0) -> dict[int, RosterEntry]:
+    """The live workers of run ``cfg.run_id``, read through ``cfg.initial_peers`` by a short-lived
+    peer (a newcomer picks its slot from them). Empty when none answers within ``timeout_s``,
+    which is also what a peer without the run's key sees."""
+    dht = start_dht(cfg)
+    try:
+        roster = Roster(lambda fn: fn(dht), run_id=cfg.run_id, worker_index=-1, planned=0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            entries = roster.entries()
+            if entries or time.monotonic() > deadline:
+                return entries
+            time.sleep(0.5)  # the DHT may need a moment to find the record's holders
+    finally:
+        dht.shutdown()
+
+
 def visible_addresses(dht) -> list[str]:
     return [str(address) for address in dht.get_visible_maddrs()]
 
 
 class HivemindBackend(CommBackend):
-    """One worker's DHT peer and averager. ``templates`` fix the shapes of what is averaged;
-    ``fragments`` (lists of indices into ``templates``) get one averager each, so that streaming
-    can average one fragment while another trains (default: one fragment of everything)."""
+    """One worker's DHT peer, averager and roster record. ``templates`` fix the shapes of what is
+    averaged; ``fragments`` (lists of indices into ``templates``) get one averager each, so that
+    streaming can average one fragment while another trains (default: one fragment of everything).
+    ``num_workers`` is the planned size of the run; ``worker_index`` keys this worker's roster record."""
 
     averages_in_background = True  # the averager process does the work
 
@@ -84,20 +128,29 @@ class HivemindBackend(CommBackend):
         num_workers: int,
         codec: Codec,
         fragments: Sequence[Sequence[int]] | None = None,
+        worker_index: int = 0,
     ):
         self.cfg, self.codec = cfg, codec
         self.num_workers = num_workers
         self._closed = False
         self._averagers = []
+        self._dht_lock = threading.Lock()
         self._dht = start_dht(cfg)
         fragments = fragments or [range(len(templates))]
+        self.roster = Roster(self._dht_call, run_id=cfg.run_id, worker_index=worker_index, planned=num_workers)
         try:
             for fragment, indices in enumerate(fragments):
                 self._averagers.append(self._start_averager([templates[i] for i in indices], fragment))
+            self.roster.start()
         except BaseException:
             self.shutdown()
             raise
         self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
+
+    def _dht_call(self, fn):
+        """``fn(dht)`` under the lock: the roster's heartbeat thread and the trainer share the DHT handle."""
+        with self._dht_lock:
+            return fn(self._dht)
 
     def _start_averager(self, templates: Sequence[torch.Tensor], fragment: int):
         from diloco.comm.exact_averager import ExactAverager
@@ -107,6 +160,8 @@ class HivemindBackend(CommBackend):
             [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
             self._dht,
             codec=self.codec,
+            run_key=resolve_run_key(cfg.run_key),
+            client_mode=cfg.client_mode,
             start=True,
             prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
             target_group_size=self.num_workers,
@@ -140,13 +195,40 @@ class HivemindBackend(CommBackend):
                 tensor.copy_(mean.view_as(tensor))
             return SyncResult(ok=True, peers=1, total_weight=weight)
         averager = self._averagers[fragment]
-        averager.set_group_bits(round_group_bits(round_index))
+        expected = self.expected_peers()
+        deadline = time.monotonic() + deadline_s
+        result = self._average_once(averager, tensors, weight, round_group_bits(round_index), expected, deadline_s)
+        remaining = deadline - time.monotonic()
+        if not result.ok and result.bytes_sent and remaining > self.cfg.request_timeout_s:
+            # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
+            # survivors hold partial averages that differ; averaging once more among them, under a
+            # key of its own, gives them the same result instead
+            logger.warning("round %d: %s; trying once more among the peers still there", round_index, result.error)
+            # the survivors of a broken group retry at about the same time; a peer whose own
+            # round went through never comes, so the retry waits for a group only comm.matchmaking_s
+            retry = self._average_once(
+                averager,
+                tensors,
+                weight,
+                round_group_bits(round_index, attempt=1),
+                expected,
+                min(remaining, self.cfg.matchmaking_s),
+            )
+            retry.bytes_sent += result.bytes_sent
+            retry.bytes_recv += result.bytes_recv
+            result = retry
+        return result
+
+    def _average_once(
+        self, averager, tensors: Sequence[torch.Tensor], weight: float, group_bits: str, expected: int, timeout_s: float
+    ) -> SyncResult:
+        averager.set_group(group_bits, target_group_size=max(2, expected))
         sent_before, recv_before, failed_before = averager.traffic.read()
         with averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         try:
-            gathered = averager.step(weight=weight, gather={"weight": weight}, timeout=deadline_s)
+            gathered = averager.step(weight=weight, gather={"weight": weight}, timeout=timeout_s)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
@@ -164,44 +246,70 @@ class HivemindBackend(CommBackend):
         total_weight = sum(float(g.get("weight", 0.0)) for g in gathered.values())
         return SyncResult(True, len(gathered), total_weight, sent, recv)
 
-    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
-        self._published = (round_index, peers)
+    def expected_peers(self) -> int:
+        try:
+            return self.roster.expected()
+        except Exception:  # the DHT did not answer: fall back to the plan
+            logger.debug("roster read failed", exc_info=True)
+            return self.num_workers
+
+    def report_progress(self, round_index: int, step: int) -> None:
+        self.roster.progress(round_index, step)
+
+    def live_workers(self) -> dict[int, RosterEntry]:
+        return self.roster.entries()
+
+    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+        self._published = (round_index, rank)
         buffer = io.BytesIO()
         torch.save(state(), buffer)
-        # peers look for the newest round first, then the biggest group that averaged it
         self._averager.share_state(
-            {"round": round_index, "peers": peers}, buffer.getvalue(), priority=round_index * 1000.0 + peers
+            {"round": round_index, "peers": rank.peers, "fingerprint": rank.fingerprint},
+            buffer.getvalue(),
+            priority=_priority(round_index, rank),
         )
 
-    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
+    def fetch_state(
+        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+    ) -> PeerState | None:
+        def wanted(offered_round: int, rank: StateRank) -> bool:
+            return (offered_round == round_index and rank > better_than) or (newer and offered_round > round_index)
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             offers = self._state_offers()
-            if any(r == round_index and p >= min_peers for r, p in offers):
+            if any(wanted(r, rank) for r, rank in offers):
+                # hivemind downloads from the highest priority first: the newest round, then the best rank
                 found = self._averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
                 if found is not None:
                     metadata, tensors = found
-                    if metadata.get("round") == round_index and metadata.get("peers", 0) >= min_peers and tensors:
-                        return torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
+                    offered_round = metadata.get("round", -1)
+                    rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
+                    if wanted(offered_round, rank) and tensors:
+                        state = torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
+                        return PeerState(offered_round, rank, state)
             elif offers and all(r >= round_index for r, _ in offers):
-                return None  # every live peer has finished this round, and none averaged over more
+                return None  # every live peer has finished this round, and none ranks above us
             # the others may still be finishing this round's outer step: ask again shortly
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
     def finish(self) -> None:
         # after the last round nobody would serve a peer that lost part of it: linger while a live
-        # peer offers a worse state of that round (it is fetching ours), at most comm.matchmaking_s
+        # peer offers an older state or a worse one of that round (it may be fetching ours), at
+        # most comm.matchmaking_s
         if self._published is None:
             return
-        last_round, peers = self._published
+        last_round, rank = self._published
         deadline = time.monotonic() + self.cfg.matchmaking_s
-        while time.monotonic() < deadline and any(r == last_round and p < peers for r, p in self._state_offers()):
+        while time.monotonic() < deadline and any(
+            r < last_round or (r == last_round and o < rank) for r, o in self._state_offers()
+        ):
             time.sleep(0.5)
 
-    def _state_offers(self) -> list[tuple[int, int]]:
-        """(round, peers) of the state each other live peer offers, from the priorities it declares on the DHT."""
-        entry = self._dht.get(f"{self._averager.prefix}.all_averagers", latest=True)
+    def _state_offers(self) -> list[tuple[int, StateRank]]:
+        """(round, rank) of the state each other live peer offers, from the priorities it declares on the DHT."""
+        entry = self._dht_call(lambda dht: dht.get(f"{self._averager.prefix}.all_averagers", latest=True))
         if entry is None or not isinstance(entry.value, dict):
             return []
         offers, own = [], self._dht.peer_id.to_bytes()
@@ -210,13 +318,17 @@ class HivemindBackend(CommBackend):
                 continue
             priority = getattr(declared, "value", None)
             if isinstance(priority, int | float) and priority > 0:
-                offers.append((int(priority // 1000), int(priority % 1000)))
+                offers.append(_offer(priority))
         return offers
+
+    def leave(self) -> None:
+        self.roster.leave()
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.roster.stop()
         for part in (*self._averagers, self._dht):
             try:
                 part.shutdown()

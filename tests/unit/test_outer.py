@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
 from diloco.data import ShardSampler
 from diloco.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.model import ModelConfig, build_model
@@ -102,18 +102,21 @@ def test_outer_optimizer_factory_builds_each_kind():
 class _FailingBackend(CommBackend):
     """Averaging fails; a peer may offer the state it reached in a bigger group."""
 
-    def __init__(self, peer_state=None):
-        self.peer_state, self.published, self.asked = peer_state, [], []
+    def __init__(self, peer_state=None, peer_round=None):
+        self.peer_state, self.peer_round, self.published, self.asked = peer_state, peer_round, [], []
 
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s):
         return SyncResult(ok=False, peers=1, total_weight=weight, error="nobody came")
 
-    def publish_state(self, round_index, peers, state):
-        self.published.append((round_index, peers))
+    def publish_state(self, round_index, rank, state):
+        self.published.append((round_index, rank.peers))
 
-    def fetch_state(self, round_index, *, min_peers, timeout_s):
-        self.asked.append((round_index, min_peers))
-        return self.peer_state
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+        self.asked.append((round_index, better_than.peers))
+        if self.peer_state is None:
+            return None
+        taken = round_index if self.peer_round is None else self.peer_round
+        return PeerState(taken, StateRank(better_than.peers + 1), self.peer_state)
 
 
 def test_failed_round_without_better_peer_applies_the_workers_own_pseudo_gradient():
@@ -123,9 +126,9 @@ def test_failed_round_without_better_peer_applies_the_workers_own_pseudo_gradien
         local.sub_(torch.tensor([0.5, 0.25]))
     backend = _FailingBackend()
     result, recovered = outer.sync(backend, weight=1.0, round_index=3, deadline_s=1.0, expected_peers=2)
-    assert not result.ok and result.error == "nobody came" and not recovered
+    assert not result.ok and result.error == "nobody came" and recovered is None
     torch.testing.assert_close(outer.global_params[0], torch.tensor([0.5, 1.75]))
-    assert backend.published == [(3, 1)] and backend.asked == [(3, 2)]
+    assert backend.published == [(3, 1)] and backend.asked == [(3, 1)]
 
 
 def test_failed_round_takes_the_state_of_a_peer_from_a_bigger_group():
@@ -140,11 +143,20 @@ def test_failed_round_takes_the_state_of_a_peer_from_a_bigger_group():
     _, recovered = outer.sync(
         _FailingBackend(peer.state_dict()), weight=1.0, round_index=0, deadline_s=1.0, expected_peers=4
     )
-    assert recovered
+    assert recovered == 0
     torch.testing.assert_close(outer.global_params[0], peer.global_params[0])
     torch.testing.assert_close(local.detach(), peer.global_params[0])
     momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"]
     torch.testing.assert_close(momentum, peer.optimizer.state[peer.global_params[0]]["momentum_buffer"])
+
+
+def test_a_worker_left_behind_takes_a_later_rounds_state_and_says_which():
+    peer = OuterStep([torch.nn.Parameter(torch.tensor([3.0]))], OuterConfig())
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    backend = _FailingBackend(peer.state_dict(), peer_round=7)
+    _, taken = outer.sync(backend, weight=1.0, round_index=4, deadline_s=1.0, expected_peers=3)
+    assert taken == 7 and backend.published[-1] == (7, 2)
+    torch.testing.assert_close(outer.global_params[0], torch.tensor([3.0]))
 
 
 def test_outer_state_round_trips_through_state_dict():
@@ -158,3 +170,13 @@ def test_outer_state_round_trips_through_state_dict():
     torch.testing.assert_close(restored.global_params[0], outer.global_params[0])
     momentum = outer.optimizer.state[outer.global_params[0]]["momentum_buffer"]
     torch.testing.assert_close(restored.optimizer.state[restored.global_params[0]]["momentum_buffer"], momentum)
+
+
+def test_groups_of_a_split_round_agree_on_one_winner():
+    """Two groups of two averaged the same round apart: the one whose fingerprint is smaller takes
+    the other's state, and the winner takes nobody's."""
+    a = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    b = OuterStep([torch.nn.Parameter(torch.tensor([2.0]))], OuterConfig())
+    loser, winner = sorted([a, b], key=OuterStep.fingerprint)
+    assert StateRank(2, loser.fingerprint()) < StateRank(2, winner.fingerprint()) < StateRank(3, 0.0)
+    assert a.fingerprint() == OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig()).fingerprint()

@@ -1,0 +1,355 @@
+"""``diloco bench faults``: the faults of a volunteer run, each met by real workers.
+
+Four workers (real ``diloco train`` processes and their hivemind peers) train the same run once
+without faults and once per scenario; in the network testbed when run as root (each worker in
+its namespace, links shaped to ``--rate``), on loopback otherwise:
+
+    crash      kill -9 one worker mid-round, restart it ``--outage`` seconds later (same command)
+    cut        cut one worker's link for ``--outage`` seconds (testbed; on loopback its processes
+               are stopped with SIGSTOP instead, which its peers see the same way)
+    slow       one worker's link at 1/10 of the others' rate (testbed only)
+    join       a fifth worker joins at round ``--join-round`` with ``diloco join``
+    bad        one worker sends NaN, another 100 x scaled pseudo-gradients
+    wrong_key  a peer with the wrong run key tries ``diloco join`` three times, and runs a worker
+
+Per scenario: rounds the healthy workers completed, the longest time a round spent syncing
+(comm_s, against ``comm.deadline_s``), whether the workers alive at the end hold identical
+params, and the final val loss over the fault-free run's. Writes ``results.json`` under ``--out``.
+
+    diloco bench faults                              # every scenario (~25 min on 2 cores)
+    diloco bench faults --scenarios crash,join       # some
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCENARIOS = ("crash", "cut", "slow", "join", "bad", "wrong_key")
+RUN_KEY = "bench-faults-key"
+
+
+@dataclass
+class FaultRun:
+    """What the scenarios need to know about a workload."""
+
+    overrides: list[str]  # the run's config, as KEY=VALUE words
+    workers: int = 4
+    sync_every: int = 20
+    steps: int = 200
+    outage_s: float = 20.0
+    join_round: int = 5
+    rate_mbit: float = 0.0  # testbed link rate; 0 = loopback (no testbed)
+    timeout_s: float = 900.0
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    rounds_completed: int  # fewest rounds among the workers that were never faulty
+    longest_sync_s: float  # the longest time any worker's round spent in its sync
+    deadline_s: float
+    params_agree: bool  # the workers alive at the end hold identical params
+    final_loss: float  # mean of those workers' final val loss
+    loss_ratio: float | None = None  # final_loss / the fault-free run's
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+class Cluster:
+    """A bootstrap peer and workers as processes of this machine (each in its testbed namespace
+    when a testbed is given). ``close()`` stops them all; use it as a context manager."""
+
+    def __init__(self, overrides: Sequence[str], run_dir: Path, *, slots: int, testbed=None, run_key: str = ""):
+        from diloco.local import start_bootstrap
+
+        self.overrides, self.run_dir, self.slots, self.testbed = list(overrides), run_dir, slots, testbed
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        host = testbed.host if testbed else "127.0.0.1"
+        self.bootstrap, self.peers = start_bootstrap(host=host, timeout_s=120, run_key=run_key)
+        self.processes: dict[int, subprocess.Popen] = {}
+        self.others: list[subprocess.Popen] = []
+        self._logs = []
+
+    def _spawn(self, slot: int, argv: list[str], *, log_name: str) -> subprocess.Popen:
+        from diloco.local import _die_with_launcher
+
+        if self.testbed is not None:
+            argv = self.testbed.command(slot, [*argv, f"comm.host={self.testbed.address(slot)}"])
+        log = (self.run_dir / log_name).open("ab")
+        self._logs.append(log)
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+        )
+
+    def _common(self, threads: int) -> list[str]:
+        peers = "[" + ",".join(f"'{p}'" for p in self.peers) + "]"
+        return [*self.overrides, f"run.dir={self.run_dir}", f"worker.threads={threads}", f"comm.initial_peers={peers}"]
+
+    def start(self, index: int, extra: Sequence[str] = (), *, threads: int = 1) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "diloco.cli", "train", *self._common(threads), f"worker.index={index}", *extra]
+        self.processes[index] = self._spawn(index, argv, log_name=f"worker-{index}.log")
+        return self.processes[index]
+
+    def join(self, extra: Sequence[str] = (), *, slot: int, threads: int = 1, log_name: str = "") -> subprocess.Popen:
+        """``diloco join`` through the bootstrap peer (``slot`` only picks the testbed namespace)."""
+        argv = [sys.executable, "-m", "diloco.cli", "join", "--peers", self.peers[0], *self._common(threads), *extra]
+        process = self._spawn(slot, argv, log_name=log_name or f"join-{slot}.log")
+        self.others.append(process)
+        return process
+
+    def signal(self, index: int, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.processes[index].pid, signum)
+
+    def wait_for_step(self, index: int, step: int, timeout_s: float) -> None:
+        """Until worker ``index`` has logged inner step ``step`` (its JSONL step records)."""
+        deadline = time.monotonic() + timeout_s
+        while latest_step(self.run_dir, index) < step:
+            if time.monotonic() > deadline or self.processes[index].poll() is not None:
+                raise TimeoutError(f"worker {index} did not reach step {step} within {timeout_s:.0f} s")
+            time.sleep(0.5)  # polling a file another process writes
+
+    def wait_all(self, timeout_s: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout_s
+        codes = {}
+        for index, process in self.processes.items():
+            try:
+                codes[index] = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[index] = -1
+        return codes
+
+    def close(self) -> None:
+        from diloco.local import stop_all
+
+        stop_all([*self.processes.values(), *self.others, self.bootstrap])
+        for log in self._logs:
+            log.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def latest_step(run_dir: Path, index: int) -> int:
+    path = run_dir / f"worker-{index}.jsonl"
+    if not path.exists():
+        return -1
+    steps = [json.loads(line).get("step", -1) for line in path.read_text().splitlines() if line.endswith("}")]
+    return max(steps, default=-1)
+
+
+def _records(run_dir: Path, index: int) -> list[dict]:
+    path = run_dir / f"worker-{index}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
+    """Run one scenario (or "none", the fault-free run) and measure it."""
+    from diloco.testbed import Testbed, testbed_unavailable
+
+    run_dir = out / name
+    slots = plan.workers + 1  # room for a joiner, or a wrong-key peer
+    overrides = [
+        *plan.overrides,
+        f"worker.count={plan.workers}",
+        f"worker.slots={slots}",
+        f"inner.steps={plan.steps}",
+        f"outer.sync_every={plan.sync_every}",
+        "checkpoint.every_rounds=1",
+        f"comm.run_id=faults_{name}",
+    ]
+    use_testbed = plan.rate_mbit > 0 or name == "slow"
+    if use_testbed and (reason := testbed_unavailable()) is not None:
+        raise RuntimeError(f"scenario {name} needs the testbed: {reason}")
+    testbed = Testbed(slots, up_mbit=plan.rate_mbit, down_mbit=plan.rate_mbit) if use_testbed else None
+    key = RUN_KEY if name == "wrong_key" else ""
+    notes: list[str] = []
+    faulty: set[int] = set()
+    try:
+        with Cluster(overrides, run_dir, slots=slots, testbed=testbed, run_key=key) as cluster:
+            keyed = [f"comm.run_key={key}"] if key else []
+            for i in range(plan.workers):
+                cluster.start(i, _bad_payload(name, i) + keyed)
+            mid_round = 2 * plan.sync_every + plan.sync_every // 2
+            victim = plan.workers - 1
+            if name == "crash":
+                faulty.add(victim)
+                cluster.wait_for_step(victim, mid_round, plan.timeout_s)
+                cluster.signal(victim, signal.SIGKILL)
+                cluster.processes[victim].wait()
+                time.sleep(plan.outage_s)  # the outage itself, not synchronisation
+                cluster.start(victim, keyed)
+            elif name == "cut":
+                faulty.add(victim)
+                cluster.wait_for_step(victim, mid_round, plan.timeout_s)
+                _cut(cluster, testbed, victim, down=True)
+                time.sleep(plan.outage_s)  # the outage itself
+                _cut(cluster, testbed, victim, down=False)
+            elif name == "slow":
+                faulty.add(victim)
+                slow = (plan.rate_mbit or 20.0) / 10
+                testbed.set_rate(victim, up_mbit=slow, down_mbit=slow)
+                notes.append(f"worker {victim} at {slow:g} Mbit/s")
+            elif name == "join":
+                cluster.wait_for_step(0, plan.join_round * plan.sync_every, plan.timeout_s)
+                joiner = cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log")
+                cluster.processes[plan.workers] = joiner
+            elif name == "bad":
+                faulty |= {1, 2}
+            elif name == "wrong_key":
+                cluster.wait_for_step(0, plan.sync_every, plan.timeout_s)
+                refused = 0
+                for attempt in range(3):
+                    attempt_process = cluster.join(
+                        ["comm.run_key=not-the-key"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
+                    )
+                    refused += attempt_process.wait(timeout=plan.timeout_s) == 2
+                notes.append(f"diloco join with the wrong key refused {refused} of 3 times")
+                intruder = cluster.start(plan.workers, ["comm.run_key=not-the-key"])
+                del cluster.processes[plan.workers]
+                cluster.others.append(intruder)
+            codes = cluster.wait_all(plan.timeout_s)
+            if name == "wrong_key":
+                intruder_rounds = [r for r in _records(run_dir, plan.workers) if r.get("event") == "round"]
+                grouped = [r for r in intruder_rounds if r.get("peers", 1) > 1]
+                notes.append(f"wrong-key worker: {len(intruder_rounds)} rounds, {len(grouped)} of them in a group")
+    finally:
+        if testbed is not None:
+            testbed.close()
+    return _measure(name, run_dir, codes, faulty, plan, overrides, notes)
+
+
+def _bad_payload(name: str, index: int) -> list[str]:
+    if name != "bad":
+        return []
+    return {1: ["faults.bad_payload=nan"], 2: ["faults.bad_payload=scaled"]}.get(index, [])
+
+
+def _cut(cluster: Cluster, testbed, index: int, *, down: bool) -> None:
+    if testbed is not None:
+        testbed.set_link(index, up=not down)
+    else:  # on loopback: a stopped process answers nobody, as a cut-off one does
+        cluster.signal(index, signal.SIGSTOP if down else signal.SIGCONT)
+
+
+def _deadline(overrides: Sequence[str]) -> float:
+    values = [float(o.split("=", 1)[1]) for o in overrides if o.startswith("comm.deadline_s=")]
+    return values[-1] if values else 60.0
+
+
+def _measure(
+    name: str, run_dir: Path, codes: dict[int, int], faulty: set[int], plan: FaultRun, overrides, notes
+) -> ScenarioResult:
+    ends, syncs, healthy_rounds = {}, [], []
+    for index in codes:
+        records = _records(run_dir, index)
+        syncs += [r.get("comm_s", 0.0) for r in records if r.get("event") == "round"]
+        end = next((r for r in reversed(records) if r.get("event") == "end"), None)
+        if end is not None:
+            ends[index] = end
+            if index not in faulty:
+                healthy_rounds.append(end["rounds"])
+    hashes = {end["param_sha256"] for end in ends.values()}
+    losses = [end["val_loss"] for end in ends.values()]
+    return ScenarioResult(
+        scenario=name,
+        rounds_completed=min(healthy_rounds, default=0),
+        longest_sync_s=round(max(syncs, default=0.0), 2),
+        deadline_s=_deadline(overrides),
+        params_agree=len(hashes) == 1 and len(ends) == len(codes),
+        final_loss=round(sum(losses) / len(losses), 4) if losses else float("nan"),
+        exit_codes=codes,
+        notes=notes,
+    )
+
+
+def run_faults(plan: FaultRun, scenarios: Sequence[str], out: Path) -> list[ScenarioResult]:
+    """The fault-free run, then each scenario; prints a table and writes ``results.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    baseline = run_scenario("none", plan, out)
+    print(f"fault-free: {baseline.rounds_completed} rounds, final val loss {baseline.final_loss:.4f}", flush=True)
+    results = [baseline]
+    for name in scenarios:
+        result = run_scenario(name, plan, out)
+        result.loss_ratio = round(result.final_loss / baseline.final_loss, 4)
+        results.append(result)
+        print(format_row(result), flush=True)
+        (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    print(format_table(results))
+    return results
+
+
+def format_row(r: ScenarioResult) -> str:
+    ratio = "-" if r.loss_ratio is None else f"{r.loss_ratio:.4f}"
+    return (
+        f"| {r.scenario} | {r.rounds_completed} | {r.longest_sync_s:.1f} s (deadline {r.deadline_s:g} s) | "
+        f"{'yes' if r.params_agree else 'NO'} | {r.final_loss:.4f} | {ratio} | {'; '.join(r.notes)} |"
+    )
+
+
+def format_table(results: Sequence[ScenarioResult]) -> str:
+    header = (
+        "| scenario | rounds (healthy workers) | longest sync | params agree | final val loss | "
+        "loss / fault-free | notes |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    return "\n".join([header, *(format_row(r) for r in results)])
+
+
+def default_plan(data: str | None, overrides: Sequence[str], **settings) -> FaultRun:
+    """The benchmark's workload: a small GPT on tinyshakespeare, so that seven 4-worker runs fit in
+    about half an hour on 2 cores."""
+    from diloco.bench.arms import default_data
+
+    return FaultRun(
+        overrides=[
+            f"data.path={data or default_data()}",
+            "model.n_layer=2",
+            "model.n_embd=64",
+            "inner.batch_size=12",
+            "inner.warmup_steps=20",
+            "logging.eval_batches=8",
+            "logging.log_every=10",
+            "comm.deadline_s=60",
+            "comm.matchmaking_s=15",
+            *overrides,
+        ],
+        **settings,
+    )
+
+
+def run_faults_benchmark(*, scenarios: Sequence[str], out: Path, data: str | None, overrides, **settings) -> int:
+    from diloco.testbed import testbed_unavailable
+
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        from diloco.cli import UsageError
+
+        raise UsageError(f"--scenarios: {unknown[0]!r} is not one of {', '.join(SCENARIOS)}")
+    if settings.get("rate_mbit") is None:
+        settings["rate_mbit"] = 20.0 if testbed_unavailable() is None else 0.0
+    if settings["rate_mbit"] == 0 and "slow" in scenarios:
+        print("scenario slow needs the testbed (root): skipped", flush=True)
+        scenarios = [s for s in scenarios if s != "slow"]
+    plan = default_plan(data, overrides, **settings)
+    where = f"testbed, links {plan.rate_mbit:g} Mbit/s" if plan.rate_mbit else "loopback"
+    print(f"{plan.workers} workers, {plan.steps} steps, H={plan.sync_every}, {where}; out {out}", flush=True)
+    run_faults(plan, scenarios, out)
+    return 0

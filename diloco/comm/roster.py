@@ -1,0 +1,108 @@
+"""Who is in a run right now: each worker's heartbeat on the DHT, and the group size a round expects.
+
+Every worker keeps a record under ``<run_id>.roster`` (subkey: its worker index) fresh from a
+background thread: its round, inner step, and whether it is leaving. A record lives
+``ttl_s`` seconds unless refreshed, so a worker that crashed or lost its link drops out of the
+roster by itself; one that leaves cleanly says so at once.
+
+The group size a round waits for (``expected``) starts from the planned ``worker.count`` and
+follows what the roster shows: a planned worker that was seen and is gone (left, crashed, cut
+off) is no longer waited for; a worker beyond the plan that joined is. A planned worker that has
+not shown up yet is still expected (it may be starting), as in a fixed-size run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 3.0  # how often a worker refreshes its record
+TTL_S = 12.0  # a record not refreshed for this long is gone: the worker crashed or lost its link
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    index: int  # worker index (its data shard)
+    round: int  # rounds completed
+    step: int  # inner steps done
+    leaving: bool = False
+
+
+class Roster:
+    """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)`` under
+    the backend's lock (hivemind's DHT handle is not safe to use from two threads at once)."""
+
+    def __init__(self, dht_call, *, run_id: str, worker_index: int, planned: int, ttl_s: float = TTL_S):
+        self._dht_call, self.key = dht_call, f"{run_id}.roster"
+        self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
+        self._round, self._step, self._leaving = 0, 0, False
+        self._seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._publish()
+        self._thread = threading.Thread(target=self._beat, name="diloco-roster", daemon=True)
+        self._thread.start()
+
+    def progress(self, round_index: int, step: int) -> None:
+        """Rounds completed and inner steps done, sent with the next heartbeat."""
+        self._round, self._step = round_index, step
+
+    def leave(self) -> None:
+        """Tell the others at once that this worker is gone, so that no round waits for it."""
+        self._leaving = True
+        self._stop.set()
+        self._publish()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=HEARTBEAT_S * 2)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self._publish()
+
+    def _publish(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = {"round": self._round, "step": self._step, "leaving": self._leaving}
+        expiration = get_dht_time() + self.ttl_s
+        try:
+            self._dht_call(
+                lambda dht: dht.store(self.key, subkey=self.worker_index, value=value, expiration_time=expiration)
+            )
+        except Exception:  # a missed heartbeat is not an error; the next one may go through
+            logger.debug("roster heartbeat failed", exc_info=True)
+
+    def entries(self) -> dict[int, RosterEntry]:
+        """The workers whose records are fresh, by index (this worker included)."""
+        found = self._dht_call(lambda dht: dht.get(self.key, latest=True))
+        entries = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, item in found.value.items():
+                value = getattr(item, "value", None)
+                if isinstance(subkey, int) and isinstance(value, dict):
+                    entries[subkey] = RosterEntry(
+                        subkey, int(value.get("round", 0)), int(value.get("step", 0)), bool(value.get("leaving"))
+                    )
+        return entries
+
+    def expected(self) -> int:
+        """Workers a round should wait for: the planned ones not seen gone, plus live ones beyond the plan."""
+        entries = self.entries()
+        live = {i for i, entry in entries.items() if not entry.leaving} | {self.worker_index}
+        self._seen |= live
+        gone = (self._seen - live) | {i for i, entry in entries.items() if entry.leaving}
+        planned = [i for i in range(self.planned) if i not in gone]
+        return len(planned) + len([i for i in live if i >= self.planned])
+
+
+def free_slot(entries: dict[int, RosterEntry], slots: int) -> int | None:
+    """The lowest worker index in ``range(slots)`` that no live worker holds; None when all are taken."""
+    taken = {i for i, entry in entries.items() if not entry.leaving}
+    return next((i for i in range(slots) if i not in taken), None)
