@@ -4,6 +4,7 @@
     diloco train ... faults.stop_after_round=3  # exit right after round 3's checkpoint, as if killed
     diloco local ... faults.worker=1 faults.skip_round=2   # only worker 1 of a local run
     diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
+    diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
 
 Faults wrap the real parts; nothing else in the code knows about them.
 """
@@ -18,7 +19,7 @@ import torch
 from diloco.comm.base import CommBackend, SyncResult
 from diloco.compression import Codec
 
-BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size")
+BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", "scaled")
 
 
 @dataclass
@@ -26,7 +27,8 @@ class FaultConfig:
     worker: int = -1  # the worker the faults apply to; -1 = every worker
     skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
     stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
-    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size; "" = off
+    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
+    payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
 
 
 class StopRequested(Exception):
@@ -48,6 +50,46 @@ class SkipRoundBackend(CommBackend):
         return self.inner.all_reduce_mean(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
+
+    def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
+        self.inner.publish_state(round_index, peers, state)
+
+    def fetch_state(self, round_index: int, *, min_peers: int, timeout_s: float) -> dict | None:
+        return self.inner.fetch_state(round_index, min_peers=min_peers, timeout_s=timeout_s)
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.inner.addresses
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+class ScaledPayloadBackend(CommBackend):
+    """Delegates to ``inner`` with every contribution multiplied by ``scale`` first: well-formed
+    payloads of a worker whose vector is ``scale`` x too big (a diverged worker, or a poisoner).
+    The scaling comes before the transport sees the tensors, so all it derives from them (the norm
+    hivemind declares, the payloads) is of the scaled vector, as for a worker that really has it.
+    A failed round leaves ``tensors`` as they were, unscaled."""
+
+    def __init__(self, inner: CommBackend, scale: float):
+        self.inner, self.scale = inner, scale
+        self.simulated, self.averages_in_background = inner.simulated, inner.averages_in_background
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        scaled = [t * self.scale for t in tensors]
+        result = self.inner.all_reduce_mean(
+            scaled, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+        if result.ok:
+            for tensor, mean in zip(tensors, scaled):
+                tensor.copy_(mean)
+        return result
 
     def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
         self.inner.publish_state(round_index, peers, state)
@@ -100,8 +142,10 @@ class BadPayloadCodec(Codec):
 
 
 def with_bad_payloads(codec: Codec, cfg: FaultConfig, worker_index: int) -> Codec:
-    """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies."""
-    return BadPayloadCodec(codec, cfg.bad_payload) if cfg.bad_payload and applies_to(cfg, worker_index) else codec
+    """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies
+    (``scaled`` payloads are well-formed: ``with_faults`` makes them)."""
+    broken = cfg.bad_payload not in ("", "scaled") and applies_to(cfg, worker_index)
+    return BadPayloadCodec(codec, cfg.bad_payload) if broken else codec
 
 
 def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
@@ -109,8 +153,10 @@ def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
 
 
 def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> CommBackend:
+    if cfg.bad_payload == "scaled" and applies_to(cfg, worker_index):
+        backend = ScaledPayloadBackend(backend, cfg.payload_scale)
     if cfg.skip_round and applies_to(cfg, worker_index):
-        return SkipRoundBackend(backend, cfg.skip_round)
+        backend = SkipRoundBackend(backend, cfg.skip_round)
     return backend
 
 
