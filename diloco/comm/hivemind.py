@@ -22,6 +22,7 @@ from diloco.comm.base import (
     SyncResult,
     average_payloads,
 )
+from diloco.comm.robust import declared_norm, norm_of, screen
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class HivemindBackend(CommBackend):
             [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
             self._dht,
             codec=self.codec,
+            max_norm_ratio=cfg.max_norm_ratio,
+            clip_to_median=cfg.clip_to_median,
             start=True,
             prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
             target_group_size=self.num_workers,
@@ -145,8 +148,10 @@ class HivemindBackend(CommBackend):
         with averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
+        # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
+        norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
         try:
-            gathered = averager.step(weight=weight, gather={"weight": weight}, timeout=deadline_s)
+            gathered = averager.step(weight=weight, gather={"weight": weight, "norm": norm}, timeout=deadline_s)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
@@ -161,8 +166,14 @@ class HivemindBackend(CommBackend):
         with averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 tensor.copy_(buffer)
-        total_weight = sum(float(g.get("weight", 0.0)) for g in gathered.values())
-        return SyncResult(True, len(gathered), total_weight, sent, recv)
+        # the peers whose contribution is in the mean: those the screening kept (every peer screens alike)
+        kept = screen(
+            {peer: declared_norm(g) for peer, g in gathered.items()},
+            max_norm_ratio=self.cfg.max_norm_ratio,
+            clip_to_median=self.cfg.clip_to_median,
+        ).scales
+        total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
+        return SyncResult(True, len(kept), total_weight, sent, recv)
 
     def publish_state(self, round_index: int, peers: int, state: Callable[[], dict]) -> None:
         self._published = (round_index, peers)

@@ -57,3 +57,10 @@ def norm_of(tensors: Sequence[torch.Tensor]) -> float:
     """The L2 norm of several tensors taken as one vector, in float64 (no overflow for finite fp32)."""
     squares = sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors)
     return math.sqrt(squares)
+
+
+def declared_norm(gathered: object) -> float:
+    """The norm a hivemind peer declared in its gathered data (``{"weight": ..., "norm": ...}``);
+    nan when it declared none or something that is not a number (such a peer is dropped)."""
+    norm = gathered.get("norm") if isinstance(gathered, dict) else None
+    return float(norm) if isinstance(norm, int | float) and not isinstance(norm, bool) else math.nan
