@@ -13,6 +13,7 @@ and what is allowed; the CLI prints it and exits 2.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,13 +235,25 @@ def validate(cfg: Config) -> None:
         f"faults.bad_payload={cfg.faults.bad_payload!r} is not one of {', '.join(BAD_PAYLOADS[1:])} (or empty)",
     )
     _check(
-        not (cfg.faults.bad_payload and cfg.comm.backend == "torchdist" and cfg.compression.name == "none"),
+        not (
+            cfg.faults.bad_payload not in ("", "scaled")
+            and cfg.comm.backend == "torchdist"
+            and cfg.compression.name == "none"
+        ),
         "faults.bad_payload with comm.backend=torchdist needs a codec (compression.name): "
         "fp32 goes through a plain all-reduce there, with no payload to break",
     )
     _check(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
     _check(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
     _check(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
+    _check(
+        cfg.comm.max_norm_ratio == 0 or cfg.comm.max_norm_ratio > 1,
+        f"comm.max_norm_ratio={cfg.comm.max_norm_ratio} must be 0 (off) or above 1",
+    )
+    _check(
+        math.isfinite(cfg.faults.payload_scale),
+        f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",
+    )
     _check(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     _check(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
     bad_peers = [peer for peer in cfg.comm.initial_peers if not peer.startswith("/")]

@@ -4,6 +4,7 @@
     diloco train ... faults.stop_after_round=3  # exit right after round 3's checkpoint, as if killed
     diloco local ... faults.worker=1 faults.skip_round=2   # only worker 1 of a local run
     diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
+    diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
 
 Faults wrap the real parts; nothing else in the code knows about them.
 """
@@ -18,7 +19,7 @@ import torch
 from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
 from diloco.compression import Codec
 
-BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size")
+BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", "scaled")
 
 
 @dataclass
@@ -26,25 +27,24 @@ class FaultConfig:
     worker: int = -1  # the worker the faults apply to; -1 = every worker
     skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
     stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
-    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size; "" = off
+    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
+    payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
 
 
 class StopRequested(Exception):
     """Raised by ``faults.stop_after_round`` to end the worker as if it had been killed."""
 
 
-class SkipRoundBackend(CommBackend):
-    """Delegates to ``inner`` except in round ``skip_round``, which fails without any traffic."""
+class DelegatingBackend(CommBackend):
+    """Forwards everything to ``inner``; a fault overrides only what it breaks."""
 
-    def __init__(self, inner: CommBackend, skip_round: int):
-        self.inner, self.skip_round = inner, skip_round
+    def __init__(self, inner: CommBackend):
+        self.inner = inner
         self.simulated, self.averages_in_background = inner.simulated, inner.averages_in_background
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        if round_index + 1 == self.skip_round:
-            return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
         return self.inner.all_reduce_mean(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
@@ -78,6 +78,47 @@ class SkipRoundBackend(CommBackend):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+class SkipRoundBackend(DelegatingBackend):
+    """Delegates to ``inner`` except in round ``skip_round``, which fails without any traffic."""
+
+    def __init__(self, inner: CommBackend, skip_round: int):
+        super().__init__(inner)
+        self.skip_round = skip_round
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        if round_index + 1 == self.skip_round:
+            return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
+        return self.inner.all_reduce_mean(
+            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+
+
+class ScaledPayloadBackend(DelegatingBackend):
+    """Delegates to ``inner`` with every contribution multiplied by ``scale`` first: well-formed
+    payloads of a worker whose vector is ``scale`` x too big (a diverged worker, or a poisoner).
+    The scaling comes before the transport sees the tensors, so all it derives from them (the norm
+    hivemind declares, the payloads) is of the scaled vector, as for a worker that really has it.
+    A failed round leaves ``tensors`` as they were, unscaled."""
+
+    def __init__(self, inner: CommBackend, scale: float):
+        super().__init__(inner)
+        self.scale = scale
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        scaled = [t * self.scale for t in tensors]
+        result = self.inner.all_reduce_mean(
+            scaled, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+        if result.ok:
+            for tensor, mean in zip(tensors, scaled):
+                tensor.copy_(mean)
+        return result
 
 
 class BadPayloadCodec(Codec):
@@ -114,8 +155,10 @@ class BadPayloadCodec(Codec):
 
 
 def with_bad_payloads(codec: Codec, cfg: FaultConfig, worker_index: int) -> Codec:
-    """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies."""
-    return BadPayloadCodec(codec, cfg.bad_payload) if cfg.bad_payload and applies_to(cfg, worker_index) else codec
+    """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies
+    (``scaled`` payloads are well-formed: ``with_faults`` makes them)."""
+    broken = cfg.bad_payload not in ("", "scaled") and applies_to(cfg, worker_index)
+    return BadPayloadCodec(codec, cfg.bad_payload) if broken else codec
 
 
 def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
@@ -123,8 +166,10 @@ def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
 
 
 def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> CommBackend:
+    if cfg.bad_payload == "scaled" and applies_to(cfg, worker_index):
+        backend = ScaledPayloadBackend(backend, cfg.payload_scale)
     if cfg.skip_round and applies_to(cfg, worker_index):
-        return SkipRoundBackend(backend, cfg.skip_round)
+        backend = SkipRoundBackend(backend, cfg.skip_round)
     return backend
 
 

@@ -5,6 +5,7 @@
 - ``inproc.py``          M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
+- ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.comm.robust import norm_of, screen
 from diloco.compression import Codec, PayloadError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class CommConfig:
     startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
     bandwidth_mbps: float = 0.0  # inproc link model: each worker's link rate, each way; 0 = infinitely fast
     latency_ms: float = 0.0  # inproc link model: one-way latency added to each phase of a round
+    max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
+    clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
 
 
 class CommError(RuntimeError):
@@ -198,12 +201,20 @@ class Contribution:
 
 
 def average_payloads(
-    codec: Codec, contributions: Sequence[Contribution], numels: Sequence[int], *, round_index: int
+    codec: Codec,
+    contributions: Sequence[Contribution],
+    numels: Sequence[int],
+    *,
+    round_index: int,
+    max_norm_ratio: float = 0.0,
+    clip_to_median: bool = False,
 ) -> tuple[list[torch.Tensor], list[Contribution]]:
     """The rule every transport follows to average compressed tensors (``codec`` decodes them).
 
     Each contribution is decoded (one with an invalid payload or weight is dropped, with a log line
-    that names the sender and the reason); the weighted mean is taken in fp32, in the order given;
+    that names the sender and the reason); the decoded contributions are screened by their norms
+    (``robust.screen``: one far above the median is dropped, and with ``clip_to_median`` those
+    above it are scaled down to it); the weighted mean is taken in fp32, in the order given;
     and the result is what ``codec`` restores from the compressed mean. That last step is what a
     reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves.
     Returns the flat averaged tensors and the contributions that were used (none when nothing, or
@@ -221,6 +232,19 @@ def average_payloads(
             used.append(contribution)
         except PayloadError as error:
             logger.warning("round %d: dropped the contribution of %s: %s", round_index, contribution.worker, error)
+    screening = screen(
+        {i: norm_of(values) for i, values in enumerate(decoded)},
+        max_norm_ratio=max_norm_ratio,
+        clip_to_median=clip_to_median,
+    )
+    for i, reason in screening.dropped.items():
+        logger.warning("round %d: dropped the contribution of %s: %s", round_index, used[i].worker, reason)
+    decoded = [
+        [v * screening.scales[i] for v in values] if screening.scales[i] != 1.0 else values
+        for i, values in enumerate(decoded)
+        if i in screening.scales
+    ]
+    used = [c for i, c in enumerate(used) if i in screening.scales]
     if not used:
         return [], []
     total = sum(c.weight for c in used)

@@ -16,6 +16,14 @@ error feedback computed for it.
 
 The runner also counts the bytes of every averaging message it sends and receives, so a round
 reports traffic measured on the wire rather than estimated.
+
+Robust aggregation (``robust.py``): a reducer sees only a slice of each sender's vector, so each
+sender declares the norm of its whole (decoded) contribution in the matchmaking's gathered data.
+Every peer screens the same declared norms alike: a dropped sender is refused by every reducer
+(banned before it sends anything, so nobody waits for it), and drops itself as it would a payload
+it cannot decode; with ``comm.clip_to_median`` every reducer scales a sender's parts by the same
+factor. A reducer checks what it receives against the declared norm (the parts of a vector cannot
+be longer than the vector) and drops a sender that under-declared.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 
+from diloco.comm.robust import Screening, declared_norm, screen
 from diloco.comm.run_key import keyed_schema_hash
 from diloco.compression import Codec, PayloadError
 
@@ -83,12 +92,47 @@ class _ReducerStub:
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers hand out the average itself, not a delta."""
 
-    def __init__(self, *args, traffic: _TrafficCounters, codec: Codec, **kwargs):
+    def __init__(
+        self,
+        *args,
+        traffic: _TrafficCounters,
+        codec: Codec,
+        screening: Screening | None = None,
+        norms: dict | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         # a failed reducer's part falls back to our own values rather than a zero delta
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
         self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
+        # robust aggregation: who every peer drops, each kept sender's factor, and the norms declared
+        self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
+        self.norms = norms or {}
+        self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
+
+    async def run(self):
+        # refuse the senders every peer drops before anything arrives, and count them as started
+        # (hivemind otherwise waits for them up to its sender timeout before it finishes the round)
+        for peer in self.sender_peer_ids:
+            if peer in self.screening.dropped:
+                self.active_senders.add(peer)
+                await self._ban_sender(peer)
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+        async for output in super().run():
+            yield output
+
+    def _check_declared_norm(self, sender: PeerID, part: torch.Tensor) -> None:
+        """Raise PayloadError once the parts of ``sender`` received here are longer than the norm it
+        declared for its whole vector (10% for rounding, and a tiny absolute slack)."""
+        squares = (
+            self._received_squares.get(sender, 0.0) + float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
+        )
+        self._received_squares[sender] = squares
+        declared = self.norms.get(sender, math.nan)
+        if not math.sqrt(squares) <= 1.1 * declared + 1e-6:
+            raise PayloadError(f"its parts have norm {math.sqrt(squares):.4g}, above the {declared:.4g} it declared")
 
     async def _count_received(self, messages: AsyncIterator[averaging_pb2.AveragingData]):
         async for message in messages:
@@ -146,15 +190,24 @@ class ExactAllReduceRunner(AllReduceRunner):
         return await self._replies[part_index]
 
     async def _communicate_with_peer(self, peer_id: PeerID):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if self.peer_id in self.screening.dropped:
+            # every reducer refuses us this round (it banned us up front): send nothing, keep our values
+            if peer_id == self.peer_id:
+                await self.tensor_part_reducer.finished.wait()  # keep serving the others until they are done
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            return
         if peer_id != self.peer_id:
             return await super()._communicate_with_peer(peer_id)
         # our own share: reduce it locally and keep what the others get (the stock runner keeps a delta)
-        peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
+        scale = self.screening.scales.get(peer_id, 1.0)
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
             try:  # our part as the others would decode it
                 sent = await loop.run_in_executor(None, self.codec.roundtrip, part)
+                if scale != 1.0:
+                    sent = sent * scale
             except PayloadError as error:  # as a peer would, the reducer drops what it cannot read
                 logger.warning("dropped our own contribution: %s", error)
                 await self._ban_sender(peer_id)
@@ -180,14 +233,20 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         loop = asyncio.get_event_loop()
         reducer, sender = self.tensor_part_reducer, self.sender_peer_ids[sender_index]
+        scale = self.screening.scales.get(sender)
         parts_done = 0
         try:
+            if scale is None:  # dropped by the screening (logged when the round started)
+                return
             async for message in stream:
                 try:
                     if not (math.isfinite(message.weight) and message.weight > 0):
                         raise PayloadError(f"weight {message.weight} is not a positive number")
                     numel = reducer.part_shapes[parts_done].numel() if parts_done < reducer.num_parts else -1
                     part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+                    self._check_declared_norm(sender, part)
+                    if scale != 1.0:
+                        part = part * scale
                 except PayloadError as error:
                     logger.warning("dropped the contribution of peer %s: %s", sender, error)
                     break
@@ -249,9 +308,19 @@ class ExactAverager(DecentralizedAverager):
     """
 
     def __init__(
-        self, averaged_tensors: Sequence[torch.Tensor], dht, *, codec: Codec, run_key: str = "", start: bool, **kwargs
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        codec: Codec,
+        run_key: str = "",
+        max_norm_ratio: float = 0.0,
+        clip_to_median: bool = False,
+        start: bool,
+        **kwargs,
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
+        self.max_norm_ratio, self.clip_to_median = max_norm_ratio, clip_to_median
         self._shared_state: tuple[dict, torch.Tensor] | None = None
         super().__init__(averaged_tensors, dht, part_size_bytes=aligned_part_size_bytes(codec), start=False, **kwargs)
         # a join request must present the leader's schema hash: keyed, only run-key holders can
@@ -299,6 +368,13 @@ class ExactAverager(DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
+        norms = self._declared_norms(group_info)
+        screening = screen(norms, max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median)
+        for peer, reason in screening.dropped.items():
+            if peer == self.peer_id:
+                logger.warning("dropped our own contribution: %s", reason)
+            else:
+                logger.warning("dropped the contribution of peer %s: %s", peer, reason)
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -308,6 +384,8 @@ class ExactAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             traffic=self.traffic,
             codec=self.codec,
+            screening=screening,
+            norms=norms,
             **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
@@ -322,3 +400,15 @@ class ExactAverager(DecentralizedAverager):
                 self._state_updated.set()
         finally:
             self.traffic.add(failed_values=runner.tensor_part_container.failed_size)
+
+    def _declared_norms(self, group_info: GroupInfo) -> dict[PeerID, float]:
+        """Each peer's declared norm, from the data gathered at matchmaking (as hivemind's own
+        ``_aggregate_with_group`` decodes it: [bandwidth, mode, user data]); nan where unreadable."""
+        norms = {}
+        for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
+            try:
+                _, _, user_data = self.serializer.loads(gathered)
+                norms[peer] = declared_norm(self.serializer.loads(user_data))
+            except Exception:  # whatever a peer put there, it is not a usable norm
+                norms[peer] = math.nan
+        return norms

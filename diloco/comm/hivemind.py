@@ -29,6 +29,7 @@ from diloco.comm.base import (
     SyncResult,
     average_payloads,
 )
+from diloco.comm.robust import declared_norm, norm_of, screen
 from diloco.comm.roster import Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
 from diloco.compression import Codec
@@ -162,6 +163,8 @@ class HivemindBackend(CommBackend):
             codec=self.codec,
             run_key=resolve_run_key(cfg.run_key),
             client_mode=cfg.client_mode,
+            max_norm_ratio=cfg.max_norm_ratio,
+            clip_to_median=cfg.clip_to_median,
             start=True,
             prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
             target_group_size=self.num_workers,
@@ -227,8 +230,10 @@ class HivemindBackend(CommBackend):
         with averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
+        # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
+        norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
         try:
-            gathered = averager.step(weight=weight, gather={"weight": weight}, timeout=timeout_s)
+            gathered = averager.step(weight=weight, gather={"weight": weight, "norm": norm}, timeout=timeout_s)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
@@ -243,8 +248,14 @@ class HivemindBackend(CommBackend):
         with averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 tensor.copy_(buffer)
-        total_weight = sum(float(g.get("weight", 0.0)) for g in gathered.values())
-        return SyncResult(True, len(gathered), total_weight, sent, recv)
+        # the peers whose contribution is in the mean: those the screening kept (every peer screens alike)
+        kept = screen(
+            {peer: declared_norm(g) for peer, g in gathered.items()},
+            max_norm_ratio=self.cfg.max_norm_ratio,
+            clip_to_median=self.cfg.clip_to_median,
+        ).scales
+        total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
+        return SyncResult(True, len(kept), total_weight, sent, recv)
 
     def expected_peers(self) -> int:
         try:

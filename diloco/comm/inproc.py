@@ -61,7 +61,7 @@ class InProcGroup:
         self._arrived: dict[int, Contribution] = {}
         self._round_done = 0  # rounds averaged so far
         self._last: tuple[list[torch.Tensor], list[Contribution]] = ([], [])  # (means, contributions used)
-        self._reducer: tuple[Codec, list[int]] | None = None  # (codec for replies, numel of each tensor)
+        self._reducer: tuple[Codec, list[int], dict] | None = None  # (reply codec, numel of each tensor, screening)
 
     def wait_turn(self, worker: int) -> None:
         with self._cond:
@@ -77,13 +77,21 @@ class InProcGroup:
         self._cond.notify_all()
 
     def all_reduce(
-        self, worker: int, contribution: Contribution, codec: Codec, numels: list[int]
+        self,
+        worker: int,
+        contribution: Contribution,
+        codec: Codec,
+        numels: list[int],
+        *,
+        max_norm_ratio: float = 0.0,
+        clip_to_median: bool = False,
     ) -> tuple[list[torch.Tensor], list[Contribution]]:
         """Block until every live worker has arrived; return the averaged flat tensors and the
-        contributions in them (see ``average_payloads``)."""
+        contributions in them (see ``average_payloads``, which screens them as the arguments say)."""
         with self._cond:
             if not self._arrived:  # the first to arrive sets the round's shapes (fragments differ)
-                self._reducer = (codec.reply_codec, numels)
+                screening = {"max_norm_ratio": max_norm_ratio, "clip_to_median": clip_to_median}
+                self._reducer = (codec.reply_codec, numels, screening)
             self._arrived[worker] = contribution
             round_index = self._round_done
             if not self._complete_round_if_all_arrived():
@@ -104,9 +112,9 @@ class InProcGroup:
         return True
 
     def _average(self) -> tuple[list[torch.Tensor], list[Contribution]]:
-        codec, numels = self._reducer
+        codec, numels, screening = self._reducer
         in_order = [self._arrived[w] for w in sorted(self._arrived)]  # a fixed order: the same sum on every run
-        return average_payloads(codec, in_order, numels, round_index=self._round_done)
+        return average_payloads(codec, in_order, numels, round_index=self._round_done, **screening)
 
     def finish(self, worker: int) -> None:
         """A worker is done (or failed): nobody waits for it any more. Safe to call twice."""
@@ -143,6 +151,7 @@ class InProcBackend(CommBackend):
         self.group = group_for(cfg.run_id, num_workers)
         self.worker_index, self.codec = worker_index, codec
         self.bandwidth_mbps, self.latency_ms = cfg.bandwidth_mbps, cfg.latency_ms
+        self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
         self._closed = False
         self.group.wait_turn(worker_index)
 
@@ -152,7 +161,14 @@ class InProcBackend(CommBackend):
         payloads = [self.codec.compress(t) for t in tensors]
         numels = [t.numel() for t in tensors]
         mine = Contribution(f"worker {self.worker_index}", payloads, weight)
-        means, used = self.group.all_reduce(self.worker_index, mine, self.codec, numels)
+        means, used = self.group.all_reduce(
+            self.worker_index,
+            mine,
+            self.codec,
+            numels,
+            max_norm_ratio=self.max_norm_ratio,
+            clip_to_median=self.clip_to_median,
+        )
         peers, total = len(used), sum(c.weight for c in used)
         if not used:
             return SyncResult(False, 1, weight, error="every contribution was dropped")

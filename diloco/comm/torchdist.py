@@ -13,20 +13,25 @@ one all-reduce of the weighted, flattened pseudo-gradients: every rank ends with
 With a lossy codec (``compression.name``) the workers all-gather their compressed payloads
 instead and each decodes and averages them in rank order (``average_payloads``), so every rank
 computes the same mean from the same bytes; a ring all-gather sends (n-1) payloads a worker.
-The fp32 all-reduce checks nothing: a rank's NaN reaches every rank (hivemind and the simulator
-drop it). Unlike hivemind, a dead peer fails the whole group: this transport is for reliable links.
+Either way every rank screens the same norms alike (``robust.screen``; for fp32 the ranks first
+all-gather their norm and weight, two numbers each): a rank whose norm is not finite or far
+above the median is left out of the mean (with ``comm.clip_to_median``, one above it is scaled
+down). The fp32 all-reduce checks nothing else. Unlike hivemind, a dead peer fails the whole
+group: this transport is for reliable links.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.comm.robust import screen
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -37,6 +42,7 @@ class TorchDistBackend(CommBackend):
 
     def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, device: torch.device, codec: Codec):
         self.device, self.codec = device, codec
+        self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
@@ -57,14 +63,33 @@ class TorchDistBackend(CommBackend):
         if not self.codec.lossless:
             return self._all_gather_compressed(tensors, weight, round_index)
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
-        flat.mul_(weight)
-        total = torch.tensor([float(weight)], dtype=torch.float64, device=self.device)
+        norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
+        mine = torch.stack([norm, torch.tensor(float(weight), dtype=torch.float64, device=self.device)])
+        stats = [torch.zeros(2, dtype=torch.float64, device=self.device) for _ in range(self.num_workers)]
         try:
-            dist.all_reduce(flat)
-            dist.all_reduce(total)
+            dist.all_gather(stats, mine)
         except RuntimeError as error:  # a peer died or timed out: the group is unusable
             return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
-        flat.div_(total.item())
+        norms, weights = zip(*(s.tolist() for s in stats))
+        screening = screen(
+            dict(enumerate(norms)), max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median
+        )
+        for rank, reason in sorted(screening.dropped.items()):
+            logger.warning("round %d: dropped the contribution of rank %d: %s", round_index, rank, reason)
+        kept = sorted(screening.scales)
+        total = sum(weights[rank] for rank in kept)
+        if not kept or not (math.isfinite(total) and total > 0):  # every rank sees the same and gives up alike
+            return SyncResult(False, 1, weight, error="every contribution was dropped")
+        rank = dist.get_rank()
+        if rank in screening.scales:
+            flat.mul_(weight * screening.scales[rank])
+        else:
+            flat.zero_()  # not multiplied: NaN x 0 is NaN
+        try:
+            dist.all_reduce(flat)
+        except RuntimeError as error:
+            return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
+        flat.div_(total)
         offset = 0
         for tensor in tensors:
             n = tensor.numel()
@@ -72,7 +97,7 @@ class TorchDistBackend(CommBackend):
             offset += n
         payload = flat.numel() * 4
         volume = int(2 * (self.num_workers - 1) / self.num_workers * payload)
-        return SyncResult(True, self.num_workers, total.item(), bytes_sent=volume, bytes_recv=volume)
+        return SyncResult(True, len(kept), total, bytes_sent=volume, bytes_recv=volume)
 
     def _all_gather_compressed(self, tensors: Sequence[torch.Tensor], weight: float, round_index: int) -> SyncResult:
         numels = [t.numel() for t in tensors]
@@ -96,7 +121,14 @@ class TorchDistBackend(CommBackend):
             )
             for rank in range(self.num_workers)
         ]
-        means, used = average_payloads(self.codec, contributions, numels, round_index=round_index)
+        means, used = average_payloads(
+            self.codec,
+            contributions,
+            numels,
+            round_index=round_index,
+            max_norm_ratio=self.max_norm_ratio,
+            clip_to_median=self.clip_to_median,
+        )
         if not used:
             return SyncResult(False, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):

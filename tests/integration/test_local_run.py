@@ -4,6 +4,7 @@ user would: ``diloco local``."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -154,3 +155,34 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
     assert all(r["peers"] == 2 for r in rounds[1:]), rounds  # delayed applies nothing in its first round
     if "outer.overlap=streaming" in overlap:
         assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4  # a fragment at a time
+
+
+def test_a_worker_sending_a_blown_up_pseudo_gradient_is_dropped_by_every_peer(tmp_path, diloco_cli):
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "local",
+        "--workers",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "inner.steps=20",
+        "outer.sync_every=10",
+        "faults.worker=2",
+        "faults.bad_payload=scaled",
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(3)]
+    peer_id = re.search(r"worker 2 is up; join this run with: .*?/p2p/(\w+)", logs[2]).group(1)
+    for log in logs[:2]:  # every honest peer refused it, every round, naming it and the median
+        pattern = rf"dropped the contribution of peer {peer_id}: its norm \S+ is more than 10 x the median"
+        drops = re.findall(pattern, log)
+        assert len(drops) == 2, log[-3000:]
+    assert logs[2].count("dropped our own contribution: its norm") == 2, logs[2][-3000:]
+    rounds = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(3)]
+    for honest in rounds[:2]:
+        assert all(r["ok"] and r["peers"] == 2 for r in honest), honest  # the mean of the two honest ones
+    assert all(not r["ok"] and r["recovered"] for r in rounds[2]), rounds[2]  # it took their state
+    ends = [[r for r in read_records(run_dir, w) if r["event"] == "end"][0] for w in range(3)]
+    assert len({end["param_sha256"] for end in ends}) == 1, ends
+    assert rounds[0][-1]["val_loss"] < 3.2  # learned; the 100 x update would have thrown it far off
