@@ -102,6 +102,7 @@ class OuterStep:
         drifting. Returns the averaging result and the round of the state taken from a peer
         (None when none was).
         """
+        started = time.monotonic()
         pseudo_gradients = self.pseudo_gradients()
         if self.error_feedback is not None:
             pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
@@ -111,13 +112,17 @@ class OuterStep:
             if self.error_feedback is not None:
                 self.error_feedback.forget()  # what it had carried over is applied now, in full
         self.apply(pseudo_gradients)
-        peers = result.peers if result.ok else 1
+        # a worker whose contribution the group dropped ranks its state below every other (peers 0)
+        peers = result.peers if result.ok else min(result.peers, 1)
+        # what is left of the round's deadline, but never less than a short download
+        remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
         return result, self.catch_up(
             backend,
             round_index=round_index,
             peers=peers,
+            group=result.group if result.ok else 0,
             expected_peers=expected_peers,
-            timeout_s=deadline_s,
+            timeout_s=remaining,
             newer=True,
         )
 
@@ -129,19 +134,22 @@ class OuterStep:
         peers: int,
         expected_peers: int,
         timeout_s: float,
+        group: int = 0,
         newer: bool = False,
     ) -> int | None:
         """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
         if fewer than expected took part, take the state of a peer that ranks higher (a bigger
         group, or the agreed winner between groups of one size), or, with ``newer``, of a later
-        round. ``expected_peers`` is the plan; a transport that tracks who is alive says how many
-        are left. Returns the round of the state taken (the local params then restart from it), or None."""
+        round. When the workers outside our group (``group``: its size, dropped members included)
+        are fewer than ``peers``, none can have averaged over as many: nothing to fetch.
+        ``expected_peers`` is the plan; a transport that tracks who is alive says how many are left.
+        Returns the round of the state taken (the local params then restart from it), or None."""
         rank = StateRank(peers, self.fingerprint())
         backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
         live = backend.expected_peers()
         expected = expected_peers if live is None else live
-        if peers >= expected:
-            return None
+        if peers >= expected or expected - max(peers, group) < peers:
+            return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
         if found is None:
             logger.warning(

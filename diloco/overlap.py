@@ -168,7 +168,7 @@ class OverlappedOuter:
         taken = self.outer.catch_up(
             self.backend,
             round_index=flight.round_index,
-            peers=result.peers if result.ok else 1,
+            peers=result.peers if result.ok else min(result.peers, 1),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
         )

@@ -53,11 +53,12 @@ class SyncResult:
     """What one round of averaging achieved."""
 
     ok: bool  # True when the tensors now hold the mean over ``peers`` workers
-    peers: int  # workers whose contribution is in the mean (1 = only this worker)
+    peers: int  # workers whose contribution is in the mean (1 = only this worker; 0 = the group dropped ours)
     total_weight: float  # sum of the weights of those workers
     bytes_sent: int = 0  # payload bytes this worker put on the wire for the round
     bytes_recv: int = 0  # payload bytes this worker took off the wire for the round
     error: str = ""  # why the round failed or was partial, for the log
+    group: int = 0  # workers in the round's group, dropped ones included (0 = not known)
     simulated_s: float | None = None  # a simulated transport's modelled round time; None = measure it
 
 

@@ -202,20 +202,21 @@ class HivemindBackend(CommBackend):
         deadline = time.monotonic() + deadline_s
         result = self._average_once(averager, tensors, weight, round_group_bits(round_index), expected, deadline_s)
         remaining = deadline - time.monotonic()
-        if not result.ok and result.bytes_sent and remaining > self.cfg.request_timeout_s:
+        if not result.ok and result.peers and result.bytes_sent and remaining > self.cfg.request_timeout_s:
             # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
             # survivors hold partial averages that differ; averaging once more among them, under a
             # key of its own, gives them the same result instead
             logger.warning("round %d: %s; trying once more among the peers still there", round_index, result.error)
-            # the survivors of a broken group retry at about the same time; a peer whose own
-            # round went through never comes, so the retry waits for a group only comm.matchmaking_s
+            # the survivors of a broken group retry at about the same time; a peer whose own round
+            # went through never comes, so the retry's leader starts after comm.matchmaking_s with
+            # whoever is there, and the retry gives up soon after
             retry = self._average_once(
                 averager,
                 tensors,
                 weight,
                 round_group_bits(round_index, attempt=1),
                 expected,
-                min(remaining, self.cfg.matchmaking_s),
+                min(remaining, 2 * self.cfg.matchmaking_s),
             )
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv
@@ -242,20 +243,26 @@ class HivemindBackend(CommBackend):
         sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
         if failure:
             return SyncResult(False, 1, weight, sent, recv, error=failure)
-        if failed_values:
-            # some reducer dropped out: part of the buffers hold our own values, not the mean
-            return SyncResult(False, 1, weight, sent, recv, error=f"{failed_values} values were not averaged")
-        with averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                tensor.copy_(buffer)
-        # the peers whose contribution is in the mean: those the screening kept (every peer screens alike)
-        kept = screen(
+        # the group's screening (robust.py), which every peer computes alike from what it gathered
+        screening = screen(
             {peer: declared_norm(g) for peer, g in gathered.items()},
             max_norm_ratio=self.cfg.max_norm_ratio,
             clip_to_median=self.cfg.clip_to_median,
-        ).scales
+        )
+        if self._dht.peer_id in screening.dropped:  # the others refused our contribution: no retry
+            reason = screening.dropped[self._dht.peer_id]
+            error = f"the group dropped our contribution: {reason}"
+            return SyncResult(False, 0, weight, sent, recv, error=error, group=len(gathered))
+        if failed_values:
+            # some reducer dropped out: part of the buffers hold our own values, not the mean
+            error = f"{failed_values} values were not averaged"
+            return SyncResult(False, 1, weight, sent, recv, error=error, group=len(gathered))
+        with averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                tensor.copy_(buffer)
+        kept = screening.scales  # the peers whose contribution is in the mean
         total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
-        return SyncResult(True, len(kept), total_weight, sent, recv)
+        return SyncResult(True, len(kept), total_weight, sent, recv, group=len(gathered))
 
     def expected_peers(self) -> int:
         try:

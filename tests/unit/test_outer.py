@@ -180,3 +180,17 @@ def test_groups_of_a_split_round_agree_on_one_winner():
     loser, winner = sorted([a, b], key=OuterStep.fingerprint)
     assert StateRank(2, loser.fingerprint()) < StateRank(2, winner.fingerprint()) < StateRank(3, 0.0)
     assert a.fingerprint() == OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig()).fingerprint()
+
+
+def test_a_strict_majority_of_the_round_asks_nobody_for_state():
+    class _Majority(_FailingBackend):
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            return SyncResult(ok=True, peers=3, total_weight=3.0)
+
+    backend = _Majority(peer_state={"never": "used"})
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=5)
+    assert taken is None and backend.asked == [] and backend.published == [(2, 3)]
+    backend = _Majority(peer_state=outer.state_dict())
+    _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=6)
+    assert taken == 2 and backend.asked == [(2, 3)]  # 3 others could have averaged as a group of 3
