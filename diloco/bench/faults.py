@@ -320,7 +320,7 @@ def default_plan(data: str | None, overrides: Sequence[str], **settings) -> Faul
 
     return FaultRun(
         overrides=[
-            f"data.path={data or default_data()}",
+            f"data.path={default_data(data)}",
             "model.n_layer=2",
             "model.n_embd=64",
             "inner.batch_size=12",
