@@ -10,7 +10,7 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     slow       one worker's link at 1/10 of the others' rate (testbed only)
     join       a fifth worker joins at round ``--join-round`` with ``diloco join``
     bad        one worker sends NaN, another 100 x scaled pseudo-gradients
-    wrong_key  a peer with the wrong run key tries ``diloco join`` three times, and runs a worker
+    wrong_key  a peer with the wrong run key tries ``diloco join`` three times, then runs a worker
 
 Per scenario: rounds the healthy workers completed, the longest time a round spent syncing
 (comm_s, against ``comm.deadline_s``), whether the workers alive at the end hold identical
@@ -47,6 +47,7 @@ class FaultRun:
     steps: int = 200
     outage_s: float = 20.0
     join_round: int = 5
+    key_attempts: int = 3  # wrong_key: how many times the intruder tries diloco join
     rate_mbit: float = 0.0  # testbed link rate; 0 = loopback (no testbed)
     timeout_s: float = 900.0
 
@@ -217,12 +218,12 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
             elif name == "wrong_key":
                 cluster.wait_for_step(0, plan.sync_every, plan.timeout_s)
                 refused = 0
-                for attempt in range(3):
+                for attempt in range(plan.key_attempts):
                     attempt_process = cluster.join(
                         ["comm.run_key=not-the-key"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
                     )
                     refused += attempt_process.wait(timeout=plan.timeout_s) == 2
-                notes.append(f"diloco join with the wrong key refused {refused} of 3 times")
+                notes.append(f"diloco join with the wrong key refused {refused} of {plan.key_attempts} times")
                 intruder = cluster.start(plan.workers, ["comm.run_key=not-the-key"])
                 del cluster.processes[plan.workers]
                 cluster.others.append(intruder)

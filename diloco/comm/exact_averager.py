@@ -65,16 +65,23 @@ class _TrafficCounters:
         self._sent = mp.Value(ctypes.c_int64, 0)
         self._recv = mp.Value(ctypes.c_int64, 0)
         self._failed_values = mp.Value(ctypes.c_int64, 0)
+        self._own_drops = mp.Value(ctypes.c_int64, 0)
 
-    def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0) -> None:
-        for counter, amount in ((self._sent, sent), (self._recv, recv), (self._failed_values, failed_values)):
+    def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0) -> None:
+        for counter, amount in (
+            (self._sent, sent),
+            (self._recv, recv),
+            (self._failed_values, failed_values),
+            (self._own_drops, own_drops),
+        ):
             if amount:
                 with counter.get_lock():
                     counter.value += amount
 
-    def read(self) -> tuple[int, int, int]:
-        """(bytes sent, bytes received, values whose reducer failed) so far."""
-        return self._sent.value, self._recv.value, self._failed_values.value
+    def read(self) -> tuple[int, int, int, int]:
+        """(bytes sent, bytes received, values whose reducer failed, rounds in which our own
+        reducer refused our contribution: the others did too) so far."""
+        return self._sent.value, self._recv.value, self._failed_values.value, self._own_drops.value
 
 
 class _ReducerStub:
@@ -210,6 +217,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     sent = sent * scale
             except PayloadError as error:  # as a peer would, the reducer drops what it cannot read
                 logger.warning("dropped our own contribution: %s", error)
+                self.traffic.add(own_drops=1)
                 await self._ban_sender(peer_id)
                 await self.tensor_part_reducer.finished.wait()  # keep serving the others until they are done
                 self.tensor_part_container.register_failed_reducer(peer_index)

@@ -11,6 +11,7 @@ can write the run's DHT records or join its groups.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import threading
@@ -37,6 +38,7 @@ from diloco.compression import Codec
 logger = logging.getLogger(__name__)
 
 _ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any peer can lag
+_POLL_S = 1.0  # how often a worker waiting for a group checks whether the others went ahead
 
 
 def round_group_bits(round_index: int, attempt: int = 0) -> str:
@@ -200,9 +202,17 @@ class HivemindBackend(CommBackend):
         averager = self._averagers[fragment]
         expected = self.expected_peers()
         deadline = time.monotonic() + deadline_s
-        result = self._average_once(averager, tensors, weight, round_group_bits(round_index), expected, deadline_s)
+        result = self._average_once(
+            averager, tensors, weight, round_index=round_index, attempt=0, expected=expected, timeout_s=deadline_s
+        )
         remaining = deadline - time.monotonic()
-        if not result.ok and result.peers and result.bytes_sent and remaining > self.cfg.request_timeout_s:
+        if (
+            not result.ok
+            and result.peers
+            and result.bytes_sent
+            and remaining > self.cfg.request_timeout_s
+            and not self._averaged_by_others(round_index)
+        ):
             # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
             # survivors hold partial averages that differ; averaging once more among them, under a
             # key of its own, gives them the same result instead
@@ -214,32 +224,72 @@ class HivemindBackend(CommBackend):
                 averager,
                 tensors,
                 weight,
-                round_group_bits(round_index, attempt=1),
-                expected,
-                min(remaining, 2 * self.cfg.matchmaking_s),
+                round_index=round_index,
+                attempt=1,
+                expected=expected,
+                timeout_s=min(remaining, 2 * self.cfg.matchmaking_s),
             )
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv
             result = retry
         return result
 
+    def _await_step(self, control, round_index: int):
+        """The step's result. A worker still looking for a group when a peer already offers the
+        round's state averaged in a group (the others went ahead without it: it came late) stops
+        looking, instead of matchmaking alone until the deadline; the catch-up then takes that state."""
+        while True:
+            try:
+                return control.result(timeout=_POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            if not control.began_allreduce and any(
+                r == round_index and rank.peers > 1 for r, rank in self._state_offers()
+            ):
+                control.cancel()
+                raise TimeoutError("the others averaged this round without us")
+
+    def _averaged_by_others(self, round_index: int) -> bool:
+        """Whether a peer offers a state of this round averaged in a group, within a moment: then the
+        group broke only for us (hivemind sometimes loses a reply to one sender), nobody else will
+        retry, and the round's catch-up takes that state instead."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while True:
+            if any(r == round_index and rank.peers > 1 for r, rank in self._state_offers()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.25)
+
     def _average_once(
-        self, averager, tensors: Sequence[torch.Tensor], weight: float, group_bits: str, expected: int, timeout_s: float
+        self,
+        averager,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        *,
+        round_index: int,
+        attempt: int,
+        expected: int,
+        timeout_s: float,
     ) -> SyncResult:
+        group_bits = round_group_bits(round_index, attempt)
         averager.set_group(group_bits, target_group_size=max(2, expected))
-        sent_before, recv_before, failed_before = averager.traffic.read()
+        sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
         with averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
         norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
         try:
-            gathered = averager.step(weight=weight, gather={"weight": weight, "norm": norm}, timeout=timeout_s)
+            control = averager.step(
+                weight=weight, gather={"weight": weight, "norm": norm}, timeout=timeout_s, wait=False
+            )
+            gathered = self._await_step(control, round_index)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
             failure = "" if gathered is not None else "no group found before the deadline"
-        sent, recv, failed = averager.traffic.read()
+        sent, recv, failed, drops = averager.traffic.read()
         sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
         if failure:
             return SyncResult(False, 1, weight, sent, recv, error=failure)
@@ -249,6 +299,8 @@ class HivemindBackend(CommBackend):
             max_norm_ratio=self.cfg.max_norm_ratio,
             clip_to_median=self.cfg.clip_to_median,
         )
+        if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
+            screening.dropped.setdefault(self._dht.peer_id, "our payload is unusable (see the averager's log)")
         if self._dht.peer_id in screening.dropped:  # the others refused our contribution: no retry
             reason = screening.dropped[self._dht.peer_id]
             error = f"the group dropped our contribution: {reason}"

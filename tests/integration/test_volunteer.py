@@ -1,0 +1,80 @@
+"""Volunteer runs with real worker processes: each fault scenario of ``diloco bench faults``,
+small (3 workers, the tiny model), on loopback (the slow-link one in the testbed, as root)."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.bench.faults import FaultRun, run_scenario
+from diloco.testbed import testbed_unavailable
+from tests.conftest import TINY, read_records
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+DEADLINE_S = 30.0
+STEPS, SYNC_EVERY = 200, 20
+
+
+def _plan(steps: int = STEPS, **settings) -> FaultRun:
+    return FaultRun(
+        overrides=[*TINY, "comm.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}", "logging.log_every=10"],
+        workers=3,
+        steps=steps,
+        sync_every=SYNC_EVERY,
+        outage_s=5.0,
+        join_round=1,
+        timeout_s=180.0,
+        **settings,
+    )
+
+
+def _check_run(result, *, workers: int = 3, steps: int = STEPS) -> None:
+    assert result.params_agree, result
+    assert result.rounds_completed == steps // SYNC_EVERY, result
+    assert set(result.exit_codes.values()) == {0} and len(result.exit_codes) == workers, result
+    # a round's sync may add a short state download to its deadline (OuterStep.sync), never more
+    assert result.longest_sync_s <= DEADLINE_S + 10.0, result
+
+
+def test_a_worker_killed_mid_round_restarts_and_takes_the_runs_state(tmp_path):
+    result = run_scenario("crash", _plan(), tmp_path)
+    _check_run(result)
+    log = (tmp_path / "crash" / "worker-2.log").read_text()
+    assert "worker 2 resumed at step" in log  # from its own checkpoint, which the run had left behind,
+    assert "took the state" in log  # so it took a peer's (before its first round, or in it)
+
+
+def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
+    _check_run(run_scenario("cut", _plan(), tmp_path))
+
+
+def test_a_newcomer_joins_a_live_run_and_averages_with_everyone_from_its_first_round(tmp_path):
+    result = run_scenario("join", _plan(steps=480), tmp_path)  # long enough for the newcomer to start
+    _check_run(result, workers=4, steps=480)
+    first = next(r for r in read_records(tmp_path / "join", 3) if r["event"] == "round")
+    same_round = next(r for r in read_records(tmp_path / "join", 0) if r.get("round") == first["round"])
+    assert first["peers"] == 4 and first["param_sha256"] == same_round["param_sha256"], (first, same_round)
+    assert "joining run 'faults_join' as worker 3" in (tmp_path / "join" / "worker-3.log").read_text()
+
+
+def test_nan_and_blown_up_pseudo_gradients_are_dropped_with_the_senders_named(tmp_path):
+    result = run_scenario("bad", _plan(), tmp_path)
+    _check_run(result)
+    logs = "".join((tmp_path / "bad" / f"worker-{i}.log").read_text() for i in range(3))
+    assert "dropped the contribution of peer" in logs and "is more than 10 x the median norm" in logs
+    assert "payload decodes to non-finite values" in logs
+
+
+def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
+    result = run_scenario("wrong_key", _plan(key_attempts=2), tmp_path)
+    _check_run(result)
+    assert "diloco join with the wrong key refused 2 of 2 times" in result.notes
+    for attempt in range(2):
+        assert "comm.run_key" in (tmp_path / "wrong_key" / f"wrong-key-{attempt}.log").read_text()
+    for i in range(3):  # the keyed workers never averaged with a fourth
+        assert all(r["peers"] <= 3 for r in read_records(tmp_path / "wrong_key", i) if r["event"] == "round")
+
+
+@pytest.mark.skipif(testbed_unavailable() is not None, reason="the testbed needs root and iproute2")
+def test_a_worker_on_a_link_ten_times_slower_holds_no_round_past_its_deadline(tmp_path):
+    _check_run(run_scenario("slow", _plan(rate_mbit=20.0), tmp_path))

@@ -1,0 +1,75 @@
+"""The roster (who a round waits for) and the run key (who may write the run's records)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hivemind.dht.validation import DHTRecord
+
+from diloco.comm.roster import Roster, free_slot
+from diloco.comm.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
+
+
+class _FakeDHT:
+    """The two DHT calls the roster makes, on a dict; records do not expire unless removed."""
+
+    def __init__(self):
+        self.records: dict[int, dict] = {}
+
+    def store(self, key, *, subkey, value, expiration_time):
+        self.records[subkey] = value
+        return True
+
+    def get(self, key, latest):
+        if not self.records:
+            return None
+        return SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.records.items()})
+
+
+def _roster(dht: _FakeDHT, index: int, planned: int) -> Roster:
+    return Roster(lambda fn: fn(dht), run_id="r", worker_index=index, planned=planned)
+
+
+def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_who_joined():
+    dht = _FakeDHT()
+    me, other = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3)
+    me._publish(), other._publish()
+    assert me.expected() == 3  # worker 2 has not shown up yet: still expected
+    del dht.records[1]  # worker 1's heartbeat expired (crashed, or cut off)
+    assert me.expected() == 2
+    joiner = _roster(dht, 3, planned=3)
+    joiner._publish()
+    assert me.expected() == 3  # 0 and 2 of the plan, and 3 who joined
+    joiner.leave()
+    assert me.expected() == 2 and dht.records[3]["leaving"]
+
+
+def test_a_newcomer_takes_the_lowest_free_slot_and_none_when_the_run_is_full():
+    dht = _FakeDHT()
+    for index in (0, 1, 3):
+        _roster(dht, index, planned=4)._publish()
+    entries = _roster(dht, 0, planned=4).entries()
+    assert free_slot(entries, 5) == 2 and free_slot(entries, 2) is None
+    _roster(dht, 1, planned=4).leave()
+    assert free_slot(_roster(dht, 0, planned=4).entries(), 2) == 1
+
+
+def test_records_signed_with_the_run_key_validate_and_others_do_not():
+    validator = RunKeyValidator("secret")
+    record = DHTRecord(b"run.roster", b"\x01", b"payload", 1234.5)
+    signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+    assert validator.validate(signed) and validator.strip_value(signed) == b"payload"
+    assert not RunKeyValidator("guess").validate(signed)
+    assert not validator.validate(DHTRecord(record.key, record.subkey, b"payload", record.expiration_time))
+    tampered = DHTRecord(record.key, record.subkey, b"PAYLOAD" + signed.value[7:], record.expiration_time)
+    assert not validator.validate(tampered)
+    later = DHTRecord(record.key, record.subkey, signed.value, record.expiration_time + 60)
+    assert not validator.validate(later)  # the tag covers the expiration: a record cannot be kept alive
+
+
+def test_the_schema_hash_is_a_token_only_key_holders_can_present(monkeypatch):
+    schema = b"\x00" * 32
+    assert keyed_schema_hash("", schema) == schema
+    assert keyed_schema_hash("a", schema) == keyed_schema_hash("a", schema) != keyed_schema_hash("b", schema)
+    monkeypatch.setenv("DILOCO_RUN_KEY", "from-env")
+    assert resolve_run_key("") == "from-env" and resolve_run_key("given") == "given"
