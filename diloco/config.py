@@ -149,6 +149,10 @@ def _describe(error: OmegaConfBaseException) -> str:
 
 def _check_overlap(outer: OuterConfig) -> None:
     _check(outer.overlap in OVERLAPS, f"outer.overlap={outer.overlap!r} is not one of {', '.join(OVERLAPS)}")
+    _check(outer.round_s >= 0, f"outer.round_s={outer.round_s} must be >= 0 (0 = outer.sync_every steps a round)")
+    if outer.round_s > 0:
+        _check(outer.sync_every > 0, "outer.round_s needs DiLoCo rounds (outer.sync_every > 0)")
+        _check(outer.overlap == "none", "outer.round_s works with blocking rounds only (outer.overlap=none)")
     if outer.overlap != "none":
         _check(outer.sync_every > 0, f"outer.overlap={outer.overlap} needs DiLoCo rounds (outer.sync_every > 0)")
     _check(0 <= outer.mix < 1, f"outer.mix={outer.mix} must be in [0, 1)")

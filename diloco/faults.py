@@ -4,6 +4,7 @@
     diloco train ... faults.stop_after_round=3  # exit right after round 3's checkpoint, as if killed
     diloco local ... faults.worker=1 faults.skip_round=2   # only worker 1 of a local run
     diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
+    diloco local ... faults.worker=1 faults.step_delay_s=0.2  # worker 1 computes like a slower machine
     diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
 
 Faults wrap the real parts; nothing else in the code knows about them.
@@ -11,6 +12,7 @@ Faults wrap the real parts; nothing else in the code knows about them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ class FaultConfig:
     stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
     bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
     payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
+    step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
 
 
 class StopRequested(Exception):
@@ -171,6 +174,12 @@ def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> Co
     if cfg.skip_round and applies_to(cfg, worker_index):
         backend = SkipRoundBackend(backend, cfg.skip_round)
     return backend
+
+
+def slow_down(cfg: FaultConfig, worker_index: int) -> None:
+    """``faults.step_delay_s``: this worker computes as if on a slower machine."""
+    if cfg.step_delay_s > 0 and applies_to(cfg, worker_index):
+        time.sleep(cfg.step_delay_s)
 
 
 def check_stop(cfg: FaultConfig, worker_index: int, rounds_done: int) -> None:

@@ -37,6 +37,7 @@ class OuterConfig:
     lr: float = 0.7  # outer learning rate
     momentum: float = 0.9  # SGD momentum, or Adam's beta1
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
+    round_s: float = 0.0  # > 0: a round lasts this many seconds of inner steps, as many as each worker can run; 0 = H
     overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)
     fragments: int = 1  # streaming: P fragments of the params, each synced every H steps, staggered by H/P
     delay_steps: int = 1  # streaming: tau, inner steps between a fragment's sync and applying its average

@@ -24,12 +24,13 @@ from diloco.comm.base import CommError, StateRank
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
-from diloco.faults import check_stop, with_bad_payloads, with_faults
+from diloco.faults import check_stop, slow_down, with_bad_payloads, with_faults
 from diloco.inner import build_inner_optimizer, inner_step, lr_at
 from diloco.metrics import param_sha256
 from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
 from diloco.overlap import OverlappedOuter, fragments_for
+from diloco.rounds import RoundClock
 from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 
 logger = logging.getLogger(__name__)
@@ -129,19 +130,21 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     if overlapped is not None and state is not None and state.get("overlap"):
         overlapped.load_state_dict(state["overlap"])
     record_every = cfg.logging.eval_every if data_parallel else cfg.outer.sync_every
+    clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
         if not data_parallel and overlapped is None:
             step, round_index = _catch_up_with_run(
-                outer, backend, step, round_index, sync_every=cfg.outer.sync_every, cfg=cfg, required=join
+                outer, backend, step, round_index, cfg=cfg, required=join, align_step=not clock.timed
             )
         samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
-        while step < cfg.inner.steps:
+        clock.start_round()
+        while clock.running(step, round_index):
             # ---- inner step -------------------------------------------------------------
             started = time.perf_counter()
-            lr = lr_at(cfg.inner, step)
+            lr = lr_at(cfg.inner, clock.schedule_step(step, round_index))
             loss = inner_step(
                 model,
                 inner_optimizer,
@@ -150,6 +153,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 grad_clip=cfg.inner.grad_clip,
                 average_gradients=gradient_averaging,
             )
+            slow_down(cfg.faults, cfg.worker.index)
             step_s = time.perf_counter() - started
             if gradient_averaging is not None:
                 for result, measured_s in gradient_averaging.take_rounds():
@@ -164,10 +168,10 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 window.extend(costs)
                 unattributed_comm_s += unattributed
             log.step(step, round_index, loss, lr, due=step % cfg.logging.log_every == 0)
-            if step % record_every != 0 and step != cfg.inner.steps:
+            if not clock.round_ends(step):
                 continue
 
-            # ---- outer step: every H inner steps, and once more at the end ------------------
+            # ---- outer step: every H inner steps (or outer.round_s seconds), and at the end ----
             if data_parallel or overlapped is not None:
                 result, recovered = _merge(window), False
                 comm_s = sum(r.comm_s for r in window) + unattributed_comm_s
@@ -185,10 +189,12 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 recovered = taken_round is not None
                 if recovered and taken_round > round_index:  # the others are rounds ahead: skip to them
                     logger.warning("worker %d skips from round %d to %d", cfg.worker.index, round_index, taken_round)
-                    step = min(cfg.inner.steps, step + (taken_round - round_index) * cfg.outer.sync_every)
+                    if not clock.timed:  # fixed rounds end at multiples of H: keep to them
+                        step = min(cfg.inner.steps, step + (taken_round - round_index) * cfg.outer.sync_every)
                     round_index = taken_round
             round_index, samples_this_round = round_index + 1, 0
             backend.report_progress(round_index, step)
+            clock.start_round()
             param_hash = param_sha256(synced_params)
             val_loss = _evaluate_once(model, held_out, held_out_hash, param_hash)
             log.round(
@@ -202,7 +208,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             )
 
             every = cfg.checkpoint.every_rounds
-            if every and (round_index % every == 0 or step == cfg.inner.steps):
+            if every and (round_index % every == 0 or not clock.running(step, round_index)):
                 worker_state = {
                     "model": model.state_dict(),
                     "inner_optimizer": inner_optimizer.state_dict(),
@@ -234,11 +240,13 @@ class JoinError(CommError):
 
 
 def _catch_up_with_run(
-    outer: OuterStep, backend, step: int, round_index: int, *, sync_every: int, cfg: Config, required: bool
+    outer: OuterStep, backend, step: int, round_index: int, *, cfg: Config, required: bool, align_step: bool
 ) -> tuple[int, int]:
     """Before the first round: if live peers are rounds ahead, take a peer's global params and
-    outer-optimizer state and start on the round they are in, at their inner step (a round
-    that has begun is joined with fewer samples, and weighted by them). Returns (step, round)."""
+    outer-optimizer state and start on the round they are in, at their inner step when rounds
+    are H steps (``align_step``: a round that has begun is joined with fewer samples, and
+    weighted by them). Returns (step, round)."""
+    sync_every = cfg.outer.sync_every
     others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
     if required and not others:
         raise JoinError(
@@ -258,6 +266,9 @@ def _catch_up_with_run(
     taken_round = found.round
     outer.load_state_dict(found.state)
     round_index = taken_round + 1
+    if not align_step:
+        logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round)
+        return step, round_index
     in_round = [e.step for e in others.values() if e.round == round_index]
     round_start = round_index * sync_every
     step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)

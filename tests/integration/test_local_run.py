@@ -22,7 +22,7 @@ def _round_hashes(run_dir, workers: int) -> dict[int, set[str]]:
     return by_round
 
 
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("workers", [4])  # a missed round and a crash: tests/integration/test_volunteer.py
 def test_workers_train_and_hold_identical_params_after_every_round(tmp_path, diloco_cli, workers):
     run_dir = tmp_path / "run"
     done = diloco_cli(
@@ -84,7 +84,7 @@ def test_rerunning_a_stopped_run_resumes_from_its_checkpoint(tmp_path, diloco_cl
     assert len(set(_round_hashes(run_dir, 2)[4])) == 1
 
 
-@pytest.mark.parametrize("compression", ["none", "topk"])
+@pytest.mark.parametrize("compression", ["topk"])  # top-k: error feedback is state too
 def test_single_worker_resume_is_bit_exact(tmp_path, diloco_cli, compression):
     """Checkpoints hold everything: model, both optimizers, data position, RNG, error feedback."""
     common = [
@@ -106,31 +106,6 @@ def test_single_worker_resume_is_bit_exact(tmp_path, diloco_cli, compression):
     assert got["event"] == want["event"] == "end"
     assert got["param_sha256"] == want["param_sha256"]
     assert got["val_loss"] == want["val_loss"]
-
-
-def test_worker_that_misses_a_round_takes_the_global_state_from_a_peer(tmp_path, diloco_cli):
-    run_dir = tmp_path / "run"
-    done = diloco_cli(
-        "local",
-        "--workers",
-        "3",
-        "--run-dir",
-        str(run_dir),
-        *TINY,
-        "inner.steps=30",
-        "outer.sync_every=10",
-        "faults.worker=2",
-        "faults.skip_round=2",
-    )
-    assert done.returncode == 0, done.stdout[-4000:]
-    skipped = [r for r in read_records(run_dir, 2) if r["event"] == "round" and r["round"] == 2]
-    assert skipped and skipped[0]["recovered"] and not skipped[0]["ok"]
-    others = [r for w in (0, 1) for r in read_records(run_dir, w) if r["event"] == "round" and r["round"] == 2]
-    # the other two averaged as a pair (one of them may itself have lost a part inside hivemind and
-    # recovered from the other: that is the same mechanism at work)
-    assert any(r["ok"] and r["peers"] == 2 and not r["recovered"] for r in others), others
-    hashes = _round_hashes(run_dir, 3)
-    assert sorted(hashes) == [1, 2, 3] and all(len(h) == 1 for h in hashes.values()), hashes
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from diloco.comm.inproc import round_time_s
-from diloco.testbed import leftovers, remove_stale, testbed_unavailable
+from diloco.testbed import _NAME, leftovers, remove_stale, testbed_unavailable
 from tests.conftest import TINY, read_records
 
 needs_root = pytest.mark.skipif(testbed_unavailable() is not None, reason=str(testbed_unavailable()))
@@ -83,7 +83,7 @@ def test_the_leftovers_of_a_testbed_killed_with_sigkill_are_removed():
 
 
 def _owner(name: str) -> int:
-    return int(name[3:].split("s")[0], 36)
+    return int(_NAME.match(name).group(1), 36)  # the pid in base 36 may itself contain an "s"
 
 
 def test_without_root_the_testbed_says_so_in_one_line(monkeypatch, capsys):
