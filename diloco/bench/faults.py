@@ -13,7 +13,8 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     wrong_key  a peer with the wrong run key tries ``diloco join`` three times, then runs a worker
 
 Per scenario: rounds the healthy workers completed, the longest time a round spent syncing
-(comm_s, against ``comm.deadline_s``), whether the workers alive at the end hold identical
+(comm_s, against ``comm.deadline_s``) for the healthy and for the faulty workers (a crashed,
+cut-off or slow worker, a bad sender), whether the workers alive at the end hold identical
 params, and the final val loss over the fault-free run's. Writes ``results.json`` under ``--out``.
 
     diloco bench faults                              # every scenario (~25 min on 2 cores)
@@ -56,7 +57,8 @@ class FaultRun:
 class ScenarioResult:
     scenario: str
     rounds_completed: int  # fewest rounds among the workers that were never faulty
-    longest_sync_s: float  # the longest time any worker's round spent in its sync
+    longest_sync_s: float  # the longest time a round of those workers spent in its sync
+    longest_sync_faulty_s: float  # the same for the faulty workers (0 when none)
     deadline_s: float
     params_agree: bool  # the workers alive at the end hold identical params
     final_loss: float  # mean of those workers' final val loss
@@ -213,6 +215,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 cluster.wait_for_step(0, plan.join_round * plan.sync_every, plan.timeout_s)
                 joiner = cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log")
                 cluster.processes[plan.workers] = joiner
+                faulty.add(plan.workers)  # its first round may wait for it: counted apart
             elif name == "bad":
                 faulty |= {1, 2}
             elif name == "wrong_key":
@@ -259,10 +262,11 @@ def _deadline(overrides: Sequence[str]) -> float:
 def _measure(
     name: str, run_dir: Path, codes: dict[int, int], faulty: set[int], plan: FaultRun, overrides, notes
 ) -> ScenarioResult:
-    ends, syncs, healthy_rounds = {}, [], []
+    ends, syncs, faulty_syncs, healthy_rounds = {}, [], [], []
     for index in codes:
         records = _records(run_dir, index)
-        syncs += [r.get("comm_s", 0.0) for r in records if r.get("event") == "round"]
+        times = [r.get("comm_s", 0.0) for r in records if r.get("event") == "round"]
+        (faulty_syncs if index in faulty else syncs).extend(times)
         end = next((r for r in reversed(records) if r.get("event") == "end"), None)
         if end is not None:
             ends[index] = end
@@ -274,6 +278,7 @@ def _measure(
         scenario=name,
         rounds_completed=min(healthy_rounds, default=0),
         longest_sync_s=round(max(syncs, default=0.0), 2),
+        longest_sync_faulty_s=round(max(faulty_syncs, default=0.0), 2),
         deadline_s=_deadline(overrides),
         params_agree=len(hashes) == 1 and len(ends) == len(codes),
         final_loss=round(sum(losses) / len(losses), 4) if losses else float("nan"),
@@ -301,15 +306,16 @@ def run_faults(plan: FaultRun, scenarios: Sequence[str], out: Path) -> list[Scen
 def format_row(r: ScenarioResult) -> str:
     ratio = "-" if r.loss_ratio is None else f"{r.loss_ratio:.4f}"
     return (
-        f"| {r.scenario} | {r.rounds_completed} | {r.longest_sync_s:.1f} s (deadline {r.deadline_s:g} s) | "
+        f"| {r.scenario} | {r.rounds_completed} | {r.longest_sync_s:.1f} s / {r.longest_sync_faulty_s:.1f} s "
+        f"(deadline {r.deadline_s:g} s) | "
         f"{'yes' if r.params_agree else 'NO'} | {r.final_loss:.4f} | {ratio} | {'; '.join(r.notes)} |"
     )
 
 
 def format_table(results: Sequence[ScenarioResult]) -> str:
     header = (
-        "| scenario | rounds (healthy workers) | longest sync | params agree | final val loss | "
-        "loss / fault-free | notes |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "| scenario | rounds (healthy workers) | longest sync: healthy / faulty workers | params agree | "
+        "final val loss | loss / fault-free | notes |\n| --- | --- | --- | --- | --- | --- | --- |"
     )
     return "\n".join([header, *(format_row(r) for r in results)])
 

@@ -215,11 +215,9 @@ class HivemindBackend(CommBackend):
         ):
             # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
             # survivors hold partial averages that differ; averaging once more among them, under a
-            # key of its own, gives them the same result instead
+            # key of its own, gives them the same result instead. They retry at about the same
+            # time; the retry's leader starts after comm.matchmaking_s with whoever is there.
             logger.warning("round %d: %s; trying once more among the peers still there", round_index, result.error)
-            # the survivors of a broken group retry at about the same time; a peer whose own round
-            # went through never comes, so the retry's leader starts after comm.matchmaking_s with
-            # whoever is there, and the retry gives up soon after
             retry = self._average_once(
                 averager,
                 tensors,
