@@ -220,6 +220,10 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 faulty |= {1, 2}
             elif name == "wrong_key":
                 cluster.wait_for_step(0, plan.sync_every, plan.timeout_s)
+                # a worker that skips diloco join's check runs beside the run, and tries to average with it
+                intruder = cluster.start(plan.workers, ["comm.run_key=not-the-key"])
+                del cluster.processes[plan.workers]
+                cluster.others.append(intruder)
                 refused = 0
                 for attempt in range(plan.key_attempts):
                     attempt_process = cluster.join(
@@ -227,9 +231,6 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                     )
                     refused += attempt_process.wait(timeout=plan.timeout_s) == 2
                 notes.append(f"diloco join with the wrong key refused {refused} of {plan.key_attempts} times")
-                intruder = cluster.start(plan.workers, ["comm.run_key=not-the-key"])
-                del cluster.processes[plan.workers]
-                cluster.others.append(intruder)
             codes = cluster.wait_all(plan.timeout_s)
             if name == "wrong_key":
                 intruder_rounds = [r for r in _records(run_dir, plan.workers) if r.get("event") == "round"]
