@@ -221,13 +221,14 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
             elif name == "wrong_key":
                 cluster.wait_for_step(0, plan.sync_every, plan.timeout_s)
                 # a worker that skips diloco join's check runs beside the run, and tries to average with it
-                intruder = cluster.start(plan.workers, ["comm.run_key=not-the-key"])
+                intruder = cluster.start(plan.workers, ["comm.run_key=intruder"])
                 del cluster.processes[plan.workers]
                 cluster.others.append(intruder)
                 refused = 0
                 for attempt in range(plan.key_attempts):
+                    # a key of its own each time: two peers that share a wrong key form a run of their own
                     attempt_process = cluster.join(
-                        ["comm.run_key=not-the-key"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
+                        [f"comm.run_key=guess-{attempt}"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
                     )
                     refused += attempt_process.wait(timeout=plan.timeout_s) == 2
                 notes.append(f"diloco join with the wrong key refused {refused} of {plan.key_attempts} times")
