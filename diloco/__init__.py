@@ -7,15 +7,20 @@ arXiv:2311.08105). Where things live:
 - ``config.py``      the typed schema and ``load_config`` (defaults <- YAML <- CLI overrides)
 - ``train.py``       the worker loop, top to bottom, readable like the algorithm
 - ``outer.py``       pseudo-gradients and the outer optimizer: **the outer step happens here**
-- ``comm/``          how pseudo-gradients travel: ``CommBackend``; hivemind, simulated, torchrun
+- ``overlap.py``     outer steps overlapped with compute (delayed, streaming fragments)
+- ``rounds.py``      when a round ends: every H steps, or a time budget (dynamic local steps)
+- ``joining.py``     a newcomer or a restarted worker takes a live peer's state before its first round
+- ``comm/``          how pseudo-gradients travel: ``CommBackend``; hivemind, simulated, torchrun;
+                     who is in the run (roster), the run key, robust aggregation
 - ``compression/``   codecs on the wire (fp16, int8, int4, top-k) and error feedback
 - ``model.py``       a small GPT for tests and demos
 - ``data.py``        byte-level corpus, disjoint per-worker shards, held-out split
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume
 - ``metrics.py``     JSONL records, wandb, console progress
 - ``local.py``       runs a bootstrap peer and M workers on one machine
-- ``faults.py``      fault injection at named points (skip a round, stop, send bad payloads)
-- ``bench/``         ``diloco bench overhead / quality / compression``
+- ``faults.py``      fault injection at named points (skip a round, stop, bad payloads, slow steps)
+- ``testbed.py``     network namespaces on shaped links (root)
+- ``bench/``         ``diloco bench overhead / quality / compression / utilization / faults``
 - ``cli.py``         the ``diloco`` command
 """
 

@@ -177,7 +177,7 @@ def _cmd_join(args) -> int:
     from diloco.comm.hivemind import probe_roster
     from diloco.comm.roster import free_slot
     from diloco.config import load_config
-    from diloco.train import JoinError
+    from diloco.joining import JoinError
 
     config_path, overrides = _split_config(args.config, args.overrides)
     peers = [peer.strip() for peer in args.peers.split(",") if peer.strip()]

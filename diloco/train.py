@@ -20,12 +20,12 @@ import torch
 
 from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from diloco.comm import SyncResult, build_backend
-from diloco.comm.base import CommError, StateRank
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
 from diloco.faults import check_stop, slow_down, with_bad_payloads, with_faults
 from diloco.inner import build_inner_optimizer, inner_step, lr_at
+from diloco.joining import catch_up_with_run
 from diloco.metrics import param_sha256
 from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
@@ -41,7 +41,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
     ``on_ready(addresses)`` is called once the worker is reachable by peers. A worker whose peers
     are rounds ahead (it joins a live run, or restarts from an old checkpoint) first takes their
-    state; with ``join`` a live run is required (``JoinError`` when none is found).
+    state (``joining.py``); with ``join`` a live run is required (``JoinError`` when none is found).
     """
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         if on_ready is not None:
             on_ready(backend.addresses)
         if not data_parallel and overlapped is None:
-            step, round_index = _catch_up_with_run(
+            step, round_index = catch_up_with_run(
                 outer, backend, step, round_index, cfg=cfg, required=join, align_step=not clock.timed
             )
         samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
@@ -233,54 +233,6 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         log.close()
         backend.leave()
         backend.shutdown()
-
-
-class JoinError(CommError):
-    """``diloco join`` found no live run to join (wrong address, wrong run key, or the run is over)."""
-
-
-def _catch_up_with_run(
-    outer: OuterStep, backend, step: int, round_index: int, *, cfg: Config, required: bool, align_step: bool
-) -> tuple[int, int]:
-    """Before the first round: if live peers are rounds ahead, take a peer's global params and
-    outer-optimizer state and start on the round they are in, at their inner step when rounds
-    are H steps (``align_step``: a round that has begun is joined with fewer samples, and
-    weighted by them). Returns (step, round)."""
-    sync_every = cfg.outer.sync_every
-    others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
-    if required and not others:
-        raise JoinError(
-            f"no live worker of run {cfg.comm.run_id!r} answered through comm.initial_peers: check the address, "
-            f"that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run's key"
-        )
-    if not any(e.round > round_index for e in others.values()):
-        return step, round_index
-    found = backend.fetch_state(
-        round_index - 1, better_than=StateRank(1 << 30), timeout_s=cfg.comm.deadline_s, newer=True
-    )
-    if found is None:
-        if required:
-            raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")
-        logger.warning("worker %d: peers are ahead but none served its state; continuing", cfg.worker.index)
-        return step, round_index
-    taken_round = found.round
-    outer.load_state_dict(found.state)
-    round_index = taken_round + 1
-    if not align_step:
-        logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round)
-        return step, round_index
-    in_round = [e.step for e in others.values() if e.round == round_index]
-    round_start = round_index * sync_every
-    step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)
-    logger.warning(
-        "worker %d took the state after round %d from a peer; starts round %d at step %d",
-        cfg.worker.index,
-        taken_round,
-        round_index,
-        step,
-    )
-    backend.report_progress(round_index, step)
-    return step, round_index
 
 
 # Workers simulated in one process (comm.backend=inproc) hold bit-identical params after every

@@ -6,6 +6,8 @@
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
+- ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
+- ``run_key.py``         the run key: HMAC-signed DHT records and a keyed schema hash
 """
 
 from __future__ import annotations

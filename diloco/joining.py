@@ -1,0 +1,71 @@
+"""A worker that starts behind a live run: a newcomer (``diloco join``) or a restart from an old
+checkpoint. Before its first round it takes the global params, outer-optimizer state and round
+of a live peer, and starts on the round the others are in (``catch_up_with_run``).
+
+    diloco join configs/tiny.yaml --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+"""
+
+from __future__ import annotations
+
+import logging
+
+from diloco.comm.base import CommBackend, CommError, StateRank
+from diloco.config import Config
+from diloco.outer import OuterStep
+
+logger = logging.getLogger(__name__)
+
+
+class JoinError(CommError):
+    """``diloco join`` found no live run to join (wrong address, wrong run key, or the run is over)."""
+
+
+def catch_up_with_run(
+    outer: OuterStep,
+    backend: CommBackend,
+    step: int,
+    round_index: int,
+    *,
+    cfg: Config,
+    required: bool,
+    align_step: bool,
+) -> tuple[int, int]:
+    """Before the first round: if live peers are rounds ahead, take a peer's global params and
+    outer-optimizer state and start on the round they are in, at their inner step when rounds
+    are H steps (``align_step``: a round that has begun is joined with fewer samples, and
+    weighted by them). Returns (step, round)."""
+    sync_every = cfg.outer.sync_every
+    others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
+    if required and not others:
+        raise JoinError(
+            f"no live worker of run {cfg.comm.run_id!r} answered through comm.initial_peers: check the address, "
+            f"that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run's key"
+        )
+    if not any(e.round > round_index for e in others.values()):
+        return step, round_index
+    found = backend.fetch_state(
+        round_index - 1, better_than=StateRank(1 << 30), timeout_s=cfg.comm.deadline_s, newer=True
+    )
+    if found is None:
+        if required:
+            raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")
+        logger.warning("worker %d: peers are ahead but none served its state; continuing", cfg.worker.index)
+        return step, round_index
+    taken_round = found.round
+    outer.load_state_dict(found.state)
+    round_index = taken_round + 1
+    if not align_step:
+        logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round)
+        return step, round_index
+    in_round = [e.step for e in others.values() if e.round == round_index]
+    round_start = round_index * sync_every
+    step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)
+    logger.warning(
+        "worker %d took the state after round %d from a peer; starts round %d at step %d",
+        cfg.worker.index,
+        taken_round,
+        round_index,
+        step,
+    )
+    backend.report_progress(round_index, step)
+    return step, round_index
