@@ -61,11 +61,10 @@ def test_a_newcomer_joins_a_live_run_and_averages_with_everyone_from_its_first_r
 
 
 def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
-    result = run_scenario("wrong_key", _plan(key_attempts=2), tmp_path)
+    result = run_scenario("wrong_key", _plan(key_attempts=1), tmp_path)  # the benchmark tries 3 times
     _check_run(result)
-    assert "diloco join with the wrong key refused 2 of 2 times" in result.notes
-    for attempt in range(2):
-        assert "comm.run_key" in (tmp_path / "wrong_key" / f"wrong-key-{attempt}.log").read_text()
+    assert "diloco join with the wrong key refused 1 of 1 times" in result.notes
+    assert "comm.run_key" in (tmp_path / "wrong_key" / "wrong-key-0.log").read_text()
     for i in range(3):  # the keyed workers never averaged with a fourth
         assert all(r["peers"] <= 3 for r in read_records(tmp_path / "wrong_key", i) if r["event"] == "round")
 
