@@ -210,6 +210,7 @@ class HivemindBackend(CommBackend):
             not result.ok
             and result.peers
             and result.bytes_sent
+            and self._published is not None  # the others' state offers tell whether they failed too
             and remaining > self.cfg.request_timeout_s
             and not self._averaged_by_others(round_index)
         ):
