@@ -95,7 +95,7 @@ class SkipRoundBackend(DelegatingBackend):
     ) -> SyncResult:
         if round_index + 1 == self.skip_round:
             return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
-        return self.inner.all_reduce_mean(
+        return super().all_reduce_mean(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
 

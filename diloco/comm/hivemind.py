@@ -242,9 +242,7 @@ class HivemindBackend(CommBackend):
                 return control.result(timeout=_POLL_S)
             except concurrent.futures.TimeoutError:
                 pass
-            if not control.began_allreduce and any(
-                r == round_index and rank.peers > 1 for r, rank in self._state_offers()
-            ):
+            if not control.began_allreduce and self._others_averaged(round_index):
                 control.cancel()
                 raise TimeoutError("the others averaged this round without us")
 
@@ -254,11 +252,15 @@ class HivemindBackend(CommBackend):
         retry, and the round's catch-up takes that state instead."""
         deadline = time.monotonic() + self.cfg.request_timeout_s
         while True:
-            if any(r == round_index and rank.peers > 1 for r, rank in self._state_offers()):
+            if self._others_averaged(round_index):
                 return True
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.25)
+
+    def _others_averaged(self, round_index: int) -> bool:
+        """Whether a peer offers its state after this round, averaged in a group."""
+        return any(r == round_index and rank.peers > 1 for r, rank in self._state_offers())
 
     def _average_once(
         self,
