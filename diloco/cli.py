@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     join.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     join.add_argument("--peers", required=True, help="multiaddr(s) of live peers of the run, comma-separated")
 
+    status = commands.add_parser("status", help="list the live workers of a run: round, steps, loss, tokens/s")
+    status.add_argument("config", nargs="?", help="the run's YAML config (for its run id and run key)")
+    status.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    status.add_argument("--peers", required=True, help="multiaddr(s) of live peers of the run, comma-separated")
+    status.add_argument("--run-id", help="the run's comm.run_id (default: the config's)")
+    status.add_argument("--watch", action="store_true", help="refresh every few seconds until Ctrl-C")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
+
     local = commands.add_parser("local", help="run a bootstrap peer and M workers on this machine")
     local.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
     local.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -71,7 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     bootstrap.add_argument("--port", type=int, default=31337, help="TCP port (default 31337)")
 
     config = commands.add_parser("config", help="print the resolved configuration")
-    config.add_argument("--reference", action="store_true", help="print every key as a Markdown table")
+    config.add_argument(
+        "--show",
+        "--reference",
+        dest="show",
+        action="store_true",
+        help="every key with its type, default and meaning (and its value in CONFIG, when given)",
+    )
     config.add_argument("config", nargs="?", help="YAML config")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
 
@@ -180,16 +194,15 @@ def _cmd_join(args) -> int:
     from diloco.joining import JoinError
 
     config_path, overrides = _split_config(args.config, args.overrides)
-    peers = [peer.strip() for peer in args.peers.split(",") if peer.strip()]
-    overrides = [*overrides, "comm.initial_peers=[" + ",".join(f"'{p}'" for p in peers) + "]"]
+    overrides = _peer_overrides(overrides, args.peers)
     cfg = load_config(config_path, overrides)
     if cfg.comm.backend != "hivemind":
         raise UsageError(f"joining a live run needs comm.backend=hivemind, not {cfg.comm.backend}")
     entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=cfg.comm.matchmaking_s).items() if not e.leaving}
     if not entries:
         raise JoinError(
-            f"no live worker of run {cfg.comm.run_id!r} answered through {', '.join(peers)}: check the address, "
-            f"that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run's key"
+            f"no live worker of run {cfg.comm.run_id!r} answered through {', '.join(cfg.comm.initial_peers)}: "
+            f"check the address, that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run key"
         )
     slot = free_slot(entries, cfg.worker.shards)
     if slot is None:
@@ -201,6 +214,26 @@ def _cmd_join(args) -> int:
     args.overrides = [*overrides, f"worker.index={slot}"]
     args.config = config_path
     return _cmd_train(args, join=True)
+
+
+def _peer_overrides(overrides: list[str], peers_option: str) -> list[str]:
+    """The overrides with ``--peers A,B`` as ``comm.initial_peers``."""
+    peers = [peer.strip() for peer in peers_option.split(",") if peer.strip()]
+    if not peers:
+        raise UsageError("--peers needs at least one multiaddr of a live peer")
+    return [*overrides, "comm.initial_peers=[" + ",".join(f"'{p}'" for p in peers) + "]"]
+
+
+def _cmd_status(args) -> int:
+    from diloco.config import load_config
+    from diloco.status import show_status
+
+    config_path, overrides = _split_config(args.config, args.overrides)
+    overrides = _peer_overrides(overrides, args.peers)
+    if args.run_id:
+        overrides.append(f"comm.run_id={args.run_id}")
+    cfg = load_config(config_path, [*overrides, "comm.port=0", "comm.client_mode=true"])
+    return show_status(cfg.comm, watch=args.watch, timeout_s=args.timeout)
 
 
 def _local_run_config(args):
@@ -263,24 +296,23 @@ def _cmd_bootstrap(args) -> int:
 
 
 def _cmd_config(args) -> int:
-    from diloco.config import load_config, to_yaml
+    from diloco.config import load_config, masked, to_yaml
 
-    if args.reference:
+    config_path, overrides = _split_config(args.config, args.overrides)
+    if args.show:
         from diloco.config_reference import reference_markdown
 
-        print(reference_markdown(), end="")
+        given = config_path is not None or bool(overrides)
+        print(reference_markdown(masked(load_config(config_path, overrides)) if given else None), end="")
         return 0
-    print(to_yaml(load_config(*_split_config(args.config, args.overrides))), end="")
+    print(to_yaml(load_config(config_path, overrides)), end="")
     return 0
 
 
 def _cmd_plot(args) -> int:
-    from diloco.plot import PlotError, load_curve, plot_curves
+    from diloco.plot import load_curve, plot_curves
 
-    try:
-        curves = [load_curve(Path(run_dir)) for run_dir in args.run_dirs]
-    except PlotError as error:
-        raise UsageError(str(error)) from None
+    curves = [load_curve(Path(run_dir)) for run_dir in args.run_dirs]
     print(f"wrote {plot_curves(curves, Path(args.out))}")
     return 0
 
@@ -358,6 +390,7 @@ def _cmd_bench(args) -> int:
 
 COMMANDS = {
     "train": _cmd_train,
+    "status": _cmd_status,
     "local": _cmd_local,
     "join": _cmd_join,
     "testbed": _cmd_testbed,
@@ -397,10 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     from diloco.comm.base import CommError
     from diloco.config import ConfigError
     from diloco.data import DataError
+    from diloco.plot import PlotError
 
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, ConfigError, DataError, CommError) as error:
+    except (UsageError, ConfigError, DataError, CommError, PlotError) as error:
         print(f"diloco: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -115,6 +115,11 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(_redacted(cfg))
 
 
+def masked(cfg: Config) -> Config:
+    """A copy of the config with the run key masked, for printing."""
+    return OmegaConf.to_object(_redacted(cfg))
+
+
 def _redacted(cfg: Config):
     conf = OmegaConf.structured(cfg)
     if conf.comm.run_key:

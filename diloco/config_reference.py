@@ -1,6 +1,8 @@
 """The configuration reference, generated from the schema itself: every key with its type,
-default and the one-line comment beside its field. ``diloco config --reference`` prints it as
-the Markdown table that README.md carries (a test fails when the two drift apart)."""
+default and the one-line comment beside its field (units included). ``diloco config --show``
+(or ``--reference``) prints it as the Markdown table that README.md carries (a test fails when
+the two drift apart); ``diloco config --show CONFIG [KEY=VALUE ...]`` adds the value each key
+takes in that config."""
 
 from __future__ import annotations
 
@@ -21,20 +23,30 @@ def _comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def _rows(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+def _rows(cls: type, values, prefix: str = "") -> list[tuple[str, str, str, str, str]]:
+    """(key, type, default, value in ``values``, meaning) for every field of ``cls``, nested ones flattened."""
     rows, comments, defaults = [], _comments(cls), cls()
     for item in dataclasses.fields(cls):
-        value = getattr(defaults, item.name)
-        if dataclasses.is_dataclass(value):
-            rows.extend(_rows(type(value), f"{prefix}{item.name}."))
+        default, value = getattr(defaults, item.name), getattr(values, item.name)
+        if dataclasses.is_dataclass(default):
+            rows.extend(_rows(type(default), value, f"{prefix}{item.name}."))
             continue
         type_name = item.type if isinstance(item.type, str) else getattr(item.type, "__name__", str(item.type))
-        rows.append((f"{prefix}{item.name}", type_name, repr(value), comments.get(item.name, "")))
+        rows.append((f"{prefix}{item.name}", type_name, repr(default), repr(value), comments.get(item.name, "")))
     return rows
 
 
-def reference_markdown() -> str:
-    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for key, type_name, default, meaning in _rows(Config):
-        lines.append(f"| `{key}` | {type_name} | `{default}` | {meaning.replace('|', '/')} |")
+def reference_markdown(config: Config | None = None) -> str:
+    """Every key as a Markdown row; with ``config``, a column of the values it sets (bold where not the default)."""
+    if config is None:
+        lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    else:
+        lines = ["| key | type | default | this config | meaning |", "| --- | --- | --- | --- | --- |"]
+    for key, type_name, default, value, meaning in _rows(Config, config or Config()):
+        meaning = meaning.replace("|", "/")
+        if config is None:
+            lines.append(f"| `{key}` | {type_name} | `{default}` | {meaning} |")
+        else:
+            shown = f"`{value}`" if value == default else f"**`{value}`**"
+            lines.append(f"| `{key}` | {type_name} | `{default}` | {shown} | {meaning} |")
     return "\n".join(lines) + "\n"

@@ -63,8 +63,8 @@ class DelegatingBackend(CommBackend):
     def expected_peers(self) -> int | None:
         return self.inner.expected_peers()
 
-    def report_progress(self, round_index: int, step: int) -> None:
-        self.inner.report_progress(round_index, step)
+    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
+        self.inner.report_progress(round_index, step, stats)
 
     def live_workers(self) -> dict:
         return self.inner.live_workers()

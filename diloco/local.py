@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -69,12 +70,14 @@ def _worker_command(
 
 
 class _Progress:
-    """Follows each worker's JSONL file and keeps its latest step and round records."""
+    """Follows each worker's JSONL file: its latest step and round records, and the bytes it sent."""
 
     def __init__(self, run_dir: Path, count: int):
         self.paths = [run_dir / f"worker-{i}.jsonl" for i in range(count)]
         self.offsets = [path.stat().st_size if path.exists() else 0 for path in self.paths]
         self.latest: list[dict] = [{} for _ in range(count)]
+        self.sent = [0] * count
+        self.started = time.monotonic()
 
     def poll(self) -> None:
         for i, path in enumerate(self.paths):
@@ -88,19 +91,32 @@ class _Progress:
             for line in complete.splitlines():
                 record = json.loads(line)
                 self.latest[i].update({f"{record['event']}.{k}": v for k, v in record.items()})
+                if record["event"] == "round":
+                    self.sent[i] += record.get("bytes_sent", 0)
 
     def lines(self, total_steps: int, states: list[str]) -> list[str]:
-        out = []
+        """A header (progress of the slowest worker, elapsed time, ETA), then one line per worker."""
+        steps = [latest.get("step.step", 0) for latest in self.latest]
+        done = min(steps) / total_steps if total_steps else 1.0
+        elapsed = time.monotonic() - self.started
+        eta = _duration(elapsed * (1 - done) / done) if done > 0 else "-"
+        out = [f"{100 * done:.0f}% done  {_duration(elapsed)} elapsed  ETA {eta}"]
         for i, latest in enumerate(self.latest):
             loss = latest.get("round.val_loss", latest.get("step.loss"))
             out.append(
-                f"  worker {i}: step {latest.get('step.step', 0):>5}/{total_steps}"
+                f"  worker {i}: step {steps[i]:>5}/{total_steps}"
                 f"  round {latest.get('round.round', 0):>3}"
                 f"  loss {loss if loss is None else f'{loss:.4f}'}"
                 f"  {latest.get('step.tokens_per_s', 0):>8.0f} tok/s"
-                f"  peers {latest.get('round.peers', '-')}  {states[i]}"
+                f"  peers {latest.get('round.peers', '-')}"
+                f"  sent {self.sent[i] / 1e6:.1f} MB  {states[i]}"
             )
         return out
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
 def run_local(
@@ -154,17 +170,24 @@ def run_local(
     return 1 if failed else 0
 
 
-def _watch(progress: _Progress, total_steps: int, states) -> None:
-    """Print the workers' progress lines when they change, until no worker is running."""
-    last_poll, shown = 0.0, ""
+def _watch(progress: _Progress, total_steps: int, states, out: TextIO = sys.stdout) -> None:
+    """Show the workers' progress until no worker is running: redrawn in place on a terminal;
+    piped to a file, printed again only when it changed (and with no control codes)."""
+    last_poll, shown = 0.0, []
+    terminal = out.isatty()
     while True:
         current = states()
         if time.monotonic() - last_poll >= REFRESH_S or "running" not in current:
             progress.poll()
-            text = "\n".join(progress.lines(total_steps, current))
-            if text != shown:  # print on change only, so a piped log stays short
-                print(text, flush=True)
-                shown = text
+            lines = progress.lines(total_steps, current)
+            if terminal:
+                # back to the first line of the last view, clear to the end of the screen, redraw
+                out.write((f"\x1b[{len(shown)}F\x1b[J" if shown else "") + "\n".join(lines) + "\n")
+                shown = lines
+            elif lines[1:] != shown[1:]:  # the header's clock alone is no news in a log file
+                out.write("\n".join(lines) + "\n")
+                shown = lines
+            out.flush()
             last_poll = time.monotonic()
         if "running" not in current:
             return

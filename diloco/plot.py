@@ -15,6 +15,18 @@ class PlotError(ValueError):
     """A run directory that cannot be plotted; the message names it."""
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files; ``PlotError`` when the optional extra is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("plots need matplotlib, an optional extra: pip install 'diloco[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def load_curve(run_dir: Path) -> dict:
     """The validation curve of one run: tokens (all workers), seconds, bytes sent (one worker), loss."""
     run_dir = Path(run_dir)
@@ -37,11 +49,7 @@ def load_curve(run_dir: Path) -> dict:
 
 def plot_curves(curves: list[dict], out: Path, *, axes: tuple[str, ...] = ("tokens", "seconds", "bytes")) -> Path:
     """Draw ``curves`` side by side, one panel per x axis, and save a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     titles = {"tokens": "tokens (all workers)", "seconds": "wall time (s)", "bytes": "bytes sent per worker"}
     figure, panels = plt.subplots(1, len(axes), figsize=(5.5 * len(axes), 4.2), squeeze=False)
     for panel, axis in zip(panels[0], axes):

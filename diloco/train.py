@@ -45,8 +45,6 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     """
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.worker.index == 0:
-        save_config(cfg, run_dir / "config.yaml")
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
 
@@ -84,7 +82,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     step, round_index, totals = 0, 0, Totals()
     checkpoints = run_dir / "checkpoints"
     if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
-        model.load_state_dict(state["model"])
+        _load_model_state(model, state["model"], checkpoints)
         inner_optimizer.load_state_dict(state["inner_optimizer"])
         outer.load_state_dict(state["outer"])
         error_feedback.load_state_dict(state.get("error_feedback", {}))
@@ -92,6 +90,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         restore_rng_state(state["rng"])
         step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
         logger.info("worker %d resumed at step %d, round %d", cfg.worker.index, step, round_index)
+    if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
+        save_config(cfg, run_dir / "config.yaml")
 
     transport = build_backend(
         cfg.comm,
@@ -162,7 +162,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             totals.compute_s += step_s
             step += 1
             samples_this_round += batch
-            backend.report_progress(round_index, step)
+            backend.report_progress(round_index, step, log.live)
             if overlapped is not None:
                 costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)
                 window.extend(costs)
@@ -193,7 +193,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                         step = min(cfg.inner.steps, step + (taken_round - round_index) * cfg.outer.sync_every)
                     round_index = taken_round
             round_index, samples_this_round = round_index + 1, 0
-            backend.report_progress(round_index, step)
+            backend.report_progress(round_index, step, log.live)
             clock.start_round()
             param_hash = param_sha256(synced_params)
             val_loss = _evaluate_once(model, held_out, held_out_hash, param_hash)
@@ -233,6 +233,17 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         log.close()
         backend.leave()
         backend.shutdown()
+
+
+def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints) -> None:
+    try:
+        model.load_state_dict(saved)
+    except RuntimeError as error:  # another architecture or size: a long message from torch
+        detail = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), str(error))
+        raise ConfigError(
+            f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
+            f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
+        ) from None
 
 
 # Workers simulated in one process (comm.backend=inproc) hold bit-identical params after every

@@ -62,6 +62,8 @@ class WorkerLog:
         )
         self.started = time.perf_counter() - wall_s_before
         self._window_start, self._window_steps = time.perf_counter(), 0
+        # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
+        self.live: dict = {}
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
@@ -90,6 +92,7 @@ class WorkerLog:
             "time_s": round(self.elapsed_s(), 4),
         }
         self._emit(record, step)
+        self.live = {**self.live, "loss": round(record["loss"], 4), "tokens_per_s": record["tokens_per_s"]}
         logger.info(
             "step %d/%d  round %d  loss %.4f  %.0f tokens/s",
             step,
@@ -132,6 +135,7 @@ class WorkerLog:
         if result.error:
             record["error"] = result.error
         self._emit(record, step)
+        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
         logger.info(
             "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent  params %s",
             round_number,

@@ -182,11 +182,9 @@ def _with_loss_ratios(rows: list[dict]) -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from diloco.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
     labels = [f"{r['rate_mbit']:g}M {r['codec']}\n{r['overlap']}" for r in rows]
     ax.bar(range(len(rows)), [r["compute_utilization"] for r in rows], label="compute utilization")

@@ -131,8 +131,9 @@ class CommBackend(abc.ABC):
         None = the planned ``worker.count``."""
         return None
 
-    def report_progress(self, round_index: int, step: int) -> None:  # noqa: B027 - optional
-        """Rounds completed and inner steps done, for peers deciding where a newcomer starts."""
+    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:  # noqa: B027
+        """Rounds completed and inner steps done, for peers deciding where a newcomer starts, and
+        (when given) the worker's latest figures for ``diloco status``. Optional."""
 
     def live_workers(self) -> dict:
         """The live workers' roster entries by index (transports that track who is alive)."""

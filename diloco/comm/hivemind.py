@@ -12,6 +12,7 @@ can write the run's DHT records or join its groups.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import logging
 import threading
@@ -94,21 +95,28 @@ def _offer(priority: float) -> tuple[int, StateRank]:
     return int(round_index), StateRank(peers, round((rest - peers) / 0.99 * (1 << 24)) / (1 << 24))
 
 
-def probe_roster(cfg: CommConfig, *, timeout_s: float = 10.0) -> dict[int, RosterEntry]:
-    """The live workers of run ``cfg.run_id``, read through ``cfg.initial_peers`` by a short-lived
-    peer (a newcomer picks its slot from them). Empty when none answers within ``timeout_s``,
-    which is also what a peer without the run's key sees."""
+@contextlib.contextmanager
+def roster_reader(cfg: CommConfig):
+    """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.initial_peers``:
+    yields a function returning the live workers' entries by index (``diloco status`` calls it
+    again and again). A peer without the run's key reads nothing."""
     dht = start_dht(cfg)
     try:
-        roster = Roster(lambda fn: fn(dht), run_id=cfg.run_id, worker_index=-1, planned=0)
+        yield Roster(lambda fn: fn(dht), run_id=cfg.run_id, worker_index=-1, planned=0).entries
+    finally:
+        dht.shutdown()
+
+
+def probe_roster(cfg: CommConfig, *, timeout_s: float = 10.0) -> dict[int, RosterEntry]:
+    """The live workers of run ``cfg.run_id`` (a newcomer picks its slot from them); empty when
+    none answers within ``timeout_s``, which is also what a peer without the run's key sees."""
+    with roster_reader(cfg) as read:
         deadline = time.monotonic() + timeout_s
         while True:
-            entries = roster.entries()
+            entries = read()
             if entries or time.monotonic() > deadline:
                 return entries
             time.sleep(0.5)  # the DHT may need a moment to find the record's holders
-    finally:
-        dht.shutdown()
 
 
 def visible_addresses(dht) -> list[str]:
@@ -324,8 +332,8 @@ class HivemindBackend(CommBackend):
             logger.debug("roster read failed", exc_info=True)
             return self.num_workers
 
-    def report_progress(self, round_index: int, step: int) -> None:
-        self.roster.progress(round_index, step)
+    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
+        self.roster.progress(round_index, step, stats)
 
     def live_workers(self) -> dict[int, RosterEntry]:
         return self.roster.entries()

@@ -1,7 +1,8 @@
 """Who is in a run right now: each worker's heartbeat on the DHT, and the group size a round expects.
 
 Every worker keeps a record under ``<run_id>.roster`` (subkey: its worker index) fresh from a
-background thread: its round, inner step, and whether it is leaving. A record lives
+background thread: its round, inner step, whether it is leaving, when it was written, and a few
+figures for ``diloco status`` (loss, tokens/s, the last validation loss). A record lives
 ``ttl_s`` seconds unless refreshed, so a worker that crashed or lost its link drops out of the
 roster by itself; one that leaves cleanly says so at once.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class RosterEntry:
     round: int  # rounds completed
     step: int  # inner steps done
     leaving: bool = False
+    written_at: float = 0.0  # DHT time of the record (hivemind.get_dht_time)
+    stats: dict = field(default_factory=dict)  # what the worker last reported: loss, tokens_per_s, val_loss
 
 
 class Roster:
@@ -38,7 +41,7 @@ class Roster:
     def __init__(self, dht_call, *, run_id: str, worker_index: int, planned: int, ttl_s: float = TTL_S):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
-        self._round, self._step, self._leaving = 0, 0, False
+        self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
         self._seen: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -48,9 +51,12 @@ class Roster:
         self._thread = threading.Thread(target=self._beat, name="diloco-roster", daemon=True)
         self._thread.start()
 
-    def progress(self, round_index: int, step: int) -> None:
-        """Rounds completed and inner steps done, sent with the next heartbeat."""
+    def progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
+        """Rounds completed, inner steps done and (when given) the worker's latest figures, sent with
+        the next heartbeat. ``stats`` is read, never changed: hand over a new dict for new figures."""
         self._round, self._step = round_index, step
+        if stats is not None:
+            self._stats = stats
 
     def leave(self) -> None:
         """Tell the others at once that this worker is gone, so that no round waits for it."""
@@ -70,8 +76,9 @@ class Roster:
     def _publish(self) -> None:
         from hivemind.utils import get_dht_time
 
-        value = {"round": self._round, "step": self._step, "leaving": self._leaving}
-        expiration = get_dht_time() + self.ttl_s
+        now = get_dht_time()
+        value = {"round": self._round, "step": self._step, "leaving": self._leaving, "at": now, "stats": self._stats}
+        expiration = now + self.ttl_s
         try:
             self._dht_call(
                 lambda dht: dht.store(self.key, subkey=self.worker_index, value=value, expiration_time=expiration)
@@ -87,8 +94,14 @@ class Roster:
             for subkey, item in found.value.items():
                 value = getattr(item, "value", None)
                 if isinstance(subkey, int) and isinstance(value, dict):
+                    stats = value.get("stats")
                     entries[subkey] = RosterEntry(
-                        subkey, int(value.get("round", 0)), int(value.get("step", 0)), bool(value.get("leaving"))
+                        subkey,
+                        int(value.get("round", 0)),
+                        int(value.get("step", 0)),
+                        bool(value.get("leaving")),
+                        float(value.get("at", 0.0)),
+                        stats if isinstance(stats, dict) else {},
                     )
         return entries
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diloco.cli import _parser
+from diloco.config import load_config, masked
 from diloco.config_reference import reference_markdown
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -12,7 +13,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_readme_configuration_reference_matches_the_schema():
     assert reference_markdown() in README.read_text(), (
-        "README.md's configuration table is out of date: paste the output of `diloco config --reference`"
+        "README.md's configuration table is out of date: paste the output of `diloco config --show`"
     )
 
 
@@ -25,5 +26,17 @@ def test_readme_quick_start_scripts_exist():
 
 def test_every_documented_subcommand_exists():
     commands = _parser()._subparsers._group_actions[0].choices
-    for name in ("train", "local", "bootstrap", "config", "plot", "bench"):
-        assert name in commands and f"diloco {name}" in README.read_text()
+    for name in commands:
+        assert f"diloco {name}" in README.read_text(), f"README.md does not document `diloco {name}`"
+
+
+def test_every_example_is_in_the_readme():
+    for example in sorted((README.parent / "examples").glob("*.sh")):
+        assert f"examples/{example.name}" in README.read_text(), f"README.md does not list {example.name}"
+
+
+def test_config_show_marks_what_a_config_changes_and_masks_the_run_key():
+    table = reference_markdown(masked(load_config(None, ["inner.lr=0.01", "comm.run_key=hunter2"])))
+    assert "| `inner.lr` | float | `0.001` | **`0.01`** |" in table
+    assert "| `inner.steps` | int | `500` | `500` |" in table
+    assert "hunter2" not in table and "**`'<set>'`**" in table

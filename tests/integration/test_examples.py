@@ -1,0 +1,69 @@
+"""The scripts in examples/, each run as a user would, in a short form (the tiny model, a few
+steps): two sites joining one run, DiLoCo against DDP, a compression sweep from one YAML."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = [setting for setting in TINY if not setting.startswith("comm.")]
+
+
+def _run_example(script: str, *overrides: str, **env: str) -> str:
+    """Run examples/SCRIPT in its own session with this interpreter's diloco; kill what is left."""
+    process = subprocess.Popen(
+        ["bash", str(ROOT / "examples" / script), *overrides],
+        cwd=ROOT,
+        env={**os.environ, "DILOCO": f"{sys.executable} -m diloco.cli", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        output = ""
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def test_two_sites_join_one_run_and_end_with_the_same_params(tmp_path):
+    output = _run_example("two_sites.sh", *SHORT, "inner.steps=40", "outer.sync_every=20", RUN_DIR=str(tmp_path))
+    assert "run 'diloco': 1 live worker" in output and "joining run 'diloco' as worker 1" in output
+    hashes = set()
+    for site in ("site-a", "site-b"):
+        (records,) = (tmp_path / site).glob("worker-*.jsonl")
+        end = next(r for r in map(json.loads, records.read_text().splitlines()) if r["event"] == "end")
+        assert end["rounds"] == 2, end
+        hashes.add(end["param_sha256"])
+    assert len(hashes) == 1
+
+
+def test_diloco_against_ddp_prints_the_table_and_writes_the_plot(tmp_path):
+    output = _run_example("diloco_vs_ddp.sh", *SHORT, STEPS="20", OUT=str(tmp_path))
+    assert "| m4-h20 |" in output and "| ddp |" in output
+    assert (tmp_path / "quality.png").stat().st_size > 0
+
+
+def test_a_compression_sweep_from_one_yaml_plots_each_codec(tmp_path):
+    output = _run_example("compression_sweep.sh", *SHORT, "inner.steps=20", "outer.sync_every=10",
+                          CODECS="none int8", OUT=str(tmp_path))  # fmt: skip
+    for codec in ("none", "int8"):
+        summary = json.loads((tmp_path / codec / "summary.json").read_text())
+        assert summary["workers"] == 4 and summary["rounds"] == 2, summary
+    assert (tmp_path / "sweep.png").stat().st_size > 0 and "wrote" in output

@@ -1,0 +1,66 @@
+"""Mistakes a user can make that no other test covers, each answered by one line on stderr that
+names the problem and the fix, exit code 2, no traceback, and nothing of the run overwritten.
+(Bad keys and values, a missing data path or config file: test_config.py; a port in use and an
+unreachable peer: test_lifecycle.py; a wrong run key: test_volunteer.py; a run directory with
+nothing to plot: test_simulator.py; a run id nobody answers for: test_status.py.)"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+
+from diloco.checkpoint import save_checkpoint
+from diloco.cli import main
+from diloco.model import GPT, ModelConfig
+from tests.conftest import TINY
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """``main`` installs the command line's signal handlers; give pytest back its own."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("diloco: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_the_runs_config_kept(tmp_path, capsys):
+    other = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    save_checkpoint(tmp_path / "checkpoints", 0, 1, {"model": other.state_dict()})
+    (tmp_path / "config.yaml").write_text("the run's own config\n")
+    assert main(["train", *TINY, "inner.steps=5", f"run.dir={tmp_path}"]) == 2
+    line = _one_error_line(capsys)
+    assert f"the checkpoint in {tmp_path / 'checkpoints'} is of another model (size mismatch" in line, line
+    assert "resume with the run's own config" in line
+    assert (tmp_path / "config.yaml").read_text() == "the run's own config\n"
+
+
+def test_the_testbed_without_root_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert main(["testbed", "--workers", "2", *TINY, f"run.dir={tmp_path}"]) == 2
+    assert "the network testbed needs root" in _one_error_line(capsys)
+
+
+def test_a_plot_without_the_optional_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    (tmp_path / "worker-0.jsonl").write_text(
+        '{"event": "round", "round": 1, "step": 5, "val_loss": 2.0, "bytes_sent": 10, "tokens": 100}\n'
+    )
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "out.png")]) == 2
+    assert "pip install 'diloco[plot]'" in _one_error_line(capsys)
+    assert not (tmp_path / "out.png").exists()
+
+
+@pytest.mark.parametrize("argv", [["status", "--peers", " , "], ["join", "--peers", ","]])
+def test_an_empty_peer_list_is_one_line(argv, capsys):
+    assert main(argv) == 2
+    assert "--peers needs at least one multiaddr" in _one_error_line(capsys)
