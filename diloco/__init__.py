@@ -17,7 +17,8 @@ arXiv:2311.08105). Where things live:
 - ``data.py``        byte-level corpus, disjoint per-worker shards, held-out split
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume
 - ``metrics.py``     JSONL records, wandb, console progress
-- ``local.py``       runs a bootstrap peer and M workers on one machine
+- ``local.py``       runs a bootstrap peer and M workers on one machine, with a live view
+- ``status.py``      ``diloco status``: a live run's workers, read from the roster on the DHT
 - ``faults.py``      fault injection at named points (skip a round, stop, bad payloads, slow steps)
 - ``testbed.py``     network namespaces on shaped links (root)
 - ``bench/``         ``diloco bench overhead / quality / compression / utilization / faults``
