@@ -11,9 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 
-from tests.conftest import TINY
+from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,16 +55,24 @@ def test_two_sites_join_one_run_and_end_with_the_same_params(tmp_path):
     assert len(hashes) == 1
 
 
-def test_diloco_against_ddp_prints_the_table_and_writes_the_plot(tmp_path):
+def test_diloco_against_ddp_learns_with_h_times_fewer_bytes_and_writes_the_table_and_plot(tmp_path):
     output = _run_example("diloco_vs_ddp.sh", *SHORT, STEPS="20", OUT=str(tmp_path))
     assert "| m4-h20 |" in output and "| ddp |" in output
-    assert (tmp_path / "quality.png").stat().st_size > 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["arms"]["m4-h20"]["traffic_saving"] == pytest.approx(20.0)  # H x fewer rounds, same fp32 payload
+    rounds = [r for r in read_records(tmp_path / "m4-h20-seed0", 0) if r["event"] == "round"]
+    assert rounds[-1]["val_loss"] < 5.0  # from ln(256) = 5.55 at initialisation
+    assert matplotlib.image.imread(tmp_path / "quality.png").shape[0] > 100
 
 
 def test_a_compression_sweep_from_one_yaml_plots_each_codec(tmp_path):
     output = _run_example("compression_sweep.sh", *SHORT, "inner.steps=20", "outer.sync_every=10",
                           CODECS="none int8", OUT=str(tmp_path))  # fmt: skip
+    sent = {}
     for codec in ("none", "int8"):
         summary = json.loads((tmp_path / codec / "summary.json").read_text())
         assert summary["workers"] == 4 and summary["rounds"] == 2, summary
-    assert (tmp_path / "sweep.png").stat().st_size > 0 and "wrote" in output
+        sent[codec] = summary["bytes_sent"]
+    assert 3.5 < sent["none"] / sent["int8"] < 4.0  # 8 bits and a scale per 64 values, against 32
+    assert f"wrote {tmp_path / 'sweep.png'}" in output
+    assert matplotlib.image.imread(tmp_path / "sweep.png").ndim == 3  # diloco plot wrote a readable PNG

@@ -1,8 +1,8 @@
 """Mistakes a user can make that no other test covers, each answered by one line on stderr that
 names the problem and the fix, exit code 2, no traceback, and nothing of the run overwritten.
 (Bad keys and values, a missing data path or config file: test_config.py; a port in use and an
-unreachable peer: test_lifecycle.py; a wrong run key: test_volunteer.py; a run directory with
-nothing to plot: test_simulator.py; a run id nobody answers for: test_status.py.)"""
+unreachable peer: test_lifecycle.py; a wrong run key: test_volunteer.py; the testbed without
+root: test_testbed.py; a run id nobody answers for: test_status.py.)"""
 
 from __future__ import annotations
 
@@ -44,12 +44,6 @@ def test_a_checkpoint_of_another_model_is_refused_and_the_runs_config_kept(tmp_p
     assert (tmp_path / "config.yaml").read_text() == "the run's own config\n"
 
 
-def test_the_testbed_without_root_says_so(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("os.geteuid", lambda: 1000)
-    assert main(["testbed", "--workers", "2", *TINY, f"run.dir={tmp_path}"]) == 2
-    assert "the network testbed needs root" in _one_error_line(capsys)
-
-
 def test_a_plot_without_the_optional_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
     (tmp_path / "worker-0.jsonl").write_text(
         '{"event": "round", "round": 1, "step": 5, "val_loss": 2.0, "bytes_sent": 10, "tokens": 100}\n'
@@ -58,6 +52,11 @@ def test_a_plot_without_the_optional_matplotlib_names_the_extra(tmp_path, capsys
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "out.png")]) == 2
     assert "pip install 'diloco[plot]'" in _one_error_line(capsys)
     assert not (tmp_path / "out.png").exists()
+
+
+def test_plotting_a_folder_that_is_no_run_says_so(tmp_path, capsys):
+    assert main(["plot", str(tmp_path / "nothing"), "--out", str(tmp_path / "p.png")]) == 2
+    assert "no worker-*.jsonl records (is it a run directory?)" in _one_error_line(capsys)
 
 
 @pytest.mark.parametrize("argv", [["status", "--peers", " , "], ["join", "--peers", ","]])
