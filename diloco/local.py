@@ -32,7 +32,7 @@ import torch
 from diloco.comm.base import CommError
 from diloco.comm.run_key import RUN_KEY_ENV
 from diloco.config import Config
-from diloco.metrics import format_summary, write_summary
+from diloco.metrics import format_duration, format_summary, write_summary
 from diloco.testbed import Testbed
 
 logger = logging.getLogger(__name__)
@@ -99,8 +99,8 @@ class _Progress:
         steps = [latest.get("step.step", 0) for latest in self.latest]
         done = min(steps) / total_steps if total_steps else 1.0
         elapsed = time.monotonic() - self.started
-        eta = _duration(elapsed * (1 - done) / done) if done > 0 else "-"
-        out = [f"{100 * done:.0f}% done  {_duration(elapsed)} elapsed  ETA {eta}"]
+        eta = format_duration(elapsed * (1 - done) / done) if done > 0 else "-"
+        out = [f"{100 * done:.0f}% done  {format_duration(elapsed)} elapsed  ETA {eta}"]
         for i, latest in enumerate(self.latest):
             loss = latest.get("round.val_loss", latest.get("step.loss"))
             out.append(
@@ -112,11 +112,6 @@ class _Progress:
                 f"  sent {self.sent[i] / 1e6:.1f} MB  {states[i]}"
             )
         return out
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
 def run_local(

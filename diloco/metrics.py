@@ -141,6 +141,12 @@ def build_wandb_logger(
     return WandbLogger(run)
 
 
+def format_duration(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour on: for progress lines and ETAs."""
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
 def _read_records(path: Path) -> list[dict[str, Any]]:
     records = []
     with path.open(encoding="utf-8") as f:

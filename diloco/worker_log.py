@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diloco.comm.base import SyncResult
-from diloco.metrics import JsonlWriter, LoggingConfig, build_wandb_logger
+from diloco.metrics import JsonlWriter, LoggingConfig, build_wandb_logger, format_duration
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class WorkerLog:
         )
         self.started = time.perf_counter() - wall_s_before
         self._window_start, self._window_steps = time.perf_counter(), 0
+        self._process_start, self._first_step = time.perf_counter(), None  # for the ETA
         # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
         self.live: dict = {}
 
@@ -94,14 +95,24 @@ class WorkerLog:
         self._emit(record, step)
         self.live = {**self.live, "loss": round(record["loss"], 4), "tokens_per_s": record["tokens_per_s"]}
         logger.info(
-            "step %d/%d  round %d  loss %.4f  %.0f tokens/s",
+            "step %d/%d  round %d  loss %.4f  %.0f tokens/s  ETA %s",
             step,
             self.total_steps,
             round_index,
             record["loss"],
             tokens_per_s,
+            self._eta(step),
         )
         self.restart_window()
+
+    def _eta(self, step: int) -> str:
+        """Time left at this process's pace so far (syncs and evaluation included)."""
+        if self._first_step is None:
+            self._first_step, self._process_start = step, time.perf_counter()
+            return "-"
+        done = step - self._first_step
+        seconds = (time.perf_counter() - self._process_start) / done * (self.total_steps - step) if done else 0.0
+        return format_duration(seconds)
 
     def restart_window(self) -> None:
         """Throughput windows exclude syncs and evaluation."""
