@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def _run_example(script: str, *overrides: str, **env: str) -> str:
 def test_two_sites_join_one_run_and_end_with_the_same_params(tmp_path):
     output = _run_example("two_sites.sh", *SHORT, "inner.steps=40", "outer.sync_every=20", RUN_DIR=str(tmp_path))
     assert "run 'diloco': 1 live worker" in output and "joining run 'diloco' as worker 1" in output
-    assert "step 20/40  round 0" in output and "ETA 0:" in output  # the joiner's progress lines
+    assert re.search(r"step \d+/40  round \d  loss \S+  \d+ tokens/s  ETA \d+:\d\d", output)  # the joiner's progress
     hashes = set()
     for site in ("site-a", "site-b"):
         (records,) = (tmp_path / site).glob("worker-*.jsonl")
