@@ -35,7 +35,7 @@ _LLAMA = {"model_type": "llama", "rms_norm_eps": 1e-5, "tie_word_embeddings": Fa
 # Sizes comparable with OpenDiLoCo's (arXiv:2407.07852) 150M and 1.1B Llama runs; "150m" and
 # "1b" count the transformer blocks (the embeddings add 2 x vocab x width on top).
 HF_PRESETS: dict[str, dict] = {
-    # for tests: 2 blocks of width 64, ~0.1M parameters in the blocks
+    # for tests: 2 blocks of width 64, 82K parameters in the blocks
     "llama-tiny": {
         **_LLAMA,
         "hidden_size": 64,
@@ -45,7 +45,7 @@ HF_PRESETS: dict[str, dict] = {
         "num_key_value_heads": 4,
         "max_position_embeddings": 1024,
     },
-    # 12 blocks x (4 x 1024^2 attention + 3 x 1024 x 2688 MLP) = 149.5M
+    # 12 blocks x (4 x 1024^2 attention + 3 x 1024 x 2688 MLP) = 149.4M
     "llama-150m": {
         **_LLAMA,
         "hidden_size": 1024,
@@ -55,7 +55,7 @@ HF_PRESETS: dict[str, dict] = {
         "num_key_value_heads": 16,
         "max_position_embeddings": 2048,
     },
-    # TinyLlama's shape: 22 blocks x (9.4M attention with 4 key/value heads + 34.6M MLP) = 968.9M
+    # TinyLlama's shape: 22 blocks x (9.4M attention with 4 key/value heads + 34.6M MLP) = 969.0M
     "llama-1b": {
         **_LLAMA,
         "hidden_size": 2048,
