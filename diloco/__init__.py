@@ -13,8 +13,11 @@ arXiv:2311.08105). Where things live:
 - ``comm/``          how pseudo-gradients travel: ``CommBackend``; hivemind, simulated, torchrun;
                      who is in the run (roster), the run key, robust aggregation
 - ``compression/``   codecs on the wire (fp16, int8, int4, top-k) and error feedback
-- ``model.py``       a small GPT for tests and demos
-- ``data.py``        byte-level corpus, disjoint per-worker shards, held-out split
+- ``model.py``       the model config; a small GPT for tests and demos
+- ``hf_model.py``    a Hugging Face causal LM (presets, a config.json, local weights) behind GPT's interface
+- ``data.py``        a corpus of tokens (bytes by default), disjoint per-worker shards, held-out split
+- ``hf_data.py``     a local Hugging Face dataset and tokenizer feeding data.py's token tensor
+- ``hf_extra.py``    the optional ``hf`` extra: is it installed, and the one-line error when it is not
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume
 - ``metrics.py``     JSONL records, wandb, console progress
 - ``local.py``       runs a bootstrap peer and M workers on one machine, with a live view

@@ -26,6 +26,7 @@ from diloco.comm import BACKENDS, CommConfig
 from diloco.compression import CODECS, CompressionConfig
 from diloco.data import DataConfig
 from diloco.faults import BAD_PAYLOADS, FaultConfig
+from diloco.hf_extra import is_installed, missing_message
 from diloco.inner import INNER_OPTIMIZERS, InnerConfig
 from diloco.metrics import WANDB_MODES, LoggingConfig
 from diloco.model import ModelConfig, validate_model_config
@@ -178,6 +179,32 @@ def _check_overlap(outer: OuterConfig) -> None:
         )
 
 
+def _check_data(data: DataConfig) -> None:
+    _check(0 < data.val_fraction < 1, f"data.val_fraction={data.val_fraction} must be in (0, 1)")
+    _check(not (data.path and data.dataset), "set one of data.path (text files) and data.dataset (a HF dataset)")
+    has_glob = any(char in data.dataset for char in "*?[")
+    _check(
+        not data.dataset or has_glob or Path(data.dataset).expanduser().exists(),
+        f"data.dataset={data.dataset!r} does not exist",
+    )
+    _check(bool(data.text_field), "data.text_field must name the column that holds the text")
+    _check(
+        not data.tokenizer or Path(data.tokenizer).expanduser().exists(),
+        f"data.tokenizer={data.tokenizer!r} does not exist (a local folder or tokenizer.json; nothing is downloaded)",
+    )
+
+
+def _check_hf_extra(cfg: Config) -> None:
+    """Settings that need the optional ``hf`` extra, checked without importing it."""
+    needs = [
+        ("transformers", "model.kind=hf", cfg.model.kind == "hf"),
+        ("transformers", "data.tokenizer", bool(cfg.data.tokenizer)),
+        ("datasets", "data.dataset", bool(cfg.data.dataset)),
+    ]
+    for module, setting, needed in needs:
+        _check(not needed or is_installed(module), missing_message(module, setting))
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -185,6 +212,7 @@ def _check(condition: bool, message: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Combinations the schema's types cannot express. Each failure names the key to change."""
+    _check_hf_extra(cfg)
     try:
         validate_model_config(cfg.model)
     except ValueError as error:
@@ -291,4 +319,4 @@ def validate(cfg: Config) -> None:
         cfg.checkpoint.every_rounds >= 0,
         f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
     )
-    _check(0 < cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in (0, 1)")
+    _check_data(cfg.data)

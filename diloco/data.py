@@ -1,8 +1,11 @@
-"""Byte-level data: a corpus, disjoint per-worker shards, and a fixed held-out set.
+"""Data: a corpus of tokens, disjoint per-worker shards, and a fixed held-out set.
 
-Tokens are raw bytes (0..255), so there is no tokenizer to download or version. With no
-``data.path`` the corpus is this machine's own Python standard library source, which exists
-wherever Python does and reads back byte-identical on every run.
+By default tokens are raw bytes (0..255), so there is no tokenizer to download or version. With
+no ``data.path`` the corpus is this machine's own Python standard library source, which exists
+wherever Python does and reads back byte-identical on every run. ``data.dataset`` reads a
+Hugging Face dataset instead, and ``data.tokenizer`` turns any of these texts into a local
+tokenizer's ids (both in ``diloco/hf_data.py``). Whatever the source, the corpus is one flat
+token tensor, so sharding, sampling and evaluation below are one code path.
 
 Usage::
 
@@ -29,13 +32,18 @@ logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 DEFAULT_CORPUS_CAP = 4_000_000  # bytes of stdlib source in the embedded corpus (~4 MB)
+BYTE_VOCAB_SIZE = 256  # token ids without a tokenizer: one per byte value
 
 
 @dataclass
 class DataConfig:
     path: str = ""  # text file or folder of text files; "" = embedded default corpus
+    dataset: str = ""  # a Hugging Face dataset: a save_to_disk folder, or .txt/.jsonl/.parquet/.csv files (glob)
+    text_field: str = "text"  # the column of data.dataset that holds the text
+    split: str = "train"  # the split of a save_to_disk DatasetDict to read (validation is its tail)
+    tokenizer: str = ""  # a local tokenizer (folder saved by save_pretrained, or a tokenizer.json); "" = byte-level
     val_fraction: float = 0.1  # last fraction of the corpus held out for validation
-    max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes (keeps tests fast)
+    max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
 
 
 class DataError(ValueError):
@@ -44,9 +52,17 @@ class DataError(ValueError):
 
 @dataclass
 class Corpus:
-    train: torch.Tensor  # uint8, first (1 - val_fraction) of the bytes
-    val: torch.Tensor  # uint8, the remaining bytes
-    source: str  # human description of where the bytes came from
+    train: torch.Tensor  # token ids (token_dtype(vocab_size)), the first (1 - val_fraction) of them
+    val: torch.Tensor  # the remaining token ids
+    source: str  # human description of where the text came from
+    vocab_size: int = BYTE_VOCAB_SIZE  # token ids are in [0, vocab_size): 256 bytes, or the tokenizer's
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest dtype that holds every id below ``vocab_size`` (a corpus is held in memory)."""
+    if vocab_size <= 2**8:
+        return torch.uint8
+    return torch.uint16 if vocab_size <= 2**16 else torch.int32
 
 
 def embedded_corpus(cap: int = DEFAULT_CORPUS_CAP) -> bytes:
@@ -63,7 +79,8 @@ def embedded_corpus(cap: int = DEFAULT_CORPUS_CAP) -> bytes:
     return b"".join(chunks)[:cap]
 
 
-def _read_path(path: str, cap: int) -> tuple[bytes, str]:
+def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
+    """The text files under ``data.path``, one document each, in sorted order."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data.path {path!r} does not exist")
@@ -71,38 +88,60 @@ def _read_path(path: str, cap: int) -> tuple[bytes, str]:
         data = p.read_bytes()[:cap] if cap else p.read_bytes()
         if not data:
             raise DataError(f"data.path {path!r} is an empty file")
-        return data, f"file {p}"
+        return [data], f"file {p}"
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
     if not files:
         raise DataError(f"data.path {path!r} is a folder with no {'/'.join(TEXT_SUFFIXES)} files")
-    data = b"".join(f.read_bytes() for f in files)
-    if not data:
+    documents = [f.read_bytes() for f in files]
+    if not any(documents):
         raise DataError(f"data.path {path!r}: all {len(files)} text files are empty")
-    return data, f"{len(files)} text files under {p}"
+    return documents, f"{len(files)} text files under {p}"
+
+
+def _truncate(documents: list[bytes], max_bytes: int) -> list[bytes]:
+    """The documents up to ``max_bytes`` bytes in total (the last one cut); all of them with 0."""
+    if not max_bytes:
+        return documents
+    kept, total = [], 0
+    for document in documents:
+        if total >= max_bytes:
+            break
+        kept.append(document[: max_bytes - total])
+        total += len(kept[-1])
+    return kept
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read the corpus named by ``cfg`` and split it into train (head) and val (tail)."""
+    """Read the corpus named by ``cfg``, turn it into token ids, and split it into train (head) and val (tail)."""
+    where = f"data.dataset={cfg.dataset!r}" if cfg.dataset else f"data.path={cfg.path!r}"
     if not 0.0 <= cfg.val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} (data.path={cfg.path!r})")
+        raise DataError(f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} ({where})")
     if cfg.max_bytes < 0:
-        raise DataError(f"data.max_bytes must be >= 0, got {cfg.max_bytes} (data.path={cfg.path!r})")
-    if cfg.path:
-        data, source = _read_path(cfg.path, cfg.max_bytes)
+        raise DataError(f"data.max_bytes must be >= 0, got {cfg.max_bytes} ({where})")
+    if cfg.dataset:
+        from diloco.hf_data import read_dataset
+
+        documents, source = read_dataset(cfg)
+    elif cfg.path:
+        documents, source = _read_path(cfg.path, cfg.max_bytes)
     else:
         cap = min(DEFAULT_CORPUS_CAP, cfg.max_bytes) if cfg.max_bytes else DEFAULT_CORPUS_CAP
-        data, source = embedded_corpus(cap), "embedded corpus (Python stdlib source)"
-    if cfg.max_bytes:
-        data = data[: cfg.max_bytes]
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        documents, source = [embedded_corpus(cap)], "embedded corpus (Python stdlib source)"
+    documents = _truncate(documents, cfg.max_bytes)
+    if cfg.tokenizer:
+        from diloco.hf_data import tokenize
+
+        tokens, vocab_size = tokenize(documents, cfg.tokenizer)
+        source += f", tokenized by {cfg.tokenizer}"
+    else:
+        tokens, vocab_size = torch.frombuffer(bytearray(b"".join(documents)), dtype=torch.uint8), BYTE_VOCAB_SIZE
     n_train = len(tokens) - int(len(tokens) * cfg.val_fraction)
     if n_train < 2 or (cfg.val_fraction > 0 and n_train == len(tokens)):
         raise DataError(
-            f"data.path {cfg.path!r}: corpus of {len(tokens)} bytes is too small to split "
-            f"with data.val_fraction={cfg.val_fraction}"
+            f"{where}: corpus of {len(tokens)} tokens is too small to split with data.val_fraction={cfg.val_fraction}"
         )
-    corpus = Corpus(train=tokens[:n_train].clone(), val=tokens[n_train:].clone(), source=source)
-    logger.info("corpus: %s, %d train bytes, %d val bytes", source, len(corpus.train), len(corpus.val))
+    corpus = Corpus(train=tokens[:n_train].clone(), val=tokens[n_train:].clone(), source=source, vocab_size=vocab_size)
+    logger.info("corpus: %s, %d train tokens, %d val tokens", source, len(corpus.train), len(corpus.val))
     return corpus
 
 
@@ -122,8 +161,8 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tup
 class ShardSampler:
     """Random training windows from one worker's disjoint region of the train tokens.
 
-    Every window of ``block_size + 1`` bytes lies inside region ``shard_index``, so two workers
-    never train on the same bytes. The draw order depends only on ``(seed, shard_index)`` and
+    Every window of ``block_size + 1`` tokens lies inside region ``shard_index``, so two workers
+    never train on the same tokens. The draw order depends only on ``(seed, shard_index)`` and
     the number of batches drawn, and ``state_dict`` captures it so a resumed worker continues
     with exactly the batches it would have seen.
     """
@@ -143,9 +182,9 @@ class ShardSampler:
         self.start, self.end = shard_bounds(len(tokens), shard_index, num_shards)
         if self.end - self.start < block_size + 1:
             raise DataError(
-                f"data.path corpus too small: shard {shard_index} of {num_shards} holds "
-                f"{self.end - self.start} train bytes, fewer than block_size + 1 = {block_size + 1}; "
-                f"use a larger data.path corpus or data.max_bytes, fewer workers, or a shorter block"
+                f"corpus too small: shard {shard_index} of {num_shards} holds "
+                f"{self.end - self.start} train tokens, fewer than block_size + 1 = {block_size + 1}; "
+                f"use a larger corpus (data.path, data.dataset) or data.max_bytes, fewer workers, or a shorter block"
             )
         self.tokens = tokens
         self.block_size = block_size
@@ -191,7 +230,7 @@ def val_batches(
     """A fixed list of validation batches, identical on every worker given the same tokens and seed."""
     if len(tokens) < block_size + 1:
         raise DataError(
-            f"data.path corpus too small: {len(tokens)} validation bytes, fewer than "
+            f"corpus too small: {len(tokens)} validation tokens, fewer than "
             f"block_size + 1 = {block_size + 1}; raise data.val_fraction or data.max_bytes"
         )
     g = torch.Generator().manual_seed(seed)

@@ -1,14 +1,16 @@
-"""A small GPT (nanoGPT-like) for tests and demos.
+"""The model config, and a small GPT (nanoGPT-like) for tests and demos.
 
-Byte-level (vocabulary of 256), pre-norm transformer blocks, learned positions, and an output
-head tied to the token embedding. The defaults are the "baby" model, about 0.8M parameters,
-small enough to train on a laptop CPU while still showing a real loss curve.
+The GPT: pre-norm transformer blocks, learned positions, and an output head tied to the token
+embedding. The defaults are the "baby" model, about 0.8M parameters, small enough to train on a
+laptop CPU while still showing a real loss curve. ``model.kind=hf`` builds a Hugging Face causal
+LM instead (``diloco/hf_model.py``). Either way the vocabulary is the data's: 256 byte-level
+tokens, or the tokenizer's (``Corpus.vocab_size``).
 
 Usage::
 
     from diloco.model import ModelConfig, build_model
 
-    model = build_model(ModelConfig(n_layer=2))
+    model = build_model(ModelConfig(n_layer=2), vocab_size=corpus.vocab_size)
     logits, loss = model(x, targets=y)  # x, y: int64 [batch, time]
 """
 
@@ -22,23 +24,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diloco.data import BYTE_VOCAB_SIZE
+from diloco.hf_model import build_hf_model, validate_hf_model_config
+
 logger = logging.getLogger(__name__)
+
+
+MODEL_KINDS = ("gpt", "hf")
 
 
 @dataclass
 class ModelConfig:
-    n_layer: int = 4  # number of transformer blocks
-    n_head: int = 4  # attention heads per block; must divide n_embd
-    n_embd: int = 128  # width of the residual stream
-    block_size: int = 64  # longest context (tokens) the model accepts
-    dropout: float = 0.0  # dropout probability in attention, MLP and embeddings; 0 disables it
-    vocab_size: int = 256  # number of token ids; 256 = byte-level tokens
-    bias: bool = True  # whether Linear and LayerNorm layers carry a bias
+    kind: str = "gpt"  # gpt: the small built-in GPT (model.n_*) / hf: a Hugging Face causal LM (model.hf_config)
+    hf_config: str = ""  # kind=hf: a preset (llama-tiny, llama-150m, llama-1b) or a local config.json / its folder
+    hf_weights: str = ""  # kind=hf: a local folder of pretrained weights (save_pretrained); "" = random init
+    n_layer: int = 4  # gpt: number of transformer blocks
+    n_head: int = 4  # gpt: attention heads per block; must divide n_embd
+    n_embd: int = 128  # gpt: width of the residual stream
+    block_size: int = 64  # tokens per training sequence (and, for gpt, the longest context)
+    dropout: float = 0.0  # gpt: dropout probability in attention, MLP and embeddings; 0 disables it
+    bias: bool = True  # gpt: whether Linear and LayerNorm layers carry a bias
 
 
 def validate_model_config(cfg: ModelConfig) -> None:
     """Raise ``ValueError`` naming the offending ``model.*`` setting and what to change."""
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+    if cfg.kind not in MODEL_KINDS:
+        raise ValueError(f"model.kind={cfg.kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    if cfg.kind == "hf":
+        if cfg.block_size <= 0:
+            raise ValueError(f"model.block_size must be a positive integer, got {cfg.block_size}")
+        validate_hf_model_config(cfg)
+        return
+    if cfg.hf_config or cfg.hf_weights:
+        raise ValueError("model.hf_config and model.hf_weights apply to model.kind=hf only")
+    for name in ("n_layer", "n_head", "n_embd", "block_size"):
         value = getattr(cfg, name)
         if value <= 0:
             raise ValueError(f"model.{name} must be a positive integer, got {value}")
@@ -100,16 +119,17 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward(idx, targets)`` returns ``(logits, loss)``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> None:
         super().__init__()
         validate_model_config(cfg)
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)  # token embedding
+        self.vocab_size = vocab_size
+        self.wte = nn.Embedding(vocab_size, cfg.n_embd)  # token embedding
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)  # learned position embedding
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         # Weight tying: one tensor serves as input embedding and output projection.
         self.lm_head.weight = self.wte.weight
 
@@ -156,15 +176,20 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build_model(cfg: ModelConfig) -> GPT:
-    """Validate ``cfg`` and build a freshly initialised :class:`GPT`."""
-    model = GPT(cfg)
+def build_model(cfg: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> nn.Module:
+    """Validate ``cfg`` and build a freshly initialised :class:`GPT`, or the ``model.kind=hf`` model;
+    ``vocab_size`` is the data's (``Corpus.vocab_size``)."""
+    if cfg.kind == "hf":
+        validate_model_config(cfg)
+        return build_hf_model(cfg, vocab_size=vocab_size)
+    model = GPT(cfg, vocab_size)
     logger.info(
-        "model: %d layers, %d heads, width %d, context %d -> %.2fM parameters",
+        "model: %d layers, %d heads, width %d, context %d, vocabulary %d -> %.2fM parameters",
         cfg.n_layer,
         cfg.n_head,
         cfg.n_embd,
         cfg.block_size,
+        vocab_size,
         model.num_parameters() / 1e6,
     )
     return model

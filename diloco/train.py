@@ -71,7 +71,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     # model and optimizers: the same seed gives every worker the same initial params
     device = _device(cfg.worker.device)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).to(device)
+    model = build_model(cfg.model, vocab_size=corpus.vocab_size).to(device)
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
     error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)

@@ -28,10 +28,11 @@ WARMUP_STEPS = 10
 
 def _bare_loop_tokens_per_s(cfg, steps: int) -> float:
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model)
+    corpus = load_corpus(cfg.data)
+    model = build_model(cfg.model, vocab_size=corpus.vocab_size)
     optimizer = build_inner_optimizer(cfg.inner, model)
     sampler = ShardSampler(
-        load_corpus(cfg.data).train,
+        corpus.train,
         block_size=cfg.model.block_size,
         batch_size=cfg.inner.batch_size,
         shard_index=0,

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from diloco.data import BYTE_VOCAB_SIZE
 from diloco.model import GPT, ModelConfig, build_model
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
@@ -12,8 +13,8 @@ TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
 def _batch(cfg: ModelConfig, batch: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    x = torch.randint(0, BYTE_VOCAB_SIZE, (batch, cfg.block_size), generator=g)
+    y = torch.randint(0, BYTE_VOCAB_SIZE, (batch, cfg.block_size), generator=g)
     return x, y
 
 
@@ -22,7 +23,7 @@ def test_forward_returns_logits_per_position_and_no_loss_without_targets():
     model = build_model(TINY)
     x, _ = _batch(TINY, batch=3)
     logits, loss = model(x[:, :10])
-    assert logits.shape == (3, 10, TINY.vocab_size)
+    assert logits.shape == (3, 10, BYTE_VOCAB_SIZE)
     assert loss is None
 
 
@@ -61,7 +62,7 @@ def test_changing_a_later_token_does_not_change_earlier_logits():
     model = build_model(TINY).eval()
     x, _ = _batch(TINY, batch=2)
     x2 = x.clone()
-    x2[:, 10] = (x2[:, 10] + 1) % TINY.vocab_size
+    x2[:, 10] = (x2[:, 10] + 1) % BYTE_VOCAB_SIZE
     with torch.no_grad():
         a, _ = model(x)
         b, _ = model(x2)
