@@ -1,5 +1,6 @@
 """The scripts in examples/, each run as a user would, in a short form (the tiny model, a few
-steps): two sites joining one run, DiLoCo against DDP, a compression sweep from one YAML."""
+steps): two sites joining one run, DiLoCo against DDP, a compression sweep from one YAML, a
+Hugging Face tiny Llama (with the hf extra)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from diloco.hf_extra import is_installed
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -78,3 +80,15 @@ def test_a_compression_sweep_from_one_yaml_plots_each_codec(tmp_path):
     assert 3.5 < sent["none"] / sent["int8"] < 4.0  # 8 bits and a scale per 64 values, against 32
     assert f"wrote {tmp_path / 'sweep.png'}" in output
     assert matplotlib.image.imread(tmp_path / "sweep.png").ndim == 3  # diloco plot wrote a readable PNG
+
+
+@pytest.mark.skipif(not all(is_installed(m) for m in ("transformers", "tokenizers")), reason="needs the hf extra")
+def test_a_hugging_face_tiny_llama_trains_with_a_tokenizer_trained_on_the_spot(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text((ROOT / "README.md").read_text() * 4)  # any text; CI's clone may lack ../shared
+    output = _run_example("hf_tiny_llama.sh", "inner.steps=40", "logging.eval_batches=4",
+                          OUT=str(tmp_path), TEXT=str(text), VOCAB="300", PYTHON=sys.executable)  # fmt: skip
+    assert "tokenizer.json: 300 ids" in output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["rounds"] == 2 and summary["params_agree"], summary
+    assert summary["final_val_loss"] < 5.7  # ln(300) = 5.70 for a uniform guess
