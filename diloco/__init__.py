@@ -9,6 +9,7 @@ arXiv:2311.08105). Where things live:
 - ``outer.py``       pseudo-gradients and the outer optimizer: **the outer step happens here**
 - ``overlap.py``     outer steps overlapped with compute (delayed, streaming fragments)
 - ``rounds.py``      when a round ends: every H steps, or a time budget (dynamic local steps)
+- ``site.py``        several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites
 - ``joining.py``     a newcomer or a restarted worker takes a live peer's state before its first round
 - ``comm/``          how pseudo-gradients travel: ``CommBackend``; hivemind, simulated, torchrun;
                      who is in the run (roster), the run key, robust aggregation

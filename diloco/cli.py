@@ -162,9 +162,11 @@ def _cmd_train(args, *, join: bool = False) -> int:
     from diloco.train import train
 
     config_path, overrides = _split_config(args.config, args.overrides)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: the rank is the worker
-        overrides = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *overrides]
     cfg = load_config(config_path, overrides)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.worker.site:
+        # under torchrun each rank is a worker (comm.backend=torchdist), unless the ranks are one site
+        overrides = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *overrides]
+        cfg = load_config(config_path, overrides)
 
     def announce(addresses: list[str]) -> None:
         if addresses:

@@ -51,6 +51,7 @@ class WorkerConfig:
     slots: int = 0  # data shards, so the most workers the run can hold (volunteers join free ones); 0 = count
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
     device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
+    site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; site.py)
 
     @property
     def shards(self) -> int:
@@ -205,6 +206,16 @@ def _check_hf_extra(cfg: Config) -> None:
         _check(not needed or is_installed(module), missing_message(module, setting))
 
 
+def _check_site(cfg: Config) -> None:
+    """A site (several ranks as one worker) syncs across sites over hivemind, one blocking round at a time."""
+    if not cfg.worker.site:
+        return
+    backend, overlap = cfg.comm.backend, cfg.outer.overlap
+    _check(backend == "hivemind", f"worker.site=true syncs sites over hivemind, not comm.backend={backend}")
+    _check(cfg.outer.sync_every > 0, "worker.site=true needs rounds (outer.sync_every > 0)")
+    _check(overlap == "none", f"worker.site=true runs blocking rounds: outer.overlap=none, not {overlap}")
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -218,6 +229,7 @@ def validate(cfg: Config) -> None:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     _check(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
+    _check_site(cfg)
     _check(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")
     _check(
         0 <= cfg.worker.index < cfg.worker.shards,

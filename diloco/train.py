@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -31,6 +32,7 @@ from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
 from diloco.overlap import OverlappedOuter, fragments_for
 from diloco.rounds import RoundClock
+from diloco.site import Site, SiteBackend
 from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,12 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     are rounds ahead (it joins a live run, or restarts from an old checkpoint) first takes their
     state (``joining.py``); with ``join`` a live run is required (``JoinError`` when none is found).
     """
-    run_dir = cfg.run_dir
+    device = _device(cfg.worker.device)
+    # worker.site: this process is one rank of a site (torchrun), data-parallel inside it (site.py)
+    site = Site.from_torchrun(device, timeout_s=cfg.comm.deadline_s) if cfg.worker.site else None
+    ranks, leader = (site.size, site.leader) if site else (1, True)
+    device = site.device if site else device
+    run_dir = cfg.run_dir if leader else cfg.run_dir / f"rank-{site.rank}"  # each rank's own records
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
@@ -54,7 +61,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     sampler = ShardSampler(
         corpus.train,
         block_size=block,
-        batch_size=batch,
+        batch_size=batch * ranks,  # a site draws one batch for all its ranks; each takes its slice
         shard_index=cfg.worker.index,
         num_shards=cfg.worker.shards,
         seed=cfg.seed,
@@ -69,7 +76,6 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     held_out_hash = param_sha256(x for x, _ in held_out)
 
     # model and optimizers: the same seed gives every worker the same initial params
-    device = _device(cfg.worker.device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size).to(device)
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
@@ -93,23 +99,27 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
         save_config(cfg, run_dir / "config.yaml")
 
-    transport = build_backend(
-        cfg.comm,
-        templates=outer.global_params,
-        num_workers=cfg.worker.count,
-        worker_index=cfg.worker.index,
-        device=device,
-        codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
-        fragments=fragments_for(cfg.outer, outer.global_params),
-    )
-    backend = with_faults(transport, cfg.faults, cfg.worker.index)
+    backend = None
+    if leader:  # of a site, only the leader talks to the other workers
+        transport = build_backend(
+            cfg.comm,
+            templates=outer.global_params,
+            num_workers=cfg.worker.count,
+            worker_index=cfg.worker.index,
+            device=device,
+            codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
+            fragments=fragments_for(cfg.outer, outer.global_params),
+        )
+        backend = with_faults(transport, cfg.faults, cfg.worker.index)
+    if site is not None:
+        backend = SiteBackend(site, backend)
     log = WorkerLog(
-        cfg.logging,
+        cfg.logging if leader else replace(cfg.logging, wandb="disabled"),
         run_dir=run_dir,
         run_name=cfg.run.name,
         worker_index=cfg.worker.index,
         total_steps=cfg.inner.steps,
-        tokens_per_step=batch * block,
+        tokens_per_step=batch * block * ranks,
         config_dict=to_dict(cfg),
         wall_s_before=totals.wall_s,
     )
@@ -132,6 +142,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     record_every = cfg.logging.eval_every if data_parallel else cfg.outer.sync_every
     clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
+    # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
+    average_gradients = site.gradient_averaging(model) if site is not None else gradient_averaging
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
@@ -145,13 +157,14 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             # ---- inner step -------------------------------------------------------------
             started = time.perf_counter()
             lr = lr_at(cfg.inner, clock.schedule_step(step, round_index))
+            batch_tensors = sampler.next_batch() if site is None else site.my_slice(sampler.next_batch())
             loss = inner_step(
                 model,
                 inner_optimizer,
-                [t.to(device, non_blocking=True) for t in sampler.next_batch()],
+                [t.to(device, non_blocking=True) for t in batch_tensors],
                 lr=lr,
                 grad_clip=cfg.inner.grad_clip,
-                average_gradients=gradient_averaging,
+                average_gradients=average_gradients,
             )
             slow_down(cfg.faults, cfg.worker.index)
             step_s = time.perf_counter() - started
@@ -161,7 +174,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                     window.append(_account(result, measured_s, totals, log))
             totals.compute_s += step_s
             step += 1
-            samples_this_round += batch
+            samples_this_round += batch * ranks
             backend.report_progress(round_index, step, log.live)
             if overlapped is not None:
                 costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)

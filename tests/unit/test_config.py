@@ -79,3 +79,16 @@ def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv):
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("diloco: error:")]
     assert len(errors) == 1, done.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["comm.backend=inproc"], "worker.site=true syncs sites over hivemind"),
+        (["outer.sync_every=0"], "worker.site=true needs rounds"),
+        (["outer.overlap=delayed"], "worker.site=true runs blocking rounds"),
+    ],
+)
+def test_a_site_needs_hivemind_and_blocking_rounds(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["worker.site=true", *overrides])

@@ -63,3 +63,9 @@ def test_plotting_a_folder_that_is_no_run_says_so(tmp_path, capsys):
 def test_an_empty_peer_list_is_one_line(argv, capsys):
     assert main(argv) == 2
     assert "--peers needs at least one multiaddr" in _one_error_line(capsys)
+
+
+def test_a_site_outside_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "worker.site=true", "inner.steps=2", f"run.dir={tmp_path}"]) == 2
+    assert "worker.site=true runs under torchrun" in _one_error_line(capsys)
