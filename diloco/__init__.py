@@ -8,6 +8,8 @@ arXiv:2311.08105). Where things live:
 - ``train.py``       the worker loop, top to bottom, readable like the algorithm
 - ``outer.py``       pseudo-gradients and the outer optimizer: **the outer step happens here**
 - ``overlap.py``     outer steps overlapped with compute (delayed, streaming fragments)
+- ``inner.py``       the inner step (bf16 autocast) and its optimizer (AdamW, fused on CUDA), the lr schedule
+- ``transfer.py``    the outer step's copies between the model's device and (pinned) host memory
 - ``rounds.py``      when a round ends: every H steps, or a time budget (dynamic local steps)
 - ``site.py``        several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites
 - ``joining.py``     a newcomer or a restarted worker takes a live peer's state before its first round
@@ -25,7 +27,7 @@ arXiv:2311.08105). Where things live:
 - ``status.py``      ``diloco status``: a live run's workers, read from the roster on the DHT
 - ``faults.py``      fault injection at named points (skip a round, stop, bad payloads, slow steps)
 - ``testbed.py``     network namespaces on shaped links (root)
-- ``bench/``         ``diloco bench overhead / quality / compression / utilization / faults``
+- ``bench/``         ``diloco bench overhead / quality / compression / utilization / faults / gpu``
 - ``cli.py``         the ``diloco`` command
 """
 

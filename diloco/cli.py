@@ -13,6 +13,7 @@
     diloco bench quality                                    # DiLoCo vs data-parallel at equal tokens
     diloco bench compression                                # each codec vs dense DiLoCo
     diloco bench utilization                                # overlap strategies on shaped links (root)
+    diloco bench gpu                                        # one GPU: inner-step MFU, outer sync's local work
 
 Mistakes in the command line, the config or the data path end with one line on stderr and
 exit code 2; Ctrl-C stops everything this command started and exits 130.
@@ -131,6 +132,16 @@ def _parser() -> argparse.ArgumentParser:
     utilization.add_argument("--rounds", type=int, default=3, help="all-reduce rounds, the first a warm-up")
     utilization.add_argument("--parts", default="training,allreduce", help="training, allreduce or both")
     utilization.add_argument("--out", default="runs/bench-utilization", help="output folder")
+    gpu = bench.add_parser("gpu", help="one GPU: inner-step tokens/s and MFU, the outer sync's local work")
+    gpu.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too (checks the code path)")
+    gpu.add_argument("--allow-cpu", action="store_true", help="run without a CUDA device (the figures mean nothing)")
+    gpu.add_argument("--batch", type=int, help="sequences per inner step (default 16)")
+    gpu.add_argument("--steps", type=int, help="timed inner steps per repeat (default 20)")
+    gpu.add_argument("--repeats", type=int, help="repeats of the timed steps (default 3)")
+    gpu.add_argument("--sync-every", type=int, help="H, for the outer sync's share of a round (default 100)")
+    gpu.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by its name)")
+    gpu.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
+    gpu.add_argument("--out", default="runs/bench-gpu", help="output folder (gpu.json)")
     compression = bench.add_parser("compression", help="each compression codec against dense DiLoCo (M=4, H=50)")
     compression.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
     compression.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
@@ -363,6 +374,13 @@ def _cmd_bench(args) -> int:
             parts=args.parts.split(","),
             out=Path(args.out),
         )
+    if args.bench == "gpu":
+        from diloco.bench.gpu import NoCudaDevice, run_from_args
+
+        try:
+            return run_from_args(args)
+        except NoCudaDevice as error:
+            raise UsageError(str(error)) from None
     if args.bench == "compression":
         from diloco.bench.compression import run_compression_benchmark
 

@@ -27,11 +27,12 @@ from diloco.compression import CODECS, CompressionConfig
 from diloco.data import DataConfig
 from diloco.faults import BAD_PAYLOADS, FaultConfig
 from diloco.hf_extra import is_installed, missing_message
-from diloco.inner import INNER_OPTIMIZERS, InnerConfig
+from diloco.inner import INNER_OPTIMIZERS, PRECISIONS, InnerConfig
 from diloco.metrics import WANDB_MODES, LoggingConfig
 from diloco.model import ModelConfig, validate_model_config
 from diloco.outer import OUTER_OPTIMIZERS, OuterConfig
 from diloco.overlap import OVERLAPS
+from diloco.transfer import GLOBAL_DEVICES
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,8 @@ class WorkerConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
     device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
     site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; site.py)
+    precision: str = "fp32"  # the inner step's forward: fp32 / bf16 (autocast; params and optimizer stay fp32)
+    compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys); pays off on a GPU
 
     @property
     def shards(self) -> int:
@@ -239,6 +242,10 @@ def validate(cfg: Config) -> None:
     _check(
         cfg.worker.device in ("cpu", "cuda", "auto"), f"worker.device={cfg.worker.device!r} is not cpu, cuda or auto"
     )
+    _check(
+        cfg.worker.precision in PRECISIONS,
+        f"worker.precision={cfg.worker.precision!r} is not one of {', '.join(PRECISIONS)}",
+    )
     _check(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
     _check(cfg.inner.steps >= 1, f"inner.steps={cfg.inner.steps} must be at least 1")
     _check(cfg.inner.batch_size >= 1, f"inner.batch_size={cfg.inner.batch_size} must be at least 1")
@@ -261,6 +268,15 @@ def validate(cfg: Config) -> None:
         f"outer.sync_every={cfg.outer.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
     )
     _check_overlap(cfg.outer)
+    _check(
+        cfg.outer.global_device in GLOBAL_DEVICES,
+        f"outer.global_device={cfg.outer.global_device!r} is not one of {', '.join(GLOBAL_DEVICES)}",
+    )
+    _check(
+        cfg.outer.global_device == "cpu" or cfg.outer.overlap == "none",
+        f"outer.global_device={cfg.outer.global_device} works with blocking rounds only (outer.overlap=none); "
+        "overlapped rounds keep the global params on the cpu",
+    )
     _check(
         cfg.compression.name in CODECS,
         f"compression.name={cfg.compression.name!r} is not one of {', '.join(CODECS)}",

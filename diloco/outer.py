@@ -9,6 +9,11 @@ Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new 
 Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
 other optimizer need no new code here, only a line in ``build_outer_optimizer``.
 
+Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
+pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
+transfer.py), or beside the model (``model``: the pseudo-gradient and the outer step run on the
+GPU; only the pseudo-gradient and its average cross to the host, for the transport).
+
 ``outer.sync_every=0`` is the data-parallel baseline instead: ``GradientAveraging`` averages the
 gradients of every inner step over the same transport, counted the same way.
 """
@@ -25,6 +30,7 @@ import torch
 
 from diloco.comm.base import CommBackend, StateRank, SyncResult
 from diloco.compression import ErrorFeedback
+from diloco.transfer import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class OuterConfig:
     delay_steps: int = 1  # streaming: tau, inner steps between a fragment's sync and applying its average
     mix: float = 0.0  # streaming: alpha; a fragment's local params = alpha x local + (1 - alpha) x new global
     eager: bool = False  # delayed: each worker's fresh pseudo-gradient stands in for its stale share
+    global_device: str = "cpu"  # global params and outer optimizer state: cpu (pinned for a CUDA model) / model
 
 
 def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -57,7 +64,7 @@ def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> t
 
 
 class OuterStep:
-    """Holds the global params (fp32, CPU) and the outer optimizer over them.
+    """Holds the global params (fp32; on the CPU or the model's device) and the outer optimizer over them.
 
     ``local_params`` are the model's parameters, trained by the inner optimizer; they are
     overwritten with the global params after every round. With a lossy codec on the wire,
@@ -73,23 +80,38 @@ class OuterStep:
     ):
         self.local_params = list(local_params)
         self.error_feedback = error_feedback
-        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.local_params]
+        if cfg.global_device not in GLOBAL_DEVICES:
+            raise ValueError(f"outer.global_device={cfg.global_device!r} is not one of {', '.join(GLOBAL_DEVICES)}")
+        self.global_params = global_copy(self.local_params, cfg.global_device)
+        # the optimizer's state sits beside the global params and never crosses the bus: not pinned
         self.optimizer = build_outer_optimizer(cfg, self.global_params)
+        self._copy_back = CopyFence()  # the queued copies of the global params into the model
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
-        """Global params at the start of the round minus local params now (fresh tensors)."""
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)]
+        """Global params at the start of the round minus local params now (fresh fp32 CPU tensors, for
+        the transport)."""
+        if not on_cuda(self.local_params):
+            return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)]
+        if on_cuda(self.global_params):  # subtract on the GPU, then one copy of the difference
+            return to_host([g - p.detach() for g, p in zip(self.global_params, self.local_params)])
+        staged = to_host(self.local_params)
+        return [torch.sub(g, s, out=s) for g, s in zip(self.global_params, staged)]
 
     @torch.no_grad()
     def apply(self, averaged: Sequence[torch.Tensor]) -> None:
-        """Outer optimizer step with ``averaged`` as the gradient; local params restart from the result."""
-        for param, grad in zip(self.global_params, averaged):
+        """Outer optimizer step with ``averaged`` as the gradient; local params restart from the result.
+
+        The copies into the model are queued, not awaited: the next inner step runs after them on
+        the same stream, and the next write to the global params waits for them (``CopyFence``)."""
+        self._copy_back.wait()
+        for param, grad in zip(self.global_params, to_device(averaged, self.global_params)):
             param.grad = grad
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for local, param in zip(self.local_params, self.global_params):
-            local.copy_(param)
+            local.copy_(param, non_blocking=True)
+        self._copy_back.mark(self.local_params[0].device)
 
     def sync(
         self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
@@ -173,17 +195,19 @@ class OuterStep:
         """A number in [0, 1) from the hash of the global params: equal exactly when they are."""
         digest = hashlib.sha256()
         for param in self.global_params:
-            digest.update(param.numpy().tobytes())
+            digest.update(param.detach().cpu().numpy().tobytes())
         return int.from_bytes(digest.digest()[:3], "big") / (1 << 24)
 
     def state_dict(self) -> dict:
+        """On the CPU whatever ``outer.global_device`` is: checkpoints and peers' downloads load anywhere."""
         return {
-            "global_params": [p.clone() for p in self.global_params],
-            "optimizer": self.optimizer.state_dict(),
+            "global_params": [p.detach().to("cpu", copy=True) for p in self.global_params],
+            "optimizer": state_to_cpu(self.optimizer.state_dict()),
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self._copy_back.wait()
         for param, saved in zip(self.global_params, state["global_params"], strict=True):
             param.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -82,6 +82,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
     error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
     outer = OuterStep(list(model.parameters()), cfg.outer, error_feedback=error_feedback)
+    if cfg.worker.compile:  # in place, after the optimizers: same params, same state_dict keys
+        model.compile()
     torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
 
     # resume: rerunning the same command continues from the newest valid checkpoint
@@ -165,6 +167,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 lr=lr,
                 grad_clip=cfg.inner.grad_clip,
                 average_gradients=average_gradients,
+                precision=cfg.worker.precision,
             )
             slow_down(cfg.faults, cfg.worker.index)
             step_s = time.perf_counter() - started

@@ -1,0 +1,303 @@
+"""``diloco bench gpu``: what one NVIDIA GPU gives the inner step, and what the outer sync costs it.
+
+In under 5 minutes on one GPU it measures, with the project's own code (``inner_step``,
+``build_inner_optimizer``, ``OuterStep``):
+
+- **inner-step throughput** (tokens/s) and **MFU** of the built-in GPT at 12 layers x width 768,
+  12 heads, context 1024, a 32,768-token vocabulary (about 110M params: the 32k vocabulary makes
+  it smaller than GPT-2's 124M), batch 16, bf16 autocast, fused AdamW; eager, then compiled in
+  place (``torch.compile``; its failure is reported, not fatal);
+- the **outer sync's local work** (pseudo-gradient and its copies, the Nesterov outer step, the
+  copy back into the model: ``OuterStep.sync`` over a loopback transport that averages with
+  nobody, so no codec and no network) for each ``outer.global_device``, as a share of a round of
+  H=100 inner steps: local work / (H x step time + local work);
+- **peak GPU memory** of the inner steps.
+
+MFU = flops_per_token x tokens/s / the GPU's peak dense bf16 FLOP/s (``PEAK_BF16_TFLOPS`` by
+device name, or ``--peak-tflops``), with flops_per_token = 6 N + 12 L T d: N the params without
+the position embedding (a lookup, no matmul), plus attention's scores and mixing, forward and
+backward, over the full T x T (nanoGPT's and PaLM's convention; causal masking halves the work
+actually needed). Figures are medians of repeats, warm-up steps excluded. Targets: MFU >= 45%,
+outer local work < 1% of a round.
+
+    diloco bench gpu                   # exits 2 when no CUDA device is visible
+    diloco bench gpu --smoke           # tiny sizes, on the CPU too: checks the code path (CI)
+    python -m diloco.bench.gpu ...     # the same with only torch installed (no omegaconf, no hivemind)
+    bash launch/gpu_check.sh           # set up, then the measurement
+
+Human-readable lines first, then one JSON line, also written to ``OUT/gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from diloco.comm.base import CommBackend, SyncResult
+from diloco.inner import InnerConfig, build_inner_optimizer, inner_step
+from diloco.model import ModelConfig, build_model
+from diloco.outer import OuterConfig, OuterStep
+from diloco.transfer import GLOBAL_DEVICES
+
+# peak dense (no sparsity) bf16 tensor-core TFLOP/s from the vendors' data sheets; the first
+# name that occurs in torch.cuda.get_device_name() wins, so the specific ones come first
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100", 989.0),  # SXM
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+)
+TARGET_MFU = 0.45
+TARGET_OUTER_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class BenchSize:
+    """The model and the repeats measured."""
+
+    layers: int = 12
+    width: int = 768
+    heads: int = 12
+    context: int = 1024
+    vocab: int = 32_768
+    batch: int = 16  # sequences per inner step
+    warmup_steps: int = 5  # untimed steps before each arm (the compiled arm compiles in them)
+    steps: int = 20  # timed inner steps per repeat
+    repeats: int = 3
+    outer_repeats: int = 5  # timed outer syncs per global device, after one untimed
+    sync_every: int = 100  # H, for the outer sync's share of a round
+
+
+# a code-path check that runs in seconds on a CPU (the tests' and CI's)
+SMOKE = BenchSize(
+    layers=2, width=64, heads=2, context=64, vocab=512, batch=2, warmup_steps=1, steps=2, repeats=2, outer_repeats=2
+)
+
+
+class NoCudaDevice(RuntimeError):
+    """The measurement needs a GPU and none is visible; one line."""
+
+
+class Loopback(CommBackend):
+    """A transport with one worker: the mean of its own pseudo-gradient is itself."""
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        return SyncResult(ok=True, peers=1, total_weight=weight)
+
+
+def peak_tflops_for(device_name: str) -> float | None:
+    """Peak dense bf16 TFLOP/s of a GPU from its name; None when it is not in the table."""
+    return next((tflops for name, tflops in PEAK_BF16_TFLOPS if name in device_name), None)
+
+
+def flops_per_token(model: torch.nn.Module, size: BenchSize) -> int:
+    """6 N (N without the position embedding) + 12 L T d for attention: forward and backward."""
+    matmul_params = sum(p.numel() for p in model.parameters()) - size.context * size.width
+    return 6 * matmul_params + 12 * size.layers * size.context * size.width
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device) -> float:
+    """Median seconds per inner step over ``size.repeats`` repeats, after ``size.warmup_steps``."""
+
+    def step() -> None:
+        inner_step(model, optimizer, batch, lr=1e-4, grad_clip=1.0, precision="bf16")
+
+    for _ in range(size.warmup_steps):
+        step()
+    _synchronize(device)
+    per_step = []
+    for _ in range(size.repeats):
+        started = time.perf_counter()
+        for _ in range(size.steps):
+            step()
+        _synchronize(device)  # the host runs ahead of the GPU: time to the end of its work
+        per_step.append((time.perf_counter() - started) / size.steps)
+    return statistics.median(per_step)
+
+
+def _outer_sync_s(model: torch.nn.Module, global_device: str, size: BenchSize, device: torch.device) -> dict:
+    """Median seconds of one ``OuterStep.sync`` over the loopback transport, copies back included, and
+    of the sha256 fingerprint of the global params that every sync takes (part of it)."""
+    outer = OuterStep(list(model.parameters()), OuterConfig(global_device=global_device))
+    backend = Loopback()
+    timings = []
+    for round_index in range(size.outer_repeats + 1):  # the first allocates buffers and momentum: untimed
+        _synchronize(device)
+        started = time.perf_counter()
+        outer.sync(backend, weight=1.0, round_index=round_index, deadline_s=60.0, expected_peers=1)
+        _synchronize(device)
+        timings.append(time.perf_counter() - started)
+    fingerprints = []
+    for _ in range(size.outer_repeats):
+        started = time.perf_counter()
+        outer.fingerprint()
+        fingerprints.append(time.perf_counter() - started)
+    del outer
+    return {"sync_s": statistics.median(timings[1:]), "fingerprint_s": statistics.median(fingerprints)}
+
+
+def _arm(step_s: float, size: BenchSize, flops: int, peak_tflops: float | None) -> dict:
+    tokens_per_s = size.batch * size.context / step_s
+    mfu = flops * tokens_per_s / (peak_tflops * 1e12) if peak_tflops else None
+    return {"step_s": step_s, "tokens_per_s": tokens_per_s, "mfu": mfu}
+
+
+def run_gpu_benchmark(
+    *, size: BenchSize, out: Path, allow_cpu: bool = False, peak_tflops: float | None = None, compile_model: bool = True
+) -> int:
+    """Measure, print the figures and one JSON line, write it to ``out/gpu.json``. Raises
+    ``NoCudaDevice`` when no GPU is visible and ``allow_cpu`` is not set."""
+    started = time.perf_counter()
+    if not torch.cuda.is_available() and not allow_cpu:
+        raise NoCudaDevice(
+            "no CUDA device is visible: diloco bench gpu measures a GPU (--smoke or --allow-cpu run it on the CPU)"
+        )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak_source = "--peak-tflops" if peak_tflops else None
+    if peak_tflops is None and device.type == "cuda":
+        peak_tflops = peak_tflops_for(device_name)
+        peak_source = "table" if peak_tflops else None
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(n_layer=size.layers, n_head=size.heads, n_embd=size.width, block_size=size.context)
+    model = build_model(model_cfg, vocab_size=size.vocab).to(device)
+    optimizer = build_inner_optimizer(InnerConfig(), model)
+    fused = bool(optimizer.defaults.get("fused"))
+    tokens = torch.randint(0, size.vocab, (size.batch, size.context + 1), device=device)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    params = sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(model, size)
+    print(
+        f"gpu bench: {device_name} (peak {peak_tflops or '?'} TFLOP/s bf16"
+        f"{', from ' + peak_source if peak_source else ''}), torch {torch.__version__}"
+    )
+    print(
+        f"model: GPT {size.layers} x {size.width}, context {size.context}, vocabulary {size.vocab}: "
+        f"{params / 1e6:.1f}M params; batch {size.batch} x {size.context}; bf16 autocast, "
+        f"{'fused' if fused else 'foreach'} AdamW; {flops / 1e9:.2f} GFLOP/token"
+    )
+
+    inner, peak_bytes = {}, []
+    arms = ["eager"] + (["compiled"] if compile_model else [])
+    for arm in arms:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            if arm == "compiled":
+                model.compile()  # in place, as worker.compile=true does
+            inner[arm] = _arm(_inner_step_s(model, optimizer, batch, size, device), size, flops, peak_tflops)
+        except Exception as error:  # a compiler missing on this machine must not cost the other figures
+            inner[arm] = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"}
+            print(f"inner step ({arm}): failed: {inner[arm]['error']}")
+            continue
+        if device.type == "cuda":
+            peak_bytes.append(torch.cuda.max_memory_allocated(device))
+        figures = inner[arm]
+        mfu = f"MFU {figures['mfu']:.1%}" if figures["mfu"] is not None else "MFU ? (no peak for this device)"
+        print(
+            f"inner step ({arm}): {figures['tokens_per_s']:,.0f} tok/s, {figures['step_s'] * 1e3:.1f} ms/step, "
+            f"{mfu} (target >= {TARGET_MFU:.0%}; median of {size.repeats} x {size.steps} steps)"
+        )
+    measured = [figures for figures in inner.values() if "step_s" in figures]
+    if not measured:
+        raise RuntimeError("no inner-step arm ran; see the lines above")
+    best = min(measured, key=lambda figures: figures["step_s"])
+
+    outer = {}
+    round_steps_s = size.sync_every * best["step_s"]
+    for global_device in GLOBAL_DEVICES:
+        figures = _outer_sync_s(model, global_device, size, device)
+        figures["round_fraction"] = figures["sync_s"] / (round_steps_s + figures["sync_s"])
+        outer[global_device] = figures
+        print(
+            f"outer sync, local work, outer.global_device={global_device}: {figures['sync_s'] * 1e3:.1f} ms "
+            f"(the params' fingerprint {figures['fingerprint_s'] * 1e3:.1f} ms of it) = "
+            f"{figures['round_fraction']:.2%} of a round of H={size.sync_every} (target < {TARGET_OUTER_FRACTION:.0%})"
+        )
+    outer_fraction = min(figures["round_fraction"] for figures in outer.values())
+    peak_memory_gb = max(peak_bytes) / 1e9 if peak_bytes else None
+    if peak_memory_gb is not None:
+        print(f"peak GPU memory (inner steps): {peak_memory_gb:.2f} GB")
+
+    record = {
+        "bench": "gpu",
+        "device": device.type,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "size": asdict(size),
+        "params": params,
+        "precision": "bf16",
+        "fused_adamw": fused,
+        "flops_per_token": flops,
+        "peak_tflops": peak_tflops,
+        "peak_tflops_source": peak_source,
+        "inner": inner,
+        "tokens_per_s": best["tokens_per_s"],
+        "mfu": best["mfu"],
+        "outer": outer,
+        "outer_round_fraction": outer_fraction,
+        "peak_memory_gb": peak_memory_gb,
+        "targets": {"mfu": TARGET_MFU, "outer_round_fraction": TARGET_OUTER_FRACTION},
+        "meets": {
+            "mfu": best["mfu"] >= TARGET_MFU if best["mfu"] is not None else None,
+            "outer_round_fraction": outer_fraction < TARGET_OUTER_FRACTION,
+        },
+        "wall_s": time.perf_counter() - started,
+    }
+    line = json.dumps(record)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(line + "\n")
+    print(line)
+    print(f"wrote {out / 'gpu.json'}", file=sys.stderr)
+    return 0
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with the options of ``diloco bench gpu`` (cli.py)."""
+    size = SMOKE if args.smoke else BenchSize()
+    chosen = {"batch": args.batch, "steps": args.steps, "repeats": args.repeats, "sync_every": args.sync_every}
+    size = replace(size, **{key: value for key, value in chosen.items() if value is not None})
+    return run_gpu_benchmark(
+        size=size,
+        out=Path(args.out),
+        allow_cpu=args.allow_cpu or args.smoke,
+        peak_tflops=args.peak_tflops,
+        compile_model=not args.no_compile and torch.cuda.is_available(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``diloco bench gpu`` where only torch is installed: the CLI's own options, without its
+    config loader (omegaconf) and transports (hivemind)."""
+    from diloco.cli import _parse  # argparse only: no omegaconf or hivemind until a command runs
+
+    try:
+        return run_from_args(_parse(["bench", "gpu", *(sys.argv[1:] if argv is None else argv)]))
+    except NoCudaDevice as error:
+        print(f"diloco: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
