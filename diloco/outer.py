@@ -167,10 +167,12 @@ class OuterStep:
         are fewer than ``peers``, none can have averaged over as many: nothing to fetch.
         ``expected_peers`` is the plan; a transport that tracks who is alive says how many are left.
         Returns the round of the state taken (the local params then restart from it), or None."""
-        rank = StateRank(peers, self.fingerprint())
-        backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
         live = backend.expected_peers()
         expected = expected_peers if live is None else live
+        # the fingerprint only tells apart groups of one size, which a round that everyone
+        # averaged in cannot have: hashing every global param each round is skipped then
+        rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
+        backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
         if peers >= expected or expected - max(peers, group) < peers:
             return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)

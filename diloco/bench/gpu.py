@@ -137,7 +137,8 @@ def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device
 
 def _outer_sync_s(model: torch.nn.Module, global_device: str, size: BenchSize, device: torch.device) -> dict:
     """Median seconds of one ``OuterStep.sync`` over the loopback transport, copies back included, and
-    of the sha256 fingerprint of the global params that every sync takes (part of it)."""
+    of the sha256 fingerprint of the global params, which a sync adds only in a round that not
+    every worker averaged in (not part of the loopback's rounds)."""
     outer = OuterStep(list(model.parameters()), OuterConfig(global_device=global_device))
     backend = Loopback()
     timings = []
@@ -232,7 +233,7 @@ def run_gpu_benchmark(
         outer[global_device] = figures
         print(
             f"outer sync, local work, outer.global_device={global_device}: {figures['sync_s'] * 1e3:.1f} ms "
-            f"(the params' fingerprint {figures['fingerprint_s'] * 1e3:.1f} ms of it) = "
+            f"(+ {figures['fingerprint_s'] * 1e3:.1f} ms for the params' fingerprint in a partial round) = "
             f"{figures['round_fraction']:.2%} of a round of H={size.sync_every} (target < {TARGET_OUTER_FRACTION:.0%})"
         )
     outer_fraction = min(figures["round_fraction"] for figures in outer.values())
