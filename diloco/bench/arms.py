@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,11 @@ def default_data(data: str | None) -> str:
     return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")
 
 
+def data_overrides(path: str) -> list[str]:
+    """``data.path`` for a text file; none for "" (the embedded corpus: ``data.path=`` would read as null)."""
+    return [f"data.path={path}"] if path else []
+
+
 def _run_one(job: tuple) -> dict:
     """One arm and seed, in its own process: returns the run's summary."""
     arm, seed, data_path, steps, out, device, threads, overrides = job
@@ -69,7 +75,7 @@ def _run_one(job: tuple) -> dict:
             *arm.overrides,
             f"inner.steps={steps}",
             f"seed={seed}",
-            f"data.path={data_path}",
+            *data_overrides(data_path),
             f"run.dir={run_dir}",
             f"run.name={arm.name}",
             f"worker.device={device}",
@@ -82,6 +88,7 @@ def _run_one(job: tuple) -> dict:
     summary = finished_summary(cfg)
     reused = summary is not None
     if summary is None:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts again: its old records must not mix in
         summary = simulate(cfg, workers=arm.workers)
     return {
         "arm": arm.name,

@@ -1,0 +1,23 @@
+"""The benchmarks' runner: a rerun reuses a finished run and restarts one that was cut short
+from scratch, without the old run's records."""
+
+from __future__ import annotations
+
+import json
+
+from diloco.bench.arms import Arm, _run_one
+from tests.conftest import read_records
+
+SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes=100000", "logging.eval_batches=2"]
+
+
+def test_a_cut_short_run_restarts_clean_and_a_finished_one_is_reused(tmp_path):
+    job = (Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL)
+    stale = tmp_path / "m1-h2-seed0"
+    stale.mkdir()
+    (stale / "worker-0.jsonl").write_text(json.dumps({"event": "round", "round": 7, "val_loss": 9.0}) + "\n")
+    first = _run_one(job)
+    assert not first["reused"]
+    assert [r["round"] for r in read_records(stale, 0) if r["event"] == "round"] == [1, 2]  # no round 7
+    again = _run_one(job)
+    assert again["reused"] and again["final_val_loss"] == first["final_val_loss"]
