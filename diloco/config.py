@@ -196,6 +196,12 @@ def _check_data(data: DataConfig) -> None:
         not data.tokenizer or Path(data.tokenizer).expanduser().exists(),
         f"data.tokenizer={data.tokenizer!r} does not exist (a local folder or tokenizer.json; nothing is downloaded)",
     )
+    # the token cache streams a Hugging Face dataset; data.path and the embedded corpus are read into memory
+    _check(not data.token_cache or bool(data.dataset), "data.token_cache needs data.dataset (the corpus it caches)")
+    _check(
+        not Path(data.token_cache).expanduser().is_file(),
+        f"data.token_cache={data.token_cache!r} is a file; it names a folder (created if missing)",
+    )
 
 
 def _check_hf_extra(cfg: Config) -> None:

@@ -5,7 +5,10 @@ no ``data.path`` the corpus is this machine's own Python standard library source
 wherever Python does and reads back byte-identical on every run. ``data.dataset`` reads a
 Hugging Face dataset instead, and ``data.tokenizer`` turns any of these texts into a local
 tokenizer's ids (both in ``diloco/hf_data.py``). Whatever the source, the corpus is one flat
-token tensor, so sharding, sampling and evaluation below are one code path.
+token tensor, so sharding, sampling and evaluation below are one code path. With
+``data.token_cache`` that tensor is a memory-mapped file built once from a streamed
+``data.dataset`` (``diloco/token_cache.py``), for corpora larger than memory: sampling only
+gathers windows from it, so pages are read from disk as windows need them.
 
 Usage::
 
@@ -44,6 +47,7 @@ class DataConfig:
     tokenizer: str = ""  # a local tokenizer (folder saved by save_pretrained, or a tokenizer.json); "" = byte-level
     val_fraction: float = 0.1  # last fraction of the corpus held out for validation
     max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
+    token_cache: str = ""  # folder: stream data.dataset once into a memory-mapped token file there; "" = in memory
 
 
 class DataError(ValueError):
@@ -59,7 +63,7 @@ class Corpus:
 
 
 def token_dtype(vocab_size: int) -> torch.dtype:
-    """The narrowest dtype that holds every id below ``vocab_size`` (a corpus is held in memory)."""
+    """The narrowest dtype that holds every id below ``vocab_size`` (in memory or in a token cache)."""
     if vocab_size <= 2**8:
         return torch.uint8
     return torch.uint16 if vocab_size <= 2**16 else torch.int32
@@ -98,7 +102,7 @@ def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
     return documents, f"{len(files)} text files under {p}"
 
 
-def _truncate(documents: list[bytes], max_bytes: int) -> list[bytes]:
+def truncate_documents(documents: list[bytes], max_bytes: int) -> list[bytes]:
     """The documents up to ``max_bytes`` bytes in total (the last one cut); all of them with 0."""
     if not max_bytes:
         return documents
@@ -111,13 +115,8 @@ def _truncate(documents: list[bytes], max_bytes: int) -> list[bytes]:
     return kept
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read the corpus named by ``cfg``, turn it into token ids, and split it into train (head) and val (tail)."""
-    where = f"data.dataset={cfg.dataset!r}" if cfg.dataset else f"data.path={cfg.path!r}"
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} ({where})")
-    if cfg.max_bytes < 0:
-        raise DataError(f"data.max_bytes must be >= 0, got {cfg.max_bytes} ({where})")
+def _read_tokens(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:
+    """All of the corpus's token ids in memory, its vocabulary size, and where the text came from."""
     if cfg.dataset:
         from diloco.hf_data import read_dataset
 
@@ -127,20 +126,37 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     else:
         cap = min(DEFAULT_CORPUS_CAP, cfg.max_bytes) if cfg.max_bytes else DEFAULT_CORPUS_CAP
         documents, source = [embedded_corpus(cap)], "embedded corpus (Python stdlib source)"
-    documents = _truncate(documents, cfg.max_bytes)
-    if cfg.tokenizer:
-        from diloco.hf_data import tokenize
+    documents = truncate_documents(documents, cfg.max_bytes)
+    if not cfg.tokenizer:
+        return torch.frombuffer(bytearray(b"".join(documents)), dtype=torch.uint8), BYTE_VOCAB_SIZE, source
+    from diloco.hf_data import tokenize
 
-        tokens, vocab_size = tokenize(documents, cfg.tokenizer)
-        source += f", tokenized by {cfg.tokenizer}"
+    tokens, vocab_size = tokenize(documents, cfg.tokenizer)
+    return tokens, vocab_size, f"{source}, tokenized by {cfg.tokenizer}"
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read the corpus named by ``cfg``, turn it into token ids, and split it into train (head) and val (tail)."""
+    where = f"data.dataset={cfg.dataset!r}" if cfg.dataset else f"data.path={cfg.path!r}"
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise DataError(f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} ({where})")
+    if cfg.max_bytes < 0:
+        raise DataError(f"data.max_bytes must be >= 0, got {cfg.max_bytes} ({where})")
+    if cfg.token_cache:
+        from diloco.token_cache import load_token_cache
+
+        tokens, vocab_size, source = load_token_cache(cfg)
     else:
-        tokens, vocab_size = torch.frombuffer(bytearray(b"".join(documents)), dtype=torch.uint8), BYTE_VOCAB_SIZE
+        tokens, vocab_size, source = _read_tokens(cfg)
     n_train = len(tokens) - int(len(tokens) * cfg.val_fraction)
     if n_train < 2 or (cfg.val_fraction > 0 and n_train == len(tokens)):
         raise DataError(
             f"{where}: corpus of {len(tokens)} tokens is too small to split with data.val_fraction={cfg.val_fraction}"
         )
-    corpus = Corpus(train=tokens[:n_train].clone(), val=tokens[n_train:].clone(), source=source, vocab_size=vocab_size)
+    train, val = tokens[:n_train], tokens[n_train:]
+    if not cfg.token_cache:  # each split its own storage in memory; a token cache stays one file mapping
+        train, val = train.clone(), val.clone()
+    corpus = Corpus(train=train, val=val, source=source, vocab_size=vocab_size)
     logger.info("corpus: %s, %d train tokens, %d val tokens", source, len(corpus.train), len(corpus.val))
     return corpus
 

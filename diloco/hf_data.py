@@ -11,7 +11,8 @@ read in order, each followed by a newline, until ``data.max_bytes`` of text (0 =
 load locally) or a bare ``tokenizer.json``. Documents are tokenized in batches, without special
 tokens, and concatenated into one tensor of the narrowest dtype that holds the vocabulary.
 
-Nothing is downloaded. The corpus is held in memory (streaming larger corpora is not supported).
+Nothing is downloaded. The corpus is held in memory, unless ``data.token_cache`` names a folder:
+then the dataset is streamed into a memory-mapped file of token ids (``diloco/token_cache.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import glob
 import itertools
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +45,12 @@ def _data_files(spec: str) -> list[Path]:
     return sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
 
 
-def _open_dataset(cfg: DataConfig):
-    """The ``datasets.Dataset`` named by ``data.dataset`` and ``data.split``, and a description."""
+def _open_dataset(cfg: DataConfig, *, streaming: bool):
+    """The dataset named by ``data.dataset`` and ``data.split``, and a description.
+
+    A ``save_to_disk`` folder is memory-mapped Arrow, read batch by batch either way; data files
+    are read as a stream (an ``IterableDataset``, nothing converted up front) with ``streaming``.
+    """
     datasets = import_hf("datasets", needed_for="data.dataset", error=DataError)
     datasets.disable_progress_bars()
     path = Path(cfg.dataset).expanduser()
@@ -63,23 +69,41 @@ def _open_dataset(cfg: DataConfig):
         suffixes = sorted({f.suffix for f in files})
         raise DataError(f"data.dataset={cfg.dataset!r}: files of one kind please, found {', '.join(suffixes)}")
     (builder,) = builders
-    loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=streaming)
     return loaded, f"{len(files)} {builder} files under {cfg.dataset}"
+
+
+def _require_text_field(cfg: DataConfig, columns: list[str]) -> None:
+    if cfg.text_field not in columns:
+        raise DataError(
+            f"data.text_field={cfg.text_field!r} is not a column of data.dataset={cfg.dataset!r} "
+            f"(columns: {', '.join(columns)})"
+        )
+
+
+def _document_batches(dataset, cfg: DataConfig) -> Iterator[list[bytes]]:
+    """The rows' ``data.text_field``, UTF-8 with a newline each, ``ROWS_PER_READ`` rows at a time."""
+    if dataset.column_names is not None:  # streamed text files learn their columns from the first rows
+        _require_text_field(cfg, dataset.column_names)
+        dataset = dataset.select_columns([cfg.text_field])
+    for rows in dataset.iter(batch_size=ROWS_PER_READ):
+        _require_text_field(cfg, list(rows))
+        yield [f"{text}\n".encode() for text in rows[cfg.text_field]]
+
+
+def open_documents(cfg: DataConfig, *, streaming: bool = False) -> tuple[Iterator[list[bytes]], str]:
+    """The documents of ``data.dataset`` in batches (read lazily), and a description of the source."""
+    dataset, source = _open_dataset(cfg, streaming=streaming)
+    return _document_batches(dataset, cfg), source
 
 
 def read_dataset(cfg: DataConfig) -> tuple[list[bytes], str]:
     """The documents of ``data.dataset`` (UTF-8, each ending in a newline), up to ``data.max_bytes``."""
-    dataset, source = _open_dataset(cfg)
-    if cfg.text_field not in dataset.column_names:
-        raise DataError(
-            f"data.text_field={cfg.text_field!r} is not a column of data.dataset={cfg.dataset!r} "
-            f"(columns: {', '.join(dataset.column_names)})"
-        )
+    batches, source = open_documents(cfg)
     documents, total = [], 0
-    for rows in dataset.select_columns([cfg.text_field]).iter(batch_size=ROWS_PER_READ):
-        for text in rows[cfg.text_field]:
-            documents.append(f"{text}\n".encode())
-            total += len(documents[-1])
+    for batch in batches:
+        documents += batch
+        total += sum(len(document) for document in batch)
         if cfg.max_bytes and total >= cfg.max_bytes:
             break
     if total == 0:
@@ -100,15 +124,19 @@ def load_tokenizer(path: str):
         raise DataError(f"data.tokenizer={path!r} is not a tokenizer transformers can load: {first_line}") from None
 
 
-def tokenize(documents: list[bytes], tokenizer_path: str) -> tuple[torch.Tensor, int]:
-    """All ``documents`` as one flat tensor of token ids, and the tokenizer's vocabulary size."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    vocab_size = len(tokenizer)  # added tokens included
+def encode(tokenizer, documents: list[bytes]) -> np.ndarray:
+    """The token ids of ``documents``, one after another, as a flat int64 array (no special tokens)."""
     texts = [document.decode("utf-8", errors="replace") for document in documents]
     # verbose=False: the corpus is cut into training windows later, so a long document is no error
     ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     count = sum(len(row) for row in ids)
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=count)
-    tokens = torch.from_numpy(flat).to(token_dtype(vocab_size))
-    logger.info("tokenized %d documents into %d tokens (vocabulary %d)", len(texts), len(tokens), vocab_size)
+    return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=count)
+
+
+def tokenize(documents: list[bytes], tokenizer_path: str) -> tuple[torch.Tensor, int]:
+    """All ``documents`` as one flat tensor of token ids, and the tokenizer's vocabulary size."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab_size = len(tokenizer)  # added tokens included
+    tokens = torch.from_numpy(encode(tokenizer, documents)).to(token_dtype(vocab_size))
+    logger.info("tokenized %d documents into %d tokens (vocabulary %d)", len(documents), len(tokens), vocab_size)
     return tokens, vocab_size

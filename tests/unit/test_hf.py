@@ -10,6 +10,7 @@ import math
 import random
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +188,8 @@ def test_an_hf_model_takes_the_datas_vocabulary_and_gpts_interface(tmp_path):
         (["data.tokenizer=/no/such/tokenizer"], r"data.tokenizer='/no/such/tokenizer' does not exist"),
         (["data.dataset=/no/such/dataset"], r"data.dataset='/no/such/dataset' does not exist"),
         (["data.dataset=/tmp", "data.path=/tmp"], r"set one of data.path .* and data.dataset"),
+        (["data.token_cache=/tmp/cache"], r"data.token_cache needs data.dataset"),
+        (["data.dataset=/tmp", f"data.token_cache={__file__}"], r"data.token_cache=.* is a file; it names a folder"),
     ],
 )
 def test_bad_hf_settings_are_one_line_errors_naming_the_key(overrides, message):
@@ -221,3 +224,109 @@ def test_settings_that_need_the_missing_extra_say_how_to_install_it(tmp_path, mo
             signal.signal(sig, handler)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("diloco: error: model.kind=hf needs the Hugging Face extra"), err
+
+
+# --- data.token_cache: a streamed dataset, tokenized once into a memory-mapped file ---
+
+
+def _mapped_file(tensor: torch.Tensor) -> str:
+    """The file this process has mapped where ``tensor``'s data lies ("" for anonymous memory)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *fields = line.split(maxsplit=5)
+        low, high = (int(end, 16) for end in span.split("-"))
+        if low <= address < high:
+            return fields[4] if len(fields) == 5 else ""
+    return ""
+
+
+def _cached(folder, text_files, tokenizer_dir="", **settings):
+    return load_corpus(
+        DataConfig(dataset=str(text_files), tokenizer=str(tokenizer_dir), token_cache=str(folder), **settings)
+    )
+
+
+def _stamp(path) -> tuple[int, int]:
+    return path.stat().st_ino, path.stat().st_mtime_ns
+
+
+@requires_hf
+def test_a_token_cache_holds_the_in_memory_ids_mapped_from_disk_and_is_reused(tmp_path, text_files, tokenizer_dir):
+    from diloco.data import val_batches
+
+    in_memory = load_corpus(DataConfig(dataset=str(text_files), tokenizer=str(tokenizer_dir)))
+    cached = _cached(tmp_path / "cache", text_files, tokenizer_dir)
+    assert (cached.vocab_size, cached.train.dtype, cached.source) == (VOCAB, torch.uint16, in_memory.source)
+    assert torch.equal(cached.train, in_memory.train) and torch.equal(cached.val, in_memory.val)
+    tokens_file = tmp_path / "cache" / "tokens.bin"
+    assert _mapped_file(cached.train) == _mapped_file(cached.val) == str(tokens_file)  # no copy in memory
+
+    # sampling and evaluation only gather windows: the same batches as from memory
+    sampler = {"block_size": BLOCK, "batch_size": 4, "shard_index": 1, "num_shards": 2, "seed": 0}
+    from_cache, from_memory = ShardSampler(cached.train, **sampler), ShardSampler(in_memory.train, **sampler)
+    assert all(map(torch.equal, from_cache.next_batch(), from_memory.next_batch()))
+    evals = {"block_size": BLOCK, "batch_size": 4, "num_batches": 2}
+    pairs = zip(val_batches(cached.val, **evals), val_batches(in_memory.val, **evals))
+    assert all(torch.equal(a, b) for batch, twin in pairs for a, b in zip(batch, twin))
+
+    before = _stamp(tokens_file)
+    again = _cached(tmp_path / "cache", text_files, tokenizer_dir)
+    assert _stamp(tokens_file) == before and torch.equal(again.train, in_memory.train)
+
+    # data.max_bytes cuts the stream where it cuts the in-memory text (mid-batch here), and rebuilds
+    cut = _cached(tmp_path / "cache", text_files, tokenizer_dir, max_bytes=1500)
+    cut_in_memory = load_corpus(DataConfig(dataset=str(text_files), tokenizer=str(tokenizer_dir), max_bytes=1500))
+    assert torch.equal(torch.cat([cut.train, cut.val]), torch.cat([cut_in_memory.train, cut_in_memory.val]))
+
+
+def _cut_short(tokens_file) -> None:
+    """Leave only the first 100 bytes, in a new file: truncating a mapped file would fault its readers."""
+    head = tokens_file.read_bytes()[:100]
+    tokens_file.unlink()
+    tokens_file.write_bytes(head)
+
+
+@requires_hf
+def test_a_half_built_token_cache_is_rebuilt_never_used(tmp_path, text_files, tokenizer_dir):
+    folder = tmp_path / "cache"
+    whole = load_corpus(DataConfig(dataset=str(text_files), tokenizer=str(tokenizer_dir)))
+    _cached(folder, text_files, tokenizer_dir)
+    header = json.loads((folder / "tokens.json").read_text())
+    (folder / "tokens.json").write_text(json.dumps({**header, "complete": False}))  # died before the marker
+    _cut_short(folder / "tokens.bin")
+    rebuilt = _cached(folder, text_files, tokenizer_dir)
+    assert torch.equal(rebuilt.train, whole.train) and torch.equal(rebuilt.val, whole.val)
+    assert json.loads((folder / "tokens.json").read_text()) == header
+
+    _cut_short(folder / "tokens.bin")  # marked complete, but the file is not as long as its header says
+    assert torch.equal(_cached(folder, text_files, tokenizer_dir).train, whole.train)
+
+
+@requires_hf
+def test_a_changed_tokenizer_or_source_rebuilds_the_token_cache(tmp_path, text_files, tokenizer_dir):
+    folder = tmp_path / "cache"
+    as_bytes = _cached(folder, text_files)
+    text = (text_files / "a.txt").read_text() + (text_files / "b.txt").read_text()
+    assert as_bytes.vocab_size == 256 and bytes(torch.cat([as_bytes.train, as_bytes.val]).tolist()).decode() == text
+
+    tokenized = _cached(folder, text_files, tokenizer_dir)
+    assert tokenized.vocab_size == VOCAB and tokenized.train.dtype == torch.uint16
+
+    with open(text_files / "b.txt", "a") as more:
+        more.write("one more line\n")
+    grown = _cached(folder, text_files, tokenizer_dir)
+    assert len(grown.train) + len(grown.val) > len(tokenized.train) + len(tokenized.val)
+
+
+@requires_hf
+def test_workers_starting_together_build_the_token_cache_once(tmp_path, text_files, tokenizer_dir, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco import token_cache
+
+    builds, build = [], token_cache._build
+    monkeypatch.setattr(token_cache, "_build", lambda *args: builds.append(1) or build(*args))
+    with ThreadPoolExecutor(3) as pool:  # flock excludes each open() of the lock file, threads included
+        corpora = list(pool.map(lambda _: _cached(tmp_path / "cache", text_files, tokenizer_dir), range(3)))
+    assert len(builds) == 1
+    assert all(torch.equal(corpus.train, corpora[0].train) for corpus in corpora)
