@@ -21,6 +21,7 @@ arXiv:2311.08105). Where things live:
 - ``data.py``        a corpus of tokens (bytes by default), disjoint per-worker shards, held-out split
 - ``hf_data.py``     a local Hugging Face dataset and tokenizer feeding data.py's token tensor
 - ``hf_extra.py``    the optional ``hf`` extra: is it installed, and the one-line error when it is not
+- ``token_cache.py`` a dataset streamed once into a memory-mapped token file (corpora larger than memory)
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume
 - ``metrics.py``     JSONL records, wandb, console progress
 - ``local.py``       runs a bootstrap peer and M workers on one machine, with a live view
