@@ -92,6 +92,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not KEY=VALUE (for example inner.lr=3e-4)")
+    # omegaconf reads a bare KEY= as null; on a command line it means the empty string
+    overrides = [f"{item}''" if item.endswith("=") else item for item in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(schema, *layers)

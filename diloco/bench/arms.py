@@ -51,11 +51,6 @@ def default_data(data: str | None) -> str:
     return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")
 
 
-def data_overrides(path: str) -> list[str]:
-    """``data.path`` for a text file; none for "" (the embedded corpus: ``data.path=`` would read as null)."""
-    return [f"data.path={path}"] if path else []
-
-
 def _run_one(job: tuple) -> dict:
     """One arm and seed, in its own process: returns the run's summary."""
     arm, seed, data_path, steps, out, device, threads, overrides = job
@@ -75,7 +70,7 @@ def _run_one(job: tuple) -> dict:
             *arm.overrides,
             f"inner.steps={steps}",
             f"seed={seed}",
-            *data_overrides(data_path),
+            f"data.path={data_path}",
             f"run.dir={run_dir}",
             f"run.name={arm.name}",
             f"worker.device={device}",

@@ -325,11 +325,11 @@ def format_table(results: Sequence[ScenarioResult]) -> str:
 def default_plan(data: str | None, overrides: Sequence[str], **settings) -> FaultRun:
     """The benchmark's workload: a small GPT on tinyshakespeare, so that seven 4-worker runs fit in
     about half an hour on 2 cores."""
-    from diloco.bench.arms import data_overrides, default_data
+    from diloco.bench.arms import default_data
 
     return FaultRun(
         overrides=[
-            *data_overrides(default_data(data)),
+            f"data.path={default_data(data)}",
             "model.n_layer=2",
             "model.n_embd=64",
             "inner.batch_size=12",

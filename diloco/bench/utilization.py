@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diloco.bench.arms import data_overrides, default_data, finished_summary
+from diloco.bench.arms import default_data, finished_summary
 
 WORKERS, SYNC_EVERY = 4, 50
 PARTS = ("training", "allreduce")
@@ -42,7 +42,7 @@ OVERLAPS = {
 def _training_overrides(data: str, steps: int, rate: float, codec: str, overlap: str, run_dir: Path) -> list[str]:
     tag = f"{rate:g}_{codec}_{overlap}".replace(".", "_")
     return [
-        *data_overrides(data),
+        f"data.path={data}",
         f"inner.steps={steps}",
         "inner.batch_size=12",
         f"outer.sync_every={SYNC_EVERY}",

@@ -92,3 +92,9 @@ def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv):
 def test_a_site_needs_hivemind_and_blocking_rounds(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["worker.site=true", *overrides])
+
+
+def test_a_bare_key_on_the_command_line_is_the_empty_string():
+    assert load_config(None, ["data.path=", "run.dir="]).data.path == ""
+    with pytest.raises(ConfigError, match="inner.lr"):
+        load_config(None, ["inner.lr="])
