@@ -202,7 +202,7 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
 def _cmd_join(args) -> int:
     from diloco.comm.hivemind import probe_roster
-    from diloco.comm.roster import free_slot
+    from diloco.comm.roster import free_slot, nobody_answered
     from diloco.config import load_config
     from diloco.joining import JoinError
 
@@ -213,10 +213,7 @@ def _cmd_join(args) -> int:
         raise UsageError(f"joining a live run needs comm.backend=hivemind, not {cfg.comm.backend}")
     entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=cfg.comm.matchmaking_s).items() if not e.leaving}
     if not entries:
-        raise JoinError(
-            f"no live worker of run {cfg.comm.run_id!r} answered through {', '.join(cfg.comm.initial_peers)}: "
-            f"check the address, that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run key"
-        )
+        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers, cfg.comm.matchmaking_s))
     slot = free_slot(entries, cfg.worker.shards)
     if slot is None:
         raise UsageError(

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco.data import DataConfig, DataError, token_dtype
+from diloco.data import DataConfig, DataError, token_dtype, truncate_documents
 from diloco.hf_extra import import_hf
 
 logger = logging.getLogger(__name__)
@@ -97,16 +97,26 @@ def open_documents(cfg: DataConfig, *, streaming: bool = False) -> tuple[Iterato
     return _document_batches(dataset, cfg), source
 
 
+def within_budget(batches: Iterator[list[bytes]], max_bytes: int) -> Iterator[list[bytes]]:
+    """The batches up to ``max_bytes`` bytes of text in all, the last document cut; all of them with 0.
+    Reading stops there: the rest of a large dataset is never read."""
+    remaining = max_bytes
+    for batch in batches:
+        if not max_bytes:
+            yield batch
+            continue
+        kept = truncate_documents(batch, remaining)
+        yield kept
+        remaining -= sum(len(document) for document in kept)
+        if remaining <= 0:
+            return
+
+
 def read_dataset(cfg: DataConfig) -> tuple[list[bytes], str]:
     """The documents of ``data.dataset`` (UTF-8, each ending in a newline), up to ``data.max_bytes``."""
     batches, source = open_documents(cfg)
-    documents, total = [], 0
-    for batch in batches:
-        documents += batch
-        total += sum(len(document) for document in batch)
-        if cfg.max_bytes and total >= cfg.max_bytes:
-            break
-    if total == 0:
+    documents = [document for batch in within_budget(batches, cfg.max_bytes) for document in batch]
+    if not any(documents):
         raise DataError(f"data.dataset={cfg.dataset!r} holds no text in column {cfg.text_field!r}")
     return documents, source
 

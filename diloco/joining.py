@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from diloco.comm.base import CommBackend, CommError, StateRank
+from diloco.comm.roster import nobody_answered
 from diloco.config import Config
 from diloco.outer import OuterStep
 
@@ -37,10 +38,7 @@ def catch_up_with_run(
     sync_every = cfg.outer.sync_every
     others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
     if required and not others:
-        raise JoinError(
-            f"no live worker of run {cfg.comm.run_id!r} answered through comm.initial_peers: check the address, "
-            f"that the run is still going, and that comm.run_key (or $DILOCO_RUN_KEY) is the run's key"
-        )
+        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers))
     if not any(e.round > round_index for e in others.values()):
         return step, round_index
     found = backend.fetch_state(

@@ -63,18 +63,11 @@ class Site:
     def gradient_averaging(self, model: nn.Module) -> Callable[[], None]:
         """A hook for ``inner_step``: average the gradients over the site's ranks (one flat all-reduce)."""
 
-        @torch.no_grad()
-        def average() -> None:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        def mean_over_ranks(flat: torch.Tensor) -> None:
             dist.all_reduce(flat)
             flat.div_(self.size)
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
 
-        return average
+        return lambda: self._collective([p.grad for p in model.parameters() if p.grad is not None], mean_over_ranks)
 
     def share(self, value):
         """The leader's ``value`` (any picklable object), on every rank."""
@@ -84,8 +77,14 @@ class Site:
 
     def share_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Overwrite ``tensors`` on every rank with the leader's."""
+        self._collective(tensors, lambda flat: dist.broadcast(flat, src=0))
+
+    @torch.no_grad()
+    def _collective(self, tensors: Sequence[torch.Tensor], operation: Callable[[torch.Tensor], None]) -> None:
+        """Run ``operation`` on all of ``tensors`` as one flat buffer on the site's device (one
+        collective instead of one per tensor), then write the result back into them."""
         flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device)
-        dist.broadcast(flat, src=0)
+        operation(flat)
         offset = 0
         for tensor in tensors:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))

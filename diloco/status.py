@@ -16,7 +16,7 @@ import time
 from typing import TextIO
 
 from diloco.comm.base import CommConfig, CommError
-from diloco.comm.roster import HEARTBEAT_S, RosterEntry
+from diloco.comm.roster import HEARTBEAT_S, RosterEntry, nobody_answered
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: only ever written to a terminal
 
@@ -52,20 +52,13 @@ def show_status(cfg: CommConfig, *, watch: bool, timeout_s: float, out: TextIO =
     the run answers within ``timeout_s`` (and not watching): a wrong address, run id or run key."""
     from hivemind.utils import get_dht_time
 
-    from diloco.comm.hivemind import roster_reader
+    from diloco.comm.hivemind import first_entries, roster_reader
 
     terminal = out.isatty()
     with roster_reader(cfg) as read:
-        deadline = time.monotonic() + timeout_s
-        entries = read()
-        while not entries and time.monotonic() < deadline:
-            time.sleep(0.5)  # the DHT may need a moment to find the record's holders
-            entries = read()
+        entries = first_entries(read, timeout_s)
         if not entries and not watch:
-            raise CommError(
-                f"no live worker of run {cfg.run_id!r} answered through {', '.join(cfg.initial_peers)} within "
-                f"{timeout_s:g} s: check the address, --run-id, and comm.run_key (or $DILOCO_RUN_KEY)"
-            )
+            raise CommError(nobody_answered(cfg.run_id, cfg.initial_peers, timeout_s))
         shown = ""
         try:
             while True:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.data import BYTE_VOCAB_SIZE, DataConfig, DataError, token_dtype, truncate_documents
+from diloco.data import BYTE_VOCAB_SIZE, DataConfig, DataError, token_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -135,23 +135,9 @@ def _encoder(tokenizer_path: str) -> tuple[Encoder, int, str]:
     return (lambda documents: encode(tokenizer, documents)), len(tokenizer), f", tokenized by {tokenizer_path}"
 
 
-def _within_budget(batches: Iterator[list[bytes]], max_bytes: int) -> Iterator[list[bytes]]:
-    """The batches up to ``max_bytes`` bytes of text in all, the last document cut; all of them with 0."""
-    remaining = max_bytes
-    for batch in batches:
-        if not max_bytes:
-            yield batch
-            continue
-        kept = truncate_documents(batch, remaining)
-        yield kept
-        remaining -= sum(len(document) for document in kept)
-        if remaining <= 0:
-            return
-
-
 def _build(cfg: DataConfig, folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """Stream, tokenize and append the whole dataset to ``tokens.bin``; the completed header."""
-    from diloco.hf_data import open_documents
+    from diloco.hf_data import open_documents, within_budget
 
     batches, source = open_documents(cfg, streaming=True)
     encode, vocab_size, tokenized_by = _encoder(cfg.tokenizer)
@@ -159,7 +145,7 @@ def _build(cfg: DataConfig, folder: Path, identity: dict[str, Any]) -> dict[str,
     header = {**identity, "source": source + tokenized_by, "vocab_size": vocab_size, "dtype": dtype.name}
     _write_header(folder, {**header, "tokens": 0, "complete": False})
     logger.info("token cache %s: building from %s", folder, header["source"])
-    count = _append_tokens(folder / TOKENS_FILE, _within_budget(batches, cfg.max_bytes), encode, dtype)
+    count = _append_tokens(folder / TOKENS_FILE, within_budget(batches, cfg.max_bytes), encode, dtype)
     if count == 0:
         raise DataError(f"data.dataset={cfg.dataset!r} holds no text in column {cfg.text_field!r}")
     header.update(tokens=count, complete=True)

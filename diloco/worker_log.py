@@ -62,7 +62,7 @@ class WorkerLog:
         )
         self.started = time.perf_counter() - wall_s_before
         self._window_start, self._window_steps = time.perf_counter(), 0
-        self._process_start, self._first_step = time.perf_counter(), None  # for the ETA
+        self._eta_from: tuple[int, float] | None = None  # (step, time) of this process's first step record
         # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
         self.live: dict = {}
 
@@ -107,11 +107,12 @@ class WorkerLog:
 
     def _eta(self, step: int) -> str:
         """Time left at this process's pace so far (syncs and evaluation included)."""
-        if self._first_step is None:
-            self._first_step, self._process_start = step, time.perf_counter()
+        if self._eta_from is None:
+            self._eta_from = (step, time.perf_counter())
             return "-"
-        done = step - self._first_step
-        seconds = (time.perf_counter() - self._process_start) / done * (self.total_steps - step) if done else 0.0
+        first_step, started = self._eta_from
+        done = step - first_step
+        seconds = (time.perf_counter() - started) / done * (self.total_steps - step) if done else 0.0
         return format_duration(seconds)
 
     def restart_window(self) -> None:

@@ -111,12 +111,17 @@ def probe_roster(cfg: CommConfig, *, timeout_s: float = 10.0) -> dict[int, Roste
     """The live workers of run ``cfg.run_id`` (a newcomer picks its slot from them); empty when
     none answers within ``timeout_s``, which is also what a peer without the run's key sees."""
     with roster_reader(cfg) as read:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            entries = read()
-            if entries or time.monotonic() > deadline:
-                return entries
-            time.sleep(0.5)  # the DHT may need a moment to find the record's holders
+        return first_entries(read, timeout_s)
+
+
+def first_entries(read: Callable[[], dict[int, RosterEntry]], timeout_s: float) -> dict[int, RosterEntry]:
+    """``read()`` again until it finds workers or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = read()
+        if entries or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.5)  # the DHT may need a moment to find the record's holders
 
 
 def visible_addresses(dht) -> list[str]:

@@ -115,6 +115,16 @@ class Roster:
         return len(planned) + len([i for i in live if i >= self.planned])
 
 
+def nobody_answered(run_id: str, peers: list[str], timeout_s: float | None = None) -> str:
+    """Why no roster was found: the one-line error of ``diloco join``, ``diloco status`` and a joining worker."""
+    within = f" within {timeout_s:g} s" if timeout_s is not None else ""
+    return (
+        f"no live worker of run {run_id!r} answered through {', '.join(peers) or 'comm.initial_peers'}{within}: "
+        f"check the address, that the run is still going, its run id (comm.run_id) and its key "
+        f"(comm.run_key or $DILOCO_RUN_KEY)"
+    )
+
+
 def free_slot(entries: dict[int, RosterEntry], slots: int) -> int | None:
     """The lowest worker index in ``range(slots)`` that no live worker holds; None when all are taken."""
     taken = {i for i, entry in entries.items() if not entry.leaving}
