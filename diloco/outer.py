@@ -86,6 +86,9 @@ class OuterStep:
         # the optimizer's state sits beside the global params and never crosses the bus: not pinned
         self.optimizer = build_outer_optimizer(cfg, self.global_params)
         self._copy_back = CopyFence()  # the queued copies of the global params into the model
+        # the last catch-up needed a peer's state and got none: our global params may differ from
+        # those of the group we average with next, which would keep them apart for good
+        self.unsynced = False
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
@@ -166,16 +169,23 @@ class OuterStep:
         round. When the workers outside our group (``group``: its size, dropped members included)
         are fewer than ``peers``, none can have averaged over as many: nothing to fetch.
         ``expected_peers`` is the plan; a transport that tracks who is alive says how many are left.
+        A worker whose last catch-up found no state (``unsynced``) ranks itself below every peer
+        (peers 0) until it takes one: averaging pseudo-gradients in one group does not bring
+        global params that differ back together.
         Returns the round of the state taken (the local params then restart from it), or None."""
         live = backend.expected_peers()
         expected = expected_peers if live is None else live
+        if self.unsynced and expected > 1:
+            peers = 0
         # the fingerprint only tells apart groups of one size, which a round that everyone
         # averaged in cannot have: hashing every global param each round is skipped then
         rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
         backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
         if peers >= expected or expected - max(peers, group) < peers:
+            self.unsynced = False
             return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
+        self.unsynced = found is None
         if found is None:
             logger.warning(
                 "round %d: averaged over %d of %d workers and no peer did better", round_index, peers, expected

@@ -359,6 +359,7 @@ class HivemindBackend(CommBackend):
         def wanted(offered_round: int, rank: StateRank) -> bool:
             return (offered_round == round_index and rank > better_than) or (newer and offered_round > round_index)
 
+        others = self.expected_peers() - 1  # live peers besides us, each of which offers its state
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             offers = self._state_offers()
@@ -372,8 +373,11 @@ class HivemindBackend(CommBackend):
                     if wanted(offered_round, rank) and tensors:
                         state = torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
                         return PeerState(offered_round, rank, state)
-            elif offers and all(r >= round_index for r, _ in offers):
-                return None  # every live peer has finished this round, and none ranks above us
+            elif offers and len(offers) >= others and all(r >= round_index for r, _ in offers):
+                # every live peer has finished this round, and none ranks above us. A peer still in
+                # its outer step has not offered this round yet: wait for it rather than take the
+                # others' offers (a dropped peer's, say) for the whole run
+                return None
             # the others may still be finishing this round's outer step: ask again shortly
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None

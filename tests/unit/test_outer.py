@@ -194,3 +194,27 @@ def test_a_strict_majority_of_the_round_asks_nobody_for_state():
     backend = _Majority(peer_state=outer.state_dict())
     _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=6)
     assert taken == 2 and backend.asked == [(2, 3)]  # 3 others could have averaged as a group of 3
+
+
+def test_a_worker_that_found_no_state_takes_its_groups_state_next_round():
+    """A failed round whose catch-up found nobody leaves the worker's global params apart from the
+    others'. Averaging with them next round would not bring them together, so the worker ranks
+    itself below its group (peers 0) and takes a peer's state even though everyone averaged."""
+
+    class _FailsOnce(_FailingBackend):
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            if round_index == 0:
+                return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+            return SyncResult(ok=True, peers=3, total_weight=3.0, group=3)
+
+    peer = OuterStep([torch.nn.Parameter(torch.tensor([3.0]))], OuterConfig())
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    backend = _FailsOnce()
+    _, taken = outer.sync(backend, weight=1.0, round_index=0, deadline_s=1.0, expected_peers=3)
+    assert taken is None and outer.unsynced
+    backend.peer_state = peer.state_dict()
+    _, taken = outer.sync(backend, weight=1.0, round_index=1, deadline_s=1.0, expected_peers=3)
+    assert taken == 1 and not outer.unsynced and backend.asked == [(0, 1), (1, 0)]
+    torch.testing.assert_close(outer.global_params[0], torch.tensor([3.0]))
+    _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=3)
+    assert taken is None and len(backend.asked) == 2  # in step with its group again: asks nobody
