@@ -30,6 +30,7 @@ ARMS = [
     Arm("m2-h50", 2, 50),
     Arm("m4-h10", 4, 10),
     Arm("m4-h20", 4, 20),
+    Arm("m4-h20-lr1.0", 4, 20, ("outer.lr=1.0",)),
     Arm("m4-h50", 4, 50),
     Arm("m4-h200", 4, 200),
     Arm("m4-h50-fedavg", 4, 50, FEDAVG),
