@@ -7,7 +7,7 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     crash      kill -9 one worker mid-round, restart it ``--outage`` seconds later (same command)
     cut        cut one worker's link for ``--outage`` seconds (testbed; on loopback its processes
                are stopped with SIGSTOP instead, which its peers see the same way)
-    slow       one worker's link at 1/10 of the others' rate (testbed only)
+    slow       one worker's link at 1/10 of the others' rate, each worker declaring its rate (testbed only)
     join       a fifth worker joins at round ``--join-round`` with ``diloco join``
     bad        one worker sends NaN, another 100 x scaled pseudo-gradients
     wrong_key  a peer with the wrong run key tries ``diloco join`` three times, then runs a worker
@@ -189,10 +189,13 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
     try:
         with Cluster(overrides, run_dir, slots=slots, testbed=testbed, run_key=key) as cluster:
             keyed = [f"comm.run_key={key}"] if key else []
-            for i in range(plan.workers):
-                cluster.start(i, _bad_payload(name, i) + keyed)
             mid_round = 2 * plan.sync_every + plan.sync_every // 2
             victim = plan.workers - 1
+            slow = (plan.rate_mbit or 20.0) / 10
+            for i in range(plan.workers):
+                # each worker declares its link rate, as a volunteer on a slow link would
+                rate = [f"comm.bandwidth_mbps={slow if i == victim else plan.rate_mbit:g}"] if name == "slow" else []
+                cluster.start(i, _bad_payload(name, i) + keyed + rate)
             if name == "crash":
                 faulty.add(victim)
                 cluster.wait_for_step(victim, mid_round, plan.timeout_s)
@@ -208,7 +211,6 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 _cut(cluster, testbed, victim, down=False)
             elif name == "slow":
                 faulty.add(victim)
-                slow = (plan.rate_mbit or 20.0) / 10
                 testbed.set_rate(victim, up_mbit=slow, down_mbit=slow)
                 notes.append(f"worker {victim} at {slow:g} Mbit/s")
             elif name == "join":

@@ -184,6 +184,9 @@ class HivemindBackend(CommBackend):
             prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
             target_group_size=self.num_workers,
             min_group_size=2,
+            # a reducer's share of the vector is in proportion to the bandwidth it declares: a slow
+            # link then carries little more than its own contribution (None = the group's average)
+            bandwidth=cfg.bandwidth_mbps or None,
             min_matchmaking_time=cfg.matchmaking_s,
             request_timeout=cfg.request_timeout_s,
             allreduce_timeout=cfg.deadline_s,
