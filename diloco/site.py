@@ -125,8 +125,10 @@ def shard_model(model: nn.Module, site: Site) -> list[torch.Tensor]:
     """Shard ``model`` over the site's ranks with FSDP2 (``fully_shard``): every block of each
     ``nn.ModuleList`` (a transformer's layers) is a unit of its own, gathered just before its
     forward and freed after it, and the root holds the rest (embeddings, the tied head, the
-    final norm). Returns this rank's shards of the params (views: writing into one writes the
-    param), leaving out the empty ones (a param with fewer rows than the site has ranks)."""
+    final norm); each is moved to the site's device as it is sharded, so a model built in host
+    memory never has to fit on the device whole. Returns this rank's shards of the params
+    (views: writing into one writes the param), leaving out the empty ones (a param with fewer
+    rows than the site has ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -81,9 +81,11 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
     # model and optimizers: the same seed gives every worker the same initial params
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, vocab_size=corpus.vocab_size).to(device)
-    # what the outer step averages: all the params, or (sharded) this rank's shards of them
-    synced_local = shard_model(model, site) if sharded else list(model.parameters())
+    model = build_model(cfg.model, vocab_size=corpus.vocab_size)
+    # what the outer step averages: all the params, or (sharded) this rank's shards of them; a sharded
+    # model is built in host memory and FSDP moves each block to the device as it shards it, so the
+    # whole model never has to fit there
+    synced_local = shard_model(model, site) if sharded else list(model.to(device).parameters())
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
     error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
