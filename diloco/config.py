@@ -34,6 +34,8 @@ from diloco.outer import OUTER_OPTIMIZERS, OuterConfig
 from diloco.overlap import OVERLAPS
 from diloco.transfer import GLOBAL_DEVICES
 
+SITE_SHARDINGS = ("ddp", "fsdp")
+
 
 class ConfigError(ValueError):
     """A configuration the user has to fix; the message is one line."""
@@ -53,6 +55,7 @@ class WorkerConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
     device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
     site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; site.py)
+    site_sharding: str = "ddp"  # inside a site: ddp (rank 0 syncs for all) / fsdp (FSDP2; each rank syncs its shard)
     precision: str = "fp32"  # the inner step's forward: fp32 / bf16 (autocast; params and optimizer stay fp32)
     compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys); pays off on a GPU
 
@@ -219,6 +222,9 @@ def _check_hf_extra(cfg: Config) -> None:
 
 def _check_site(cfg: Config) -> None:
     """A site (several ranks as one worker) syncs across sites over hivemind, one blocking round at a time."""
+    sharding = cfg.worker.site_sharding
+    _check(sharding in SITE_SHARDINGS, f"worker.site_sharding={sharding!r} is not one of {', '.join(SITE_SHARDINGS)}")
+    _check(sharding == "ddp" or cfg.worker.site, f"worker.site_sharding={sharding} needs worker.site=true")
     if not cfg.worker.site:
         return
     backend, overlap = cfg.comm.backend, cfg.outer.overlap

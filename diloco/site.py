@@ -2,22 +2,38 @@
 
     torchrun --nproc-per-node 8 -m diloco.cli train CONFIG worker.site=true worker.index=I ...
     SITE=I NPROC=8 bash launch/site.sh CONFIG ...                   # the same, with defaults
+    SITE=I NPROC=8 SHARDING=fsdp bash launch/site.sh CONFIG ...     # a model too big for one device
 
-Inside the site the ranks train one replica data-parallel, as DDP does: each rank takes its
-slice of the site's batch (``inner.batch_size`` sequences a rank, drawn from the site's shard as
-one batch of ``inner.batch_size x ranks``) and the gradients are averaged over the site's fast
-links (gloo on CPU, NCCL on GPU) inside every inner step, before clipping and the update, so
-every rank holds the same params.
+Inside the site the ranks train one replica data-parallel: each rank takes its slice of the
+site's batch (``inner.batch_size`` sequences a rank, drawn from the site's shard as one batch of
+``inner.batch_size x ranks``) and the gradients are averaged over the site's fast links (gloo on
+CPU, NCCL on GPU) inside every inner step, before clipping and the update. How the params are
+held there is ``worker.site_sharding``:
 
-Across sites only rank 0, the leader, talks to the other sites (``SiteBackend``): it averages
-the pseudo-gradient over the run's transport (hivemind) and broadcasts what the transport
-returned (the averaged tensors, the result, any state downloaded from a peer) to the other
-ranks, which then take the very same outer step. Traffic is reduced inside the site first and
-only then sent across sites, never the reverse; the site counts as one worker of the run.
+- ``ddp`` (the default): every rank holds all the params and averages the gradients in one flat
+  all-reduce. Across sites only rank 0, the leader, talks to the other sites (``SiteBackend``):
+  it averages the pseudo-gradient over the run's transport (hivemind) and broadcasts what the
+  transport returned (the averaged tensors, the result, any state downloaded from a peer) to
+  the other ranks, which then take the very same outer step.
+- ``fsdp``: the model is sharded with FSDP2 (``fully_shard``, ``shard_model``), so each rank holds
+  1/ranks of every param (and of the inner optimizer's state), gathers a block's params just
+  before using them and reduce-scatters the gradients in backward; gradient clipping takes the
+  norm over all the shards. Each rank's outer step holds the global copy of its own shards only,
+  and every rank averages its shard's pseudo-gradient with the ranks that hold the same shard in
+  the other sites, over a transport of its own (``ShardedSiteBackend``, under the run id
+  ``<comm.run_id>_shard<r>of<ranks>``): all the site's links carry traffic at once. Every site
+  must then have the same number of ranks (sites of other sizes never meet). The ranks agree
+  on each answer (a round is ok only when every shard's was), so that they take the same
+  decisions. Not supported with fsdp: resuming from a checkpoint, ``diloco join``, and the
+  run's roster under ``comm.run_id`` (``diloco status`` sees each shard's roster, under its own
+  run id, instead).
+
+Either way, traffic is reduced inside the site first and only then sent across sites, never
+the reverse; the site counts as one worker of the run.
 
 Each rank writes its own records (rank 0 into the run directory, rank r into ``rank-<r>/``), so
-that every rank's global params can be checked against the others'. Sharded models (FSDP, each
-rank syncing its own shard across sites) are not supported yet.
+that every rank's global params can be checked against the others' (with fsdp, the hash in a
+rank's records and its checkpoint's global params are those of its shard).
 """
 
 from __future__ import annotations
@@ -25,12 +41,13 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
+from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, SyncResult
 from diloco.config import ConfigError
 
 
@@ -45,6 +62,9 @@ class Site:
         """Join the site's process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ConfigError("worker.site=true runs under torchrun (it sets RANK and WORLD_SIZE): see launch/site.sh")
+        if device.type == "cuda":  # one GPU a rank (NCCL refuses two ranks on one device)
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
@@ -75,6 +95,12 @@ class Site:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value) -> list:
+        """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+        values = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
     def share_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Overwrite ``tensors`` on every rank with the leader's."""
         self._collective(tensors, lambda flat: dist.broadcast(flat, src=0))
@@ -93,6 +119,50 @@ class Site:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def shard_model(model: nn.Module, site: Site) -> list[torch.Tensor]:
+    """Shard ``model`` over the site's ranks with FSDP2 (``fully_shard``): every block of each
+    ``nn.ModuleList`` (a transformer's layers) is a unit of its own, gathered just before its
+    forward and freed after it, and the root holds the rest (embeddings, the tied head, the
+    final norm); each is moved to the site's device as it is sharded, so a model built in host
+    memory never has to fit on the device whole. Returns this rank's shards of the params
+    (views: writing into one writes the param), leaving out the empty ones (a param with fewer
+    rows than the site has ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(site.device.type, (site.size,))
+    blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    for block in reversed(blocks):  # inner blocks before the blocks that hold them
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with torch.no_grad():  # views without autograd history, for the outer step to read and write
+        shards = [param.to_local() for param in model.parameters()]
+    return [shard for shard in shards if shard.numel()]
+
+
+def local_shards(state):
+    """``state`` (nested dicts, lists and tensors) with each DTensor replaced by this rank's shard
+    of it: what a rank of a sharded site checkpoints (its model and inner optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {key: local_shards(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [local_shards(value) for value in state]
+    return state
+
+
+def shard_comm(cfg: CommConfig, site: Site) -> CommConfig:
+    """The transport settings of this rank's shard: a run id of its own (so that only the ranks
+    holding the same shard in other sites group together; the site's size is in it, so sites of
+    other sizes never meet), and with a fixed ``comm.port`` the rank's own port beside it."""
+    return replace(
+        cfg, run_id=f"{cfg.run_id}_shard{site.rank}of{site.size}", port=cfg.port + site.rank if cfg.port else 0
+    )
 
 
 class SiteBackend(CommBackend):
@@ -117,7 +187,7 @@ class SiteBackend(CommBackend):
         return result
 
     def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
-        if self.site.leader:
+        if self.transport is not None:
             self.transport.publish_state(round_index, rank, state)
 
     def fetch_state(
@@ -132,25 +202,56 @@ class SiteBackend(CommBackend):
         return self.site.share(self.transport.expected_peers() if self.site.leader else None)
 
     def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
-        if self.site.leader:
+        if self.transport is not None:
             self.transport.report_progress(round_index, step, stats)
 
     def live_workers(self) -> dict:
         return self.site.share(self.transport.live_workers() if self.site.leader else None)
 
     def leave(self) -> None:
-        if self.site.leader:
+        if self.transport is not None:
             self.transport.leave()
 
     def finish(self) -> None:
-        if self.site.leader:
+        if self.transport is not None:
             self.transport.finish()
 
     @property
     def addresses(self) -> list[str]:
-        return self.transport.addresses if self.site.leader else []
+        return self.transport.addresses if self.transport is not None else []
 
     def shutdown(self) -> None:
         if self.transport is not None:
             self.transport.shutdown()
         self.site.close()
+
+
+class ShardedSiteBackend(SiteBackend):
+    """A sharded site's transports (``worker.site_sharding=fsdp``): every rank averages its own
+    shard over ``transport``, its own (``shard_comm``), with the ranks that hold the same shard
+    in the other sites, all at once. The ranks then agree on what happened, so that they take
+    the same decisions: a round is ok only when every shard's was, over the fewest peers any
+    shard had; a peer's state is taken only when every shard found one of the same round. The
+    roster's answers (who is alive) are the leader's shard's."""
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        result = self.transport.all_reduce_mean(
+            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+        results = self.site.gather(result)
+        return replace(
+            result,  # this rank's traffic, for its records
+            ok=all(r.ok for r in results),
+            peers=min(r.peers for r in results),
+            group=min(r.group for r in results),
+            error=next((r.error for r in results if r.error), ""),
+        )
+
+    def fetch_state(
+        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+    ) -> PeerState | None:
+        found = self.transport.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
+        rounds = set(self.site.gather(None if found is None else found.round))
+        return found if None not in rounds and len(rounds) == 1 else None

@@ -32,7 +32,7 @@ from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
 from diloco.overlap import OverlappedOuter, fragments_for
 from diloco.rounds import RoundClock
-from diloco.site import Site, SiteBackend
+from diloco.site import ShardedSiteBackend, Site, SiteBackend, local_shards, shard_comm, shard_model
 from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,13 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     state (``joining.py``); with ``join`` a live run is required (``JoinError`` when none is found).
     """
     device = _device(cfg.worker.device)
-    # worker.site: this process is one rank of a site (torchrun), data-parallel inside it (site.py)
+    # worker.site: this process is one rank of a site (torchrun), data-parallel inside it (site.py);
+    # sharded (worker.site_sharding=fsdp), each rank holds and syncs a shard of the params
     site = Site.from_torchrun(device, timeout_s=cfg.comm.deadline_s) if cfg.worker.site else None
     ranks, leader = (site.size, site.leader) if site else (1, True)
+    sharded = site is not None and cfg.worker.site_sharding == "fsdp"
+    if sharded and join:
+        raise ConfigError("a sharded site (worker.site_sharding=fsdp) cannot join a live run with diloco join yet")
     device = site.device if site else device
     run_dir = cfg.run_dir if leader else cfg.run_dir / f"rank-{site.rank}"  # each rank's own records
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,11 +81,15 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
     # model and optimizers: the same seed gives every worker the same initial params
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, vocab_size=corpus.vocab_size).to(device)
+    model = build_model(cfg.model, vocab_size=corpus.vocab_size)
+    # what the outer step averages: all the params, or (sharded) this rank's shards of them; a sharded
+    # model is built in host memory and FSDP moves each block to the device as it shards it, so the
+    # whole model never has to fit there
+    synced_local = shard_model(model, site) if sharded else list(model.to(device).parameters())
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
     error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
-    outer = OuterStep(list(model.parameters()), cfg.outer, error_feedback=error_feedback)
+    outer = OuterStep(synced_local, cfg.outer, error_feedback=error_feedback)
     if cfg.worker.compile:  # in place, after the optimizers: same params, same state_dict keys
         model.compile()
     torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
@@ -90,6 +98,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     step, round_index, totals = 0, 0, Totals()
     checkpoints = run_dir / "checkpoints"
     if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
+        if sharded:
+            raise ConfigError(f"a sharded site cannot resume from {checkpoints} yet: start afresh in another run.dir")
         _load_model_state(model, state["model"], checkpoints)
         inner_optimizer.load_state_dict(state["inner_optimizer"])
         outer.load_state_dict(state["outer"])
@@ -102,9 +112,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         save_config(cfg, run_dir / "config.yaml")
 
     backend = None
-    if leader:  # of a site, only the leader talks to the other workers
+    if leader or sharded:  # of a site, only the leader talks to the other workers, unless each syncs a shard
         transport = build_backend(
-            cfg.comm,
+            shard_comm(cfg.comm, site) if sharded else cfg.comm,
             templates=outer.global_params,
             num_workers=cfg.worker.count,
             worker_index=cfg.worker.index,
@@ -114,7 +124,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         )
         backend = with_faults(transport, cfg.faults, cfg.worker.index)
     if site is not None:
-        backend = SiteBackend(site, backend)
+        backend = ShardedSiteBackend(site, backend) if sharded else SiteBackend(site, backend)
     log = WorkerLog(
         cfg.logging if leader else replace(cfg.logging, wandb="disabled"),
         run_dir=run_dir,
@@ -145,7 +155,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
     # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
-    average_gradients = site.gradient_averaging(model) if site is not None else gradient_averaging
+    # (a sharded site's gradients are reduce-scattered by FSDP inside backward)
+    average_gradients = site.gradient_averaging(model) if site is not None and not sharded else gradient_averaging
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
@@ -212,7 +223,10 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             backend.report_progress(round_index, step, log.live)
             clock.start_round()
             param_hash = param_sha256(synced_params)
-            val_loss = _evaluate_once(model, held_out, held_out_hash, param_hash)
+            if sharded:  # its ranks evaluate together (FSDP gathers the params inside forward), never from a cache
+                val_loss = evaluate(model, held_out)
+            else:
+                val_loss = _evaluate_once(model, held_out, held_out_hash, param_hash)
             log.round(
                 round_index,
                 step,
@@ -237,6 +251,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                     "round": round_index,
                     "totals": totals_state(totals, log),
                 }
+                if sharded:  # each rank saves its own shards, as plain tensors
+                    worker_state = local_shards(worker_state)
                 save_checkpoint(checkpoints, cfg.worker.index, round_index, worker_state, keep=cfg.checkpoint.keep)
             check_stop(cfg.faults, cfg.worker.index, round_index)
 

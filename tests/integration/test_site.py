@@ -1,6 +1,7 @@
 """A site: several torchrun ranks acting as one worker (diloco/site.py). Two sites of two ranks
 each (gloo inside, hivemind across, real processes) hold identical global params on all four
-ranks after every round, equal to two single-rank workers with the same global batch."""
+ranks after every round, equal to two single-rank workers with the same global batch; sharded
+with FSDP2, rank r of each site holds the same shard, and the shards gathered equal those params."""
 
 from __future__ import annotations
 
@@ -21,31 +22,36 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 COMMON = [*TINY, "inner.steps=20", "outer.sync_every=10", "checkpoint.every_rounds=1", "checkpoint.keep=5"]
 
 
-def _global_params(run_dir, worker: int, round_index: int) -> torch.Tensor:
+def _global_params(run_dir, worker: int, round_index: int) -> list[torch.Tensor]:
     state = read_checkpoint(run_dir / "checkpoints" / f"worker-{worker}" / f"round-{round_index:06d}.pt")
-    return torch.cat([p.flatten() for p in state["outer"]["global_params"]])
+    return state["outer"]["global_params"]
 
 
-def _run_sites(run_dir, peer: str) -> list[subprocess.Popen]:
+def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.flatten() for p in params])
+
+
+def _run_sites(run_dir, peer: str, extra: list[str]) -> list[subprocess.Popen]:
     sites = []
     for index in range(2):
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "diloco.cli", "train", *COMMON, "worker.site=true", f"worker.index={index}", "worker.count=2",
-            "worker.threads=1", f"run.dir={run_dir}", f"comm.initial_peers=['{peer}']",
+            "worker.threads=1", f"run.dir={run_dir}", f"comm.initial_peers=['{peer}']", *extra,
         ]  # fmt: skip
         log = (run_dir.parent / f"site-{index}.log").open("wb")
         sites.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     return sites
 
 
-def test_two_sites_of_two_ranks_agree_on_every_rank_and_match_single_rank_workers(tmp_path, diloco_cli):
+def _train_two_sites(tmp_path, *extra: str):
+    """Two sites of two ranks each, through a bootstrap peer; returns the run directory."""
     run_dir = tmp_path / "sites"
     run_dir.mkdir()
     bootstrap, peers = start_bootstrap(host="127.0.0.1", timeout_s=60)
     sites = []
     try:
-        sites = _run_sites(run_dir, peers[0])
+        sites = _run_sites(run_dir, peers[0], list(extra))
         codes = [site.wait(timeout=240) for site in sites]
     finally:
         for site in sites:
@@ -54,24 +60,57 @@ def test_two_sites_of_two_ranks_agree_on_every_rank_and_match_single_rank_worker
         stop_all([bootstrap])
     logs = "".join((tmp_path / f"site-{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], logs
+    return run_dir
 
-    # every rank of every site: one hash of the global params per round
-    ranks = [(run_dir, 0), (run_dir, 1), (run_dir / "rank-1", 0), (run_dir / "rank-1", 1)]
+
+def _hashes_by_round(records_of: list[tuple]) -> dict[int, set[str]]:
+    """The param hashes each round's records hold, over the (folder, worker) pairs given."""
     by_round: dict[int, set[str]] = {}
-    for folder, worker in ranks:
+    for folder, worker in records_of:
         for record in read_records(folder, worker):
             if record["event"] == "round":
                 assert record["peers"] == 2, record  # the two sites, each one worker
                 by_round.setdefault(record["round"], set()).add(record["param_sha256"])
-    assert sorted(by_round) == [1, 2] and all(len(hashes) == 1 for hashes in by_round.values()), by_round
+    return by_round
 
-    # two single-rank workers, each with the site's batch (2 ranks x 8 sequences), on the simulator
-    # (which agrees with hivemind to 1e-5: test_simulator.py)
+
+def _single_rank_params(tmp_path, diloco_cli) -> torch.Tensor:
+    """The global params after round 1 of two single-rank workers, each with a site's batch (2 ranks
+    x 8 sequences), on the simulator (which agrees with hivemind to 1e-5: test_simulator.py)."""
     reference = tmp_path / "reference"
     done = diloco_cli(
         "local", "--workers", "2", "--run-dir", str(reference), *COMMON, "inner.batch_size=16", "comm.backend=inproc"
     )
     assert done.returncode == 0, done.stdout[-3000:]
-    site_params, single_params = _global_params(run_dir, 0, 1), _global_params(reference, 0, 1)
+    return _flat(_global_params(reference, 0, 1))
+
+
+def _assert_close(site_params: torch.Tensor, single_params: torch.Tensor) -> None:
     difference = ((site_params - single_params).norm() / single_params.norm()).item()
     assert difference < 1e-5, difference
+
+
+def test_two_sites_of_two_ranks_agree_on_every_rank_and_match_single_rank_workers(tmp_path, diloco_cli):
+    run_dir = _train_two_sites(tmp_path)
+
+    # every rank of every site: one hash of the global params per round
+    by_round = _hashes_by_round([(run_dir, 0), (run_dir, 1), (run_dir / "rank-1", 0), (run_dir / "rank-1", 1)])
+    assert sorted(by_round) == [1, 2] and all(len(hashes) == 1 for hashes in by_round.values()), by_round
+
+    _assert_close(_flat(_global_params(run_dir, 0, 1)), _single_rank_params(tmp_path, diloco_cli))
+
+
+def test_two_sharded_sites_hold_the_same_shards_and_gathered_match_single_rank_workers(tmp_path, diloco_cli):
+    run_dir = _train_two_sites(tmp_path, "worker.site_sharding=fsdp")
+    rank_dirs = [run_dir, run_dir / "rank-1"]
+
+    # rank r of both sites: one hash of its shard per round; the two shards differ
+    shard_hashes = [_hashes_by_round([(folder, 0), (folder, 1)]) for folder in rank_dirs]
+    for by_round in shard_hashes:
+        assert sorted(by_round) == [1, 2] and all(len(hashes) == 1 for hashes in by_round.values()), by_round
+    assert shard_hashes[0][1] != shard_hashes[1][1]
+
+    # site 1's shards, gathered (FSDP2 cuts every param into row blocks, rank 0's first)
+    shards = [_global_params(folder, 1, 1) for folder in rank_dirs]
+    gathered = [torch.cat(rows) for rows in zip(*shards, strict=True)]
+    _assert_close(_flat(gathered), _single_rank_params(tmp_path, diloco_cli))

@@ -94,6 +94,18 @@ def test_a_site_needs_hivemind_and_blocking_rounds(overrides, message):
         load_config(None, ["worker.site=true", *overrides])
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["worker.site=true", "worker.site_sharding=zero3"], "worker.site_sharding='zero3' is not one of ddp, fsdp"),
+        (["worker.site_sharding=fsdp"], "worker.site_sharding=fsdp needs worker.site=true"),
+    ],
+)
+def test_a_site_sharding_is_ddp_or_fsdp_and_only_for_sites(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
 def test_a_bare_key_on_the_command_line_is_the_empty_string():
     assert load_config(None, ["data.path=", "run.dir="]).data.path == ""
     with pytest.raises(ConfigError, match="inner.lr"):
