@@ -39,6 +39,7 @@ rank's records and its checkpoint's global params are those of its shard).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -249,9 +250,24 @@ class ShardedSiteBackend(SiteBackend):
             error=next((r.error for r in results if r.error), ""),
         )
 
+    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+        self.transport.publish_state(round_index, self._site_rank(rank), state)
+
     def fetch_state(
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
     ) -> PeerState | None:
+        better_than = self._site_rank(better_than)
         found = self.transport.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
         rounds = set(self.site.gather(None if found is None else found.round))
         return found if None not in rounds and len(rounds) == 1 else None
+
+    def _site_rank(self, rank: StateRank) -> StateRank:
+        """``rank`` with one fingerprint for the whole site, made from every shard's. Between groups
+        of one size the larger fingerprint wins (``StateRank``); a shard's own fingerprint could make
+        one group win for shard 0 and the other for shard 1, and then no site would take every
+        shard's state. With the site's, every shard picks the same winner."""
+        fingerprints = self.site.gather(rank.fingerprint)
+        if len(set(fingerprints)) == 1:  # none taken (a round everyone averaged in), or already the site's
+            return rank
+        digest = hashlib.sha256(repr(fingerprints).encode()).digest()
+        return replace(rank, fingerprint=int.from_bytes(digest[:3], "big") / (1 << 24))
