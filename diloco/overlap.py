@@ -83,6 +83,7 @@ class Applied:
 
     result: SyncResult
     wait_s: float  # measured; for a simulated transport, the modelled time not hidden by compute
+    recovered: bool = False  # the worker then took a peer's state (OuterStep.catch_up)
 
 
 class OverlappedOuter:
@@ -157,14 +158,14 @@ class OverlappedOuter:
             if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
-            if len(self.fragments) == 1:
-                self._catch_up(flight, result, fresh.get(flight.fragment))
-            applied.append(Applied(result, wait_s))
+            recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
+            applied.append(Applied(result, wait_s, recovered))
         return applied
 
-    def _catch_up(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
+    def _catch_up(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> bool:
         """The blocking round's recovery (``OuterStep.catch_up``) after an applied average, keeping our
-        own progress carried over. One fragment only: a fragment's state is not served on its own yet."""
+        own progress carried over. One fragment only: a fragment's state is not served on its own yet.
+        Returns whether a peer's state was taken."""
         taken = self.outer.catch_up(
             self.backend,
             round_index=flight.round_index,
@@ -174,6 +175,7 @@ class OverlappedOuter:
         )
         if taken is not None:
             self._restart_local(flight.fragment, fresh if self._carries_progress else None)
+        return taken is not None
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""

@@ -200,7 +200,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
             # ---- outer step: every H inner steps (or outer.round_s seconds), and at the end ----
             if data_parallel or overlapped is not None:
-                result, recovered = _merge(window), False
+                result, recovered = _merge(window), any(cost.recovered for cost in window)
                 comm_s = sum(r.comm_s for r in window) + unattributed_comm_s
                 window, unattributed_comm_s = [], 0.0
             else:
@@ -322,7 +322,7 @@ def _overlapped_step(
     for k, average in enumerate(applied):
         share = comm_s if k == 0 else 0.0  # the step's time goes to the first average applied in it
         totals.add_round(average.result, share)
-        costs.append(RoundCost(average.result, share))
+        costs.append(RoundCost(average.result, share, average.recovered))
     if applied:
         return costs, 0.0
     totals.comm_wait_s += comm_s

@@ -40,6 +40,7 @@ class Totals:
 class RoundCost:
     result: SyncResult
     comm_s: float  # the round's communication time (modelled, for a simulated transport)
+    recovered: bool = False  # the worker took a peer's state after it
 
 
 class WorkerLog:

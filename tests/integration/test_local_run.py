@@ -126,8 +126,10 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
     assert summary["workers"] == 2 and summary["failed_workers"] == []
     assert summary["params_agree"], summary["param_sha256"]
     rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
-    assert len(rounds) == 4 and all(r["ok"] for r in rounds), rounds
-    assert all(r["peers"] == 2 for r in rounds[1:]), rounds  # delayed applies nothing in its first round
+    # hivemind sometimes loses part of a round for one worker (under load): it then takes its peer's state
+    assert len(rounds) == 4 and all(r["ok"] or r["recovered"] for r in rounds), rounds
+    # delayed applies nothing in its first round
+    assert all(r["peers"] == 2 or r["recovered"] for r in rounds[1:]), rounds
     if "outer.overlap=streaming" in overlap:
         assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4  # a fragment at a time
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from diloco.checkpoint import read_checkpoint
-from diloco.local import start_bootstrap, stop_all
+from diloco.config import load_config
+from diloco.local import simulate, start_bootstrap, stop_all
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -74,14 +75,14 @@ def _hashes_by_round(records_of: list[tuple]) -> dict[int, set[str]]:
     return by_round
 
 
-def _single_rank_params(tmp_path, diloco_cli) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def single_rank_params(tmp_path_factory) -> torch.Tensor:
     """The global params after round 1 of two single-rank workers, each with a site's batch (2 ranks
-    x 8 sequences), on the simulator (which agrees with hivemind to 1e-5: test_simulator.py)."""
-    reference = tmp_path / "reference"
-    done = diloco_cli(
-        "local", "--workers", "2", "--run-dir", str(reference), *COMMON, "inner.batch_size=16", "comm.backend=inproc"
-    )
-    assert done.returncode == 0, done.stdout[-3000:]
+    x 8 sequences), on the simulator (which agrees with hivemind to 1e-5: test_simulator.py), in
+    this process; both site tests compare with it."""
+    reference = tmp_path_factory.mktemp("reference")
+    cfg = load_config(None, [*COMMON, "inner.batch_size=16", "comm.backend=inproc", f"run.dir={reference}"])
+    simulate(cfg, workers=2)
     return _flat(_global_params(reference, 0, 1))
 
 
@@ -90,17 +91,17 @@ def _assert_close(site_params: torch.Tensor, single_params: torch.Tensor) -> Non
     assert difference < 1e-5, difference
 
 
-def test_two_sites_of_two_ranks_agree_on_every_rank_and_match_single_rank_workers(tmp_path, diloco_cli):
+def test_two_sites_of_two_ranks_agree_on_every_rank_and_match_single_rank_workers(tmp_path, single_rank_params):
     run_dir = _train_two_sites(tmp_path)
 
     # every rank of every site: one hash of the global params per round
     by_round = _hashes_by_round([(run_dir, 0), (run_dir, 1), (run_dir / "rank-1", 0), (run_dir / "rank-1", 1)])
     assert sorted(by_round) == [1, 2] and all(len(hashes) == 1 for hashes in by_round.values()), by_round
 
-    _assert_close(_flat(_global_params(run_dir, 0, 1)), _single_rank_params(tmp_path, diloco_cli))
+    _assert_close(_flat(_global_params(run_dir, 0, 1)), single_rank_params)
 
 
-def test_two_sharded_sites_hold_the_same_shards_and_gathered_match_single_rank_workers(tmp_path, diloco_cli):
+def test_two_sharded_sites_hold_the_same_shards_and_gathered_match_single_rank_workers(tmp_path, single_rank_params):
     run_dir = _train_two_sites(tmp_path, "worker.site_sharding=fsdp")
     rank_dirs = [run_dir, run_dir / "rank-1"]
 
@@ -113,4 +114,4 @@ def test_two_sharded_sites_hold_the_same_shards_and_gathered_match_single_rank_w
     # site 1's shards, gathered (FSDP2 cuts every param into row blocks, rank 0's first)
     shards = [_global_params(folder, 1, 1) for folder in rank_dirs]
     gathered = [torch.cat(rows) for rows in zip(*shards, strict=True)]
-    _assert_close(_flat(gathered), _single_rank_params(tmp_path, diloco_cli))
+    _assert_close(_flat(gathered), single_rank_params)
