@@ -12,6 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread, here and in every process a test starts (they inherit the environment):
+# the tests' models are tiny, and on a 2-core machine running several processes at once, torch's
+# default of a thread a core makes them wait on each other (a one-worker run of TINY took 28 s
+# with 2 threads beside one busy process, 3.4 s with 1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 # a model and corpus small enough that 4 workers train a few rounds in well under a minute
 TINY = [
