@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# One intra-op thread, here and in every process a test starts (they inherit the environment):
-# the tests' models are tiny, and on a 2-core machine running several processes at once, torch's
-# default of a thread a core makes them wait on each other (a one-worker run of TINY took 28 s
-# with 2 threads beside one busy process, 3.4 s with 1).
+# One intra-op thread, here and in every process a test starts (they inherit the environment;
+# TINY sets worker.threads=1 for the commands that would set their own): the tests' models are
+# tiny, and on a 2-core machine running several processes at once, 2 threads a process make them
+# spin-wait on each other (a one-worker run of TINY took 28 s with 2 threads beside one busy
+# process, 3.4 s with 1; a short compression benchmark 190 s against 33 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
@@ -36,6 +37,7 @@ TINY = [
     "comm.matchmaking_s=20",
     "comm.request_timeout_s=2",
     "comm.deadline_s=90",
+    "worker.threads=1",
 ]
 
 
