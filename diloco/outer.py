@@ -145,6 +145,7 @@ class OuterStep:
         return result, self.catch_up(
             backend,
             round_index=round_index,
+            failed=not result.ok,
             peers=peers,
             group=result.group if result.ok else 0,
             expected_peers=expected_peers,
@@ -162,6 +163,7 @@ class OuterStep:
         timeout_s: float,
         group: int = 0,
         newer: bool = False,
+        failed: bool = False,
     ) -> int | None:
         """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
         if fewer than expected took part, take the state of a peer that ranks higher (a bigger
@@ -169,23 +171,26 @@ class OuterStep:
         round. When the workers outside our group (``group``: its size, dropped members included)
         are fewer than ``peers``, none can have averaged over as many: nothing to fetch.
         ``expected_peers`` is the plan; a transport that tracks who is alive says how many are left.
-        A worker whose last catch-up found no state (``unsynced``) ranks itself below every peer
-        (peers 0) until it takes one: averaging pseudo-gradients in one group does not bring
-        global params that differ back together.
+        A worker whose round ``failed`` (it applied its own pseudo-gradient) and whose catch-up
+        found no state is ``unsynced``: its global params may differ from the others'. It ranks
+        itself below every peer (peers 0) until it takes a state, since averaging pseudo-gradients
+        in one group does not bring global params that differ back together. (The winner of a
+        split round also finds nobody better, but its round did not fail: it is in step.)
         Returns the round of the state taken (the local params then restart from it), or None."""
         live = backend.expected_peers()
         expected = expected_peers if live is None else live
-        if self.unsynced and expected > 1:
+        demoted = self.unsynced and expected > 1
+        if demoted:
             peers = 0
         # the fingerprint only tells apart groups of one size, which a round that everyone
         # averaged in cannot have: hashing every global param each round is skipped then
         rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
         backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
-        if peers >= expected or expected - max(peers, group) < peers:
+        if not demoted and (peers >= expected or expected - max(peers, group) < peers):
             self.unsynced = False
             return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
-        self.unsynced = found is None
+        self.unsynced = found is None and (failed or demoted)
         if found is None:
             logger.warning(
                 "round %d: averaged over %d of %d workers and no peer did better", round_index, peers, expected

@@ -169,6 +169,7 @@ class OverlappedOuter:
         taken = self.outer.catch_up(
             self.backend,
             round_index=flight.round_index,
+            failed=not result.ok,
             peers=result.peers if result.ok else min(result.peers, 1),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,

@@ -232,8 +232,9 @@ class ShardedSiteBackend(SiteBackend):
     shard over ``transport``, its own (``shard_comm``), with the ranks that hold the same shard
     in the other sites, all at once. The ranks then agree on what happened, so that they take
     the same decisions: a round is ok only when every shard's was, over the fewest peers any
-    shard had; a peer's state is taken only when every shard found one of the same round. The
-    roster's answers (who is alive) are the leader's shard's."""
+    shard had; a peer's state is taken only when every shard found the state of one site (one
+    round, one site rank: ``_site_rank``). The roster's answers (who is alive) are the leader's
+    shard's."""
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
@@ -258,8 +259,9 @@ class ShardedSiteBackend(SiteBackend):
     ) -> PeerState | None:
         better_than = self._site_rank(better_than)
         found = self.transport.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
-        rounds = set(self.site.gather(None if found is None else found.round))
-        return found if None not in rounds and len(rounds) == 1 else None
+        # every shard must have taken the state of one site: one round, one site rank (its fingerprint)
+        taken = set(self.site.gather(None if found is None else (found.round, found.rank)))
+        return found if None not in taken and len(taken) == 1 else None
 
     def _site_rank(self, rank: StateRank) -> StateRank:
         """``rank`` with one fingerprint for the whole site, made from every shard's. Between groups

@@ -48,7 +48,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     device = _device(cfg.worker.device)
     # worker.site: this process is one rank of a site (torchrun), data-parallel inside it (site.py);
     # sharded (worker.site_sharding=fsdp), each rank holds and syncs a shard of the params
-    site = Site.from_torchrun(device, timeout_s=cfg.comm.deadline_s) if cfg.worker.site else None
+    # the site's collectives wait for its slowest rank's round: a deadline, a download, and margin
+    site_timeout_s = 2 * cfg.comm.deadline_s + cfg.comm.matchmaking_s + 30
+    site = Site.from_torchrun(device, timeout_s=site_timeout_s) if cfg.worker.site else None
     ranks, leader = (site.size, site.leader) if site else (1, True)
     sharded = site is not None and cfg.worker.site_sharding == "fsdp"
     if sharded and join:

@@ -194,7 +194,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
             slow = (plan.rate_mbit or 20.0) / 10
             for i in range(plan.workers):
                 # each worker declares its link rate, as a volunteer on a slow link would
-                rate = [f"comm.bandwidth_mbps={slow if i == victim else plan.rate_mbit:g}"] if name == "slow" else []
+                rate = [f"comm.bandwidth_mbps={slow if i == victim else slow * 10:g}"] if name == "slow" else []
                 cluster.start(i, _bad_payload(name, i) + keyed + rate)
             if name == "crash":
                 faulty.add(victim)

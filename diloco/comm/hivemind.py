@@ -362,10 +362,10 @@ class HivemindBackend(CommBackend):
         def wanted(offered_round: int, rank: StateRank) -> bool:
             return (offered_round == round_index and rank > better_than) or (newer and offered_round > round_index)
 
-        others = self.expected_peers() - 1  # live peers besides us, each of which offers its state
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             offers = self._state_offers()
+            others = self._live_others()
             if any(wanted(r, rank) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
                 found = self._averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
@@ -397,6 +397,15 @@ class HivemindBackend(CommBackend):
             r < last_round or (r == last_round and o < rank) for r, o in self._state_offers()
         ):
             time.sleep(0.5)
+
+    def _live_others(self) -> int:
+        """Live workers besides us, from their roster records (a planned worker never seen is not
+        waited for). Each offers its state, except one in client mode, which serves none."""
+        try:
+            return sum(1 for entry in self.roster.entries().values() if not entry.leaving) - 1
+        except Exception:  # the DHT did not answer: wait for nobody in particular
+            logger.debug("roster read failed", exc_info=True)
+            return 0
 
     def _state_offers(self) -> list[tuple[int, StateRank]]:
         """(round, rank) of the state each other live peer offers, from the priorities it declares on the DHT."""

@@ -218,3 +218,19 @@ def test_a_worker_that_found_no_state_takes_its_groups_state_next_round():
     torch.testing.assert_close(outer.global_params[0], torch.tensor([3.0]))
     _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=3)
     assert taken is None and len(backend.asked) == 2  # in step with its group again: asks nobody
+
+
+def test_the_winner_of_a_split_round_finds_nobody_better_and_stays_in_step():
+    """Two groups of 2 out of 4: the winning group's members find nobody better. Their round did
+    not fail, so they are in step, not unsynced: the next round asks nobody for a state."""
+
+    class _Split(_FailingBackend):
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            return SyncResult(ok=True, peers=2 if round_index == 0 else 4, total_weight=2.0, group=2)
+
+    backend = _Split()  # no peer state: nobody ranks above the winner
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    _, taken = outer.sync(backend, weight=1.0, round_index=0, deadline_s=1.0, expected_peers=4)
+    assert taken is None and not outer.unsynced and backend.asked == [(0, 2)]
+    outer.sync(backend, weight=1.0, round_index=1, deadline_s=1.0, expected_peers=4)
+    assert backend.asked == [(0, 2)]  # everyone averaged in round 1: no download

@@ -30,7 +30,7 @@ def _backend(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> 
     reads = iter(offers_over_time)
     last = offers_over_time[-1]
     backend._state_offers = lambda: next(reads, last)
-    backend.expected_peers = lambda: live
+    backend._live_others = lambda: live - 1
     return backend
 
 
