@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import CommBackend, StateRank, SyncResult
+from diloco.comm.base import CommBackend, StateRank, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.transfer import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
 
@@ -213,7 +213,7 @@ class OuterStep:
         digest = hashlib.sha256()
         for param in self.global_params:
             digest.update(param.detach().cpu().numpy().tobytes())
-        return int.from_bytes(digest.digest()[:3], "big") / (1 << 24)
+        return fingerprint_of(digest.digest())
 
     def state_dict(self) -> dict:
         """On the CPU whatever ``outer.global_device`` is: checkpoints and peers' downloads load anywhere."""

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, SyncResult
+from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, SyncResult, fingerprint_of
 from diloco.config import ConfigError
 
 
@@ -272,4 +272,4 @@ class ShardedSiteBackend(SiteBackend):
         if len(set(fingerprints)) == 1:  # none taken (a round everyone averaged in), or already the site's
             return rank
         digest = hashlib.sha256(repr(fingerprints).encode()).digest()
-        return replace(rank, fingerprint=int.from_bytes(digest[:3], "big") / (1 << 24))
+        return replace(rank, fingerprint=fingerprint_of(digest))

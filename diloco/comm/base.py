@@ -72,6 +72,12 @@ class StateRank:
     fingerprint: float = 0.0  # in [0, 1): from the hash of the global params, the same across a group
 
 
+def fingerprint_of(digest: bytes) -> float:
+    """A ``StateRank`` fingerprint in [0, 1) from a hash digest (its first 24 bits: exact in the
+    float that carries a state's download priority, see comm/hivemind.py)."""
+    return int.from_bytes(digest[:3], "big") / (1 << 24)
+
+
 @dataclass
 class PeerState:
     """A state downloaded from a peer: after which round, how it ranked, and the state itself."""
