@@ -190,6 +190,7 @@ def _check_overlap(outer: OuterConfig) -> None:
 
 def _check_data(data: DataConfig) -> None:
     _check(0 < data.val_fraction < 1, f"data.val_fraction={data.val_fraction} must be in (0, 1)")
+    _check(data.shard_chunk >= 0, f"data.shard_chunk={data.shard_chunk} must be >= 0 (0 = contiguous shards)")
     _check(not (data.path and data.dataset), "set one of data.path (text files) and data.dataset (a HF dataset)")
     has_glob = any(char in data.dataset for char in "*?[")
     _check(

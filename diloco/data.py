@@ -47,6 +47,7 @@ class DataConfig:
     tokenizer: str = ""  # a local tokenizer (folder saved by save_pretrained, or a tokenizer.json); "" = byte-level
     val_fraction: float = 0.1  # last fraction of the corpus held out for validation
     max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
+    shard_chunk: int = 0  # tokens: deal chunks of this size round-robin to the workers; 0 = one contiguous region each
     token_cache: str = ""  # folder: stream data.dataset once into a memory-mapped token file there; "" = in memory
 
 
@@ -168,6 +169,21 @@ def shard_bounds(n_tokens: int, shard_index: int, num_shards: int) -> tuple[int,
     return n_tokens * shard_index // num_shards, n_tokens * (shard_index + 1) // num_shards
 
 
+def shard_regions(n_tokens: int, shard_index: int, num_shards: int, chunk: int = 0) -> tuple[torch.Tensor, int]:
+    """The starts of shard ``shard_index``'s regions, all of one length: ``(starts, length)``.
+
+    With ``chunk == 0`` a shard is one contiguous region (``shard_bounds``). Otherwise the tokens are
+    cut into chunks of ``chunk`` tokens, dealt round-robin (chunk ``i`` to shard ``i % num_shards``),
+    so each shard samples the whole corpus rather than one stretch of it (a quarter of a book is not
+    like the book); the tail shorter than a chunk is left out. A corpus with fewer than
+    ``num_shards`` whole chunks falls back to contiguous regions.
+    """
+    start, end = shard_bounds(n_tokens, shard_index, num_shards)
+    if chunk <= 0 or n_tokens // chunk < num_shards:
+        return torch.tensor([start]), end - start
+    return torch.arange(shard_index, n_tokens // chunk, num_shards) * chunk, chunk
+
+
 def _windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     # One gather instead of a Python loop over rows: [batch, block_size + 1] offsets.
     rows = tokens[starts[:, None] + torch.arange(block_size + 1)].long()
@@ -175,12 +191,13 @@ def _windows(tokens: torch.Tensor, starts: torch.Tensor, block_size: int) -> tup
 
 
 class ShardSampler:
-    """Random training windows from one worker's disjoint region of the train tokens.
+    """Random training windows from one worker's disjoint share of the train tokens.
 
-    Every window of ``block_size + 1`` tokens lies inside region ``shard_index``, so two workers
-    never train on the same tokens. The draw order depends only on ``(seed, shard_index)`` and
-    the number of batches drawn, and ``state_dict`` captures it so a resumed worker continues
-    with exactly the batches it would have seen.
+    Every window of ``block_size + 1`` tokens lies inside one region of shard ``shard_index``
+    (``shard_regions``: one contiguous stretch, or chunks dealt round-robin), so two workers never
+    train on the same tokens. The draw order depends only on ``(seed, shard_index)`` and the number
+    of batches drawn, and ``state_dict`` captures it so a resumed worker continues with exactly the
+    batches it would have seen.
     """
 
     def __init__(
@@ -192,15 +209,17 @@ class ShardSampler:
         shard_index: int,
         num_shards: int,
         seed: int,
+        chunk: int = 0,
     ) -> None:
         if block_size <= 0 or batch_size <= 0:
             raise ValueError(f"block_size and batch_size must be positive, got {block_size}, {batch_size}")
-        self.start, self.end = shard_bounds(len(tokens), shard_index, num_shards)
-        if self.end - self.start < block_size + 1:
+        self.starts, self.length = shard_regions(len(tokens), shard_index, num_shards, chunk)
+        if self.length < block_size + 1:
             raise DataError(
-                f"corpus too small: shard {shard_index} of {num_shards} holds "
-                f"{self.end - self.start} train tokens, fewer than block_size + 1 = {block_size + 1}; "
-                f"use a larger corpus (data.path, data.dataset) or data.max_bytes, fewer workers, or a shorter block"
+                f"corpus too small: shard {shard_index} of {num_shards} has regions of "
+                f"{self.length} train tokens, fewer than block_size + 1 = {block_size + 1}; "
+                f"use a larger corpus (data.path, data.dataset) or data.max_bytes, fewer workers, "
+                f"a shorter block, or a larger data.shard_chunk"
             )
         self.tokens = tokens
         self.block_size = block_size
@@ -208,6 +227,7 @@ class ShardSampler:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.seed = seed
+        self.chunk = chunk
         self.batches_drawn = 0
         self.generator = torch.Generator()
         # Mix the shard into the seed so workers draw different (as well as disjoint) windows.
@@ -215,8 +235,13 @@ class ShardSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)``: int64 [batch_size, block_size], ``y`` is ``x`` shifted left by one."""
-        # Highest start so that start + block_size + 1 <= end (randint's high is exclusive).
-        starts = torch.randint(self.start, self.end - self.block_size, (self.batch_size,), generator=self.generator)
+        # Offsets so that offset + block_size + 1 <= length (randint's high is exclusive).
+        offsets = torch.randint(0, self.length - self.block_size, (self.batch_size,), generator=self.generator)
+        if len(self.starts) == 1:
+            starts = self.starts + offsets
+        else:  # regions of equal length: a uniform region, then a uniform offset, is a uniform window
+            region = torch.randint(0, len(self.starts), (self.batch_size,), generator=self.generator)
+            starts = self.starts[region] + offsets
         self.batches_drawn += 1
         return _windows(self.tokens, starts, self.block_size)
 
@@ -227,14 +252,15 @@ class ShardSampler:
             "shard_index": self.shard_index,
             "num_shards": self.num_shards,
             "seed": self.seed,
+            "chunk": self.chunk,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("shard_index", "num_shards", "seed"):
-            if state[key] != getattr(self, key):
+        for key in ("shard_index", "num_shards", "seed", "chunk"):
+            if state.get(key, 0) != getattr(self, key):
                 raise ValueError(
-                    f"sampler state was saved with {key}={state[key]}, this sampler has "
-                    f"{key}={getattr(self, key)}; resume with the same worker layout and seed"
+                    f"sampler state was saved with {key}={state.get(key, 0)}, this sampler has "
+                    f"{key}={getattr(self, key)}; resume with the same worker layout, seed and data.shard_chunk"
                 )
         self.generator.set_state(state["generator"])
         self.batches_drawn = int(state["batches_drawn"])

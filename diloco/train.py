@@ -71,6 +71,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         shard_index=cfg.worker.index,
         num_shards=cfg.worker.shards,
         seed=cfg.seed,
+        chunk=cfg.data.shard_chunk,
     )
     held_out = val_batches(
         corpus.val,

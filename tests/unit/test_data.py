@@ -11,6 +11,7 @@ from diloco.data import (
     evaluate,
     load_corpus,
     shard_bounds,
+    shard_regions,
     val_batches,
 )
 from diloco.model import ModelConfig, build_model
@@ -49,6 +50,32 @@ def test_workers_draw_windows_only_from_their_own_disjoint_region():
     assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
 
 
+def test_chunked_shards_are_dealt_round_robin_and_windows_stay_inside_one_chunk():
+    tokens, chunk = _positions(3000), 100  # 30 chunks: shard s holds chunks s, s + 3, s + 6, ...
+    seen = []
+    for shard in range(3):
+        starts, length = shard_regions(len(tokens), shard, 3, chunk)
+        assert length == chunk and starts.tolist() == list(range(shard * chunk, 3000, 3 * chunk))
+        sampler = ShardSampler(
+            tokens, block_size=BLOCK, batch_size=16, shard_index=shard, num_shards=3, seed=0, chunk=chunk
+        )
+        covered = set()
+        for _ in range(50):
+            x, y = sampler.next_batch()
+            window = torch.cat([x, y[:, -1:]], dim=1)
+            assert ((window // chunk) % 3 == shard).all()  # every token from one of this shard's chunks
+            assert (window[:, 0] // chunk == window[:, -1] // chunk).all()  # never across a chunk's end
+            covered |= set((window[:, 0] // chunk).tolist())
+        assert len(covered) == 10  # spread over the whole corpus, not one stretch of it
+        seen.append(covered)
+    assert not (seen[0] & seen[1] or seen[1] & seen[2] or seen[0] & seen[2])
+
+
+def test_a_corpus_of_fewer_chunks_than_workers_falls_back_to_contiguous_shards():
+    starts, length = shard_regions(1000, 1, 4, chunk=400)  # 2 whole chunks for 4 workers
+    assert (starts.tolist(), length) == ([250], 250) == (shard_regions(1000, 1, 4)[0].tolist(), 250)
+
+
 def test_targets_are_inputs_shifted_by_one():
     x, y = _sampler(_positions(3000), 1).next_batch()
     assert x.dtype == y.dtype == torch.int64
@@ -83,10 +110,13 @@ def test_resumed_sampler_continues_with_exactly_the_next_batches():
     assert resumed.batches_drawn == original.batches_drawn == 8
 
 
-def test_loading_state_from_another_shard_is_refused():
+def test_loading_state_from_another_shard_or_chunking_is_refused():
     tokens = _positions(3000)
     with pytest.raises(ValueError, match="shard_index"):
         _sampler(tokens, 0).load_state_dict(_sampler(tokens, 1).state_dict())
+    chunked = ShardSampler(tokens, block_size=BLOCK, batch_size=16, shard_index=0, num_shards=3, seed=0, chunk=100)
+    with pytest.raises(ValueError, match="shard_chunk"):
+        _sampler(tokens, 0).load_state_dict(chunked.state_dict())
 
 
 def test_shard_shorter_than_one_window_raises_data_error():
