@@ -55,8 +55,15 @@ def catch_up_with_run(
     if not align_step:
         logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round)
         return step, round_index
-    in_round = [e.step for e in others.values() if e.round == round_index]
     round_start = round_index * sync_every
+    if round_start >= cfg.inner.steps:  # the peers are past their last round, not yet gone
+        logger.warning(
+            "worker %d took the state after round %d from a peer, the run's last: nothing is left to train",
+            cfg.worker.index,
+            taken_round,
+        )
+        return cfg.inner.steps, round_index
+    in_round = [e.step for e in others.values() if e.round == round_index]
     step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)
     logger.warning(
         "worker %d took the state after round %d from a peer; starts round %d at step %d",

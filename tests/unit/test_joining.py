@@ -1,0 +1,54 @@
+"""Unit tests for diloco.joining.catch_up_with_run: where a worker that starts behind a live run
+begins (the transport is scripted; the real one is exercised in tests/integration/test_volunteer.py)."""
+
+from __future__ import annotations
+
+from diloco.comm.base import PeerState, StateRank
+from diloco.comm.roster import RosterEntry
+from diloco.config import load_config
+from diloco.joining import catch_up_with_run
+
+
+class _Outer:
+    def __init__(self) -> None:
+        self.loaded = None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+class _Backend:
+    """Live peers at ``round`` (rounds completed) and ``step``, serving the state after ``served``."""
+
+    def __init__(self, *, round: int, step: int, served: int) -> None:
+        self.others = {i: RosterEntry(index=i, round=round, step=step) for i in (0, 1)}
+        self.served = served
+        self.progress = []
+
+    def live_workers(self) -> dict:
+        return self.others
+
+    def fetch_state(self, after_round, *, better_than, timeout_s, newer):
+        return PeerState(round=self.served, rank=StateRank(2), state={"round": self.served})
+
+    def report_progress(self, round_index: int, step: int, stats=None) -> None:
+        self.progress.append((round_index, step))
+
+
+def _catch_up(backend: _Backend, outer: _Outer, *, step: int, round_index: int) -> tuple[int, int]:
+    cfg = load_config(None, ["worker.count=3", "worker.index=2", "outer.sync_every=20", "inner.steps=200"])
+    return catch_up_with_run(outer, backend, step, round_index, cfg=cfg, required=False, align_step=True)
+
+
+def test_a_restart_behind_the_run_takes_the_state_and_starts_where_the_others_are():
+    backend, outer = _Backend(round=5, step=110, served=4), _Outer()  # rounds 0-4 done, 10 steps into round 5
+    assert _catch_up(backend, outer, step=40, round_index=2) == (110, 5)
+    assert outer.loaded == {"round": 4} and backend.progress == [(5, 110)]
+
+
+def test_a_restart_that_finds_the_runs_final_state_has_nothing_left_to_train():
+    # the peers finished their last round (10 of 200 / 20) and have not left yet: the restart takes
+    # that state and ends with it, rather than training one more step and averaging alone
+    backend, outer = _Backend(round=10, step=200, served=9), _Outer()
+    assert _catch_up(backend, outer, step=40, round_index=2) == (200, 10)
+    assert outer.loaded == {"round": 9}
