@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
     quality.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
     quality.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
-    quality.add_argument("--seeds", type=int, default=3)
+    quality.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    quality.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     quality.add_argument("--arms", help="comma-separated arm names (default: all)")
     quality.add_argument("--out", default="runs/bench-quality", help="output folder")
     quality.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
@@ -146,7 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     compression.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
     compression.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
     compression.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
-    compression.add_argument("--seeds", type=int, default=3)
+    compression.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    compression.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     compression.add_argument("--out", default="runs/bench-compression", help="output folder")
     compression.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
     compression.add_argument("--device", default="auto", help="cpu / cuda / auto")
@@ -154,6 +156,13 @@ def _parser() -> argparse.ArgumentParser:
         "--speed-values", type=int, default=10_000_000, help="values in the codec speed test (default 10M)"
     )
     return parser
+
+
+def _seeds(args: argparse.Namespace) -> range:
+    """The seeds a training benchmark runs: ``--seeds`` of them from ``--first-seed``."""
+    if args.seeds < 1 or args.first_seed < 0:
+        raise UsageError(f"--seeds {args.seeds} --first-seed {args.first_seed}: need at least one seed, from 0 up")
+    return range(args.first_seed, args.first_seed + args.seeds)
 
 
 def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -384,7 +393,7 @@ def _cmd_bench(args) -> int:
         return run_compression_benchmark(
             data=args.data,
             steps=args.steps,
-            seeds=args.seeds,
+            seeds=_seeds(args),
             out=Path(args.out),
             jobs=args.jobs,
             device=args.device,
@@ -396,7 +405,7 @@ def _cmd_bench(args) -> int:
     return run_quality_benchmark(
         data=args.data,
         steps=args.steps,
-        seeds=args.seeds,
+        seeds=_seeds(args),
         arms=args.arms.split(",") if args.arms else None,
         out=Path(args.out),
         jobs=args.jobs,

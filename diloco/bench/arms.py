@@ -126,7 +126,7 @@ def run_arms(
     *,
     data_path: str,
     steps: int,
-    seeds: int,
+    seeds: Sequence[int],
     out: Path,
     jobs: int,
     device: str,
@@ -139,14 +139,15 @@ def run_arms(
     Returns the last results and the runs."""
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
-    todo = [(arm, seed, data_path, steps, out, device, threads, overrides) for seed in range(seeds) for arm in arms]
+    todo = [(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]
     todo.sort(key=lambda job: (job[0].name not in first, job[1]))
     print(
-        f"{title}: {len(arms)} arms x {seeds} seeds, {steps} inner steps, global batch {GLOBAL_BATCH}, "
+        f"{title}: {len(arms)} arms x seeds {', '.join(map(str, seeds))}, {steps} inner steps, "
+        f"global batch {GLOBAL_BATCH}, "
         f"data {data_path or 'embedded corpus'}, device {device}, {jobs} at a time",
         flush=True,
     )
-    config = {"steps": steps, "seeds": seeds, "global_batch": GLOBAL_BATCH, "data": data_path, "device": device}
+    config = {"steps": steps, "seeds": list(seeds), "global_batch": GLOBAL_BATCH, "data": data_path, "device": device}
     config["overrides"] = overrides
     runs: list[dict] = []
     results: dict = {}
@@ -193,11 +194,12 @@ def loss_ratio(row: dict, base: dict) -> float | None:
     return statistics.mean(a / b for a, b in pairs) if pairs else None
 
 
-def plot_seed0(runs: list[dict], path: Path, axes: tuple[str, ...]) -> None:
-    """Validation loss of every arm's seed-0 run against ``axes``."""
+def plot_first_seed(runs: list[dict], path: Path, axes: tuple[str, ...]) -> None:
+    """Validation loss of every arm's run of the lowest seed against ``axes``."""
     from diloco.plot import load_curve, plot_curves
 
-    curves = [load_curve(Path(r["run_dir"])) for r in runs if r["seed"] == 0]
+    first = min(r["seed"] for r in runs)
+    curves = [load_curve(Path(r["run_dir"])) for r in runs if r["seed"] == first]
     for curve in curves:
-        curve["name"] = curve["name"].removesuffix("-seed0")
+        curve["name"] = curve["name"].removesuffix(f"-seed{first}")
     plot_curves(curves, path, axes=axes)

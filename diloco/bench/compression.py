@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from diloco.bench.arms import COMMON, Arm, default_data, loss_ratio, plot_seed0, rows_by_arm, run_arms
+from diloco.bench.arms import COMMON, Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 from diloco.compression import CODECS
 
 WORKERS, SYNC_EVERY = 4, 50
@@ -99,7 +99,7 @@ def run_compression_benchmark(
     *,
     data: str | None,
     steps: int,
-    seeds: int,
+    seeds: range,
     out: Path,
     jobs: int,
     device: str,
@@ -121,7 +121,7 @@ def run_compression_benchmark(
         collect=_collector(ddp_bytes, speeds),
         first=("dense",),
     )
-    plot_seed0(runs, out / "compression.png", axes=("bytes",))
+    plot_first_seed(runs, out / "compression.png", axes=("bytes",))
     print(_table(results, speeds))
     print(f"DDP would send {ddp_bytes:,} bytes per worker for the same {steps} steps")
     print(f"wrote {out / 'results.json'} and {out / 'compression.png'}")

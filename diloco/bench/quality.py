@@ -20,12 +20,13 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from diloco.bench.arms import Arm, default_data, loss_ratio, plot_seed0, rows_by_arm, run_arms
+from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
 ARMS = [
     Arm("ddp", 4, 0),
     Arm("m1-h50", 1, 50),
+    Arm("m1-h50-lr0.4", 1, 50, ("outer.lr=0.4",)),
     Arm("m2-h20", 2, 20),
     Arm("m2-h50", 2, 50),
     Arm("m4-h10", 4, 10),
@@ -80,7 +81,7 @@ def run_quality_benchmark(
     *,
     data: str | None,
     steps: int,
-    seeds: int,
+    seeds: range,
     arms: list[str] | None,
     out: Path,
     jobs: int,
@@ -106,7 +107,7 @@ def run_quality_benchmark(
         collect=_collect,
         first=CORE_ARMS,
     )
-    plot_seed0(runs, out / "quality.png", axes=("tokens", "bytes"))
+    plot_first_seed(runs, out / "quality.png", axes=("tokens", "bytes"))
     print(_table(results))
     if "nesterov_beats_fedavg_every_seed" in results:
         print(f"Nesterov (m4-h50) beats FedAvg on every seed: {results['nesterov_beats_fedavg_every_seed']}")

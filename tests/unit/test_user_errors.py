@@ -69,3 +69,10 @@ def test_a_site_outside_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "worker.site=true", "inner.steps=2", f"run.dir={tmp_path}"]) == 2
     assert "worker.site=true runs under torchrun" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("seeds", [["--seeds", "0"], ["--first-seed", "-1"]])
+def test_a_benchmark_with_no_seed_to_run_is_one_line(seeds, tmp_path, capsys):
+    assert main(["bench", "quality", *seeds, "--out", str(tmp_path / "q")]) == 2
+    assert "need at least one seed" in _one_error_line(capsys)
+    assert not (tmp_path / "q").exists()
