@@ -51,19 +51,12 @@ def default_data(data: str | None) -> str:
     return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")
 
 
-def _run_one(job: tuple) -> dict:
-    """One arm and seed, in its own process: returns the run's summary."""
-    arm, seed, data_path, steps, out, device, threads, overrides = job
-    import logging
-
-    import torch
-
+def _job_config(job: tuple):
+    """The config of one arm and seed: the workload, the arm's settings, then the user's overrides."""
     from diloco.config import load_config
-    from diloco.local import simulate
 
-    logging.basicConfig(level=logging.WARNING)
-    run_dir = out / f"{arm.name}-seed{seed}"
-    cfg = load_config(
+    arm, seed, data_path, steps, out, device, _threads, overrides = job
+    return load_config(
         None,
         [
             *COMMON,
@@ -71,13 +64,27 @@ def _run_one(job: tuple) -> dict:
             f"inner.steps={steps}",
             f"seed={seed}",
             f"data.path={data_path}",
-            f"run.dir={run_dir}",
+            f"run.dir={out / f'{arm.name}-seed{seed}'}",
             f"run.name={arm.name}",
             f"worker.device={device}",
             f"comm.run_id=q_{arm.name.replace('-', '_').replace('.', '_')}_{seed}",
             *overrides,
         ],
     )
+
+
+def _run_one(job: tuple) -> dict:
+    """One arm and seed, in its own process: returns the run's summary."""
+    arm, seed, _data, _steps, _out, _device, threads, _overrides = job
+    import logging
+
+    import torch
+
+    from diloco.local import simulate
+
+    logging.basicConfig(level=logging.WARNING)
+    cfg = _job_config(job)
+    run_dir = cfg.run_dir
     torch.set_num_threads(cfg.worker.threads or threads)  # worker.threads=N overrides the share of the cores
     started = time.perf_counter()
     summary = finished_summary(cfg)
@@ -120,6 +127,18 @@ def finished_summary(cfg) -> dict | None:
     return summary if finished and saved == wanted else None
 
 
+def _refuse_to_replace_a_finished_run(cfg) -> None:
+    """A run directory that holds a finished run of another config is the user's result: say so
+    rather than train over it (one cut short, without a summary, is started again)."""
+    from diloco.cli import UsageError
+
+    if (cfg.run_dir / "summary.json").exists() and finished_summary(cfg) is None:
+        raise UsageError(
+            f"{cfg.run_dir} holds a finished run of another config (or another --steps); "
+            f"move it away, or choose another --out or --first-seed"
+        )
+
+
 def run_arms(
     title: str,
     arms: Sequence[Arm],
@@ -141,6 +160,8 @@ def run_arms(
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     todo = [(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]
     todo.sort(key=lambda job: (job[0].name not in first, job[1]))
+    for job in todo:
+        _refuse_to_replace_a_finished_run(_job_config(job))
     print(
         f"{title}: {len(arms)} arms x seeds {', '.join(map(str, seeds))}, {steps} inner steps, "
         f"global batch {GLOBAL_BATCH}, "

@@ -1,11 +1,14 @@
 """The benchmarks' runner: a rerun reuses a finished run and restarts one that was cut short
-from scratch, without the old run's records."""
+from scratch, without the old run's records; a finished run of another config is left alone."""
 
 from __future__ import annotations
 
 import json
 
-from diloco.bench.arms import Arm, _run_one
+import pytest
+
+from diloco.bench.arms import Arm, _run_one, run_arms
+from diloco.cli import UsageError
 from tests.conftest import read_records
 
 SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes=100000", "logging.eval_batches=2"]
@@ -21,3 +24,22 @@ def test_a_cut_short_run_restarts_clean_and_a_finished_one_is_reused(tmp_path):
     assert [r["round"] for r in read_records(stale, 0) if r["event"] == "round"] == [1, 2]  # no round 7
     again = _run_one(job)
     assert again["reused"] and again["final_val_loss"] == first["final_val_loss"]
+
+
+def test_a_finished_run_of_another_config_is_refused_not_trained_over(tmp_path):
+    _run_one((Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL))
+    summary = (tmp_path / "m1-h2-seed0" / "summary.json").read_text()
+    with pytest.raises(UsageError, match="holds a finished run of another config"):
+        run_arms(
+            "t",
+            [Arm("m1-h2", 1, 2)],
+            data_path="",
+            steps=4,
+            seeds=range(1),
+            out=tmp_path,
+            jobs=1,
+            device="cpu",
+            overrides=[*SMALL, "inner.lr=5e-4"],
+            collect=lambda runs: {},
+        )
+    assert (tmp_path / "m1-h2-seed0" / "summary.json").read_text() == summary
