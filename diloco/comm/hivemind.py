@@ -153,7 +153,13 @@ class HivemindBackend(CommBackend):
         self._dht_lock = threading.Lock()
         self._dht = start_dht(cfg)
         fragments = fragments or [range(len(templates))]
-        self.roster = Roster(self._dht_call, run_id=cfg.run_id, worker_index=worker_index, planned=num_workers)
+        self.roster = Roster(
+            self._dht_call,
+            run_id=cfg.run_id,
+            worker_index=worker_index,
+            planned=num_workers,
+            serves_state=not cfg.client_mode,
+        )
         try:
             for fragment, indices in enumerate(fragments):
                 self._averagers.append(self._start_averager([templates[i] for i in indices], fragment))
@@ -399,10 +405,13 @@ class HivemindBackend(CommBackend):
             time.sleep(0.5)
 
     def _live_others(self) -> int:
-        """Live workers besides us, from their roster records (a planned worker never seen is not
-        waited for). Each offers its state, except one in client mode, which serves none."""
+        """Live workers besides us that serve their state (not in client mode), from their roster
+        records: the offers to wait for (a planned worker never seen is not waited for)."""
         try:
-            return sum(1 for entry in self.roster.entries().values() if not entry.leaving) - 1
+            entries = self.roster.entries()
+            return sum(
+                1 for i, e in entries.items() if i != self.roster.worker_index and not e.leaving and e.serves_state
+            )
         except Exception:  # the DHT did not answer: wait for nobody in particular
             logger.debug("roster read failed", exc_info=True)
             return 0

@@ -32,15 +32,26 @@ class RosterEntry:
     leaving: bool = False
     written_at: float = 0.0  # DHT time of the record (hivemind.get_dht_time)
     stats: dict = field(default_factory=dict)  # what the worker last reported: loss, tokens_per_s, val_loss
+    serves_state: bool = True  # False for a peer in client mode: it can fetch a state, never serve one
 
 
 class Roster:
     """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)`` under
     the backend's lock (hivemind's DHT handle is not safe to use from two threads at once)."""
 
-    def __init__(self, dht_call, *, run_id: str, worker_index: int, planned: int, ttl_s: float = TTL_S):
+    def __init__(
+        self,
+        dht_call,
+        *,
+        run_id: str,
+        worker_index: int,
+        planned: int,
+        ttl_s: float = TTL_S,
+        serves_state: bool = True,
+    ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
+        self.serves_state = serves_state
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
         self._seen: set[int] = set()
         self._stop = threading.Event()
@@ -77,7 +88,14 @@ class Roster:
         from hivemind.utils import get_dht_time
 
         now = get_dht_time()
-        value = {"round": self._round, "step": self._step, "leaving": self._leaving, "at": now, "stats": self._stats}
+        value = {
+            "round": self._round,
+            "step": self._step,
+            "leaving": self._leaving,
+            "at": now,
+            "stats": self._stats,
+            "serves": self.serves_state,
+        }
         expiration = now + self.ttl_s
         try:
             self._dht_call(
@@ -102,6 +120,7 @@ class Roster:
                         bool(value.get("leaving")),
                         float(value.get("at", 0.0)),
                         stats if isinstance(stats, dict) else {},
+                        bool(value.get("serves", True)),
                     )
         return entries
 

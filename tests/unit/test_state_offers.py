@@ -53,3 +53,22 @@ def test_a_peer_still_in_its_outer_step_is_waited_for_not_taken_as_absent():
 def test_when_every_live_peer_offers_this_round_and_none_ranks_higher_nobody_is_asked():
     backend = _backend([[(0, StateRank(0, 0.1)), (0, StateRank(1, 0.2))]], live=3)
     assert backend.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0) is None
+
+
+def test_only_live_peers_that_serve_state_are_waited_for():
+    from diloco.comm.roster import RosterEntry
+
+    class _Roster:
+        worker_index = 0
+
+        def entries(self):
+            return {
+                0: RosterEntry(0, 3, 60),  # this worker
+                1: RosterEntry(1, 3, 60),
+                2: RosterEntry(2, 3, 60, serves_state=False),  # client mode: offers nothing, ever
+                3: RosterEntry(3, 2, 40, leaving=True),
+            }
+
+    backend = HivemindBackend.__new__(HivemindBackend)
+    backend.roster = _Roster()
+    assert backend._live_others() == 1
