@@ -219,7 +219,13 @@ class ShardSampler:
                 f"corpus too small: shard {shard_index} of {num_shards} has regions of "
                 f"{self.length} train tokens, fewer than block_size + 1 = {block_size + 1}; "
                 f"use a larger corpus (data.path, data.dataset) or data.max_bytes, fewer workers, "
-                f"a shorter block, or a larger data.shard_chunk"
+                f"a shorter block{', or a larger data.shard_chunk' if chunk else ''}"
+            )
+        if chunk > 0 and len(tokens) // chunk < num_shards:
+            logger.warning(
+                "data.shard_chunk=%d: fewer whole chunks than the %d workers; each takes one contiguous stretch",
+                chunk,
+                num_shards,
             )
         self.tokens = tokens
         self.block_size = block_size
@@ -256,10 +262,11 @@ class ShardSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = {"chunk": 0, **state}  # a state saved before data.shard_chunk existed: contiguous shards
         for key in ("shard_index", "num_shards", "seed", "chunk"):
-            if state.get(key, 0) != getattr(self, key):
+            if saved[key] != getattr(self, key):
                 raise ValueError(
-                    f"sampler state was saved with {key}={state.get(key, 0)}, this sampler has "
+                    f"sampler state was saved with {key}={saved[key]}, this sampler has "
                     f"{key}={getattr(self, key)}; resume with the same worker layout, seed and data.shard_chunk"
                 )
         self.generator.set_state(state["generator"])

@@ -62,6 +62,7 @@ def catch_up_with_run(
             cfg.worker.index,
             taken_round,
         )
+        backend.report_progress(round_index, cfg.inner.steps)
         return cfg.inner.steps, round_index
     in_round = [e.step for e in others.values() if e.round == round_index]
     step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)

@@ -160,13 +160,34 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
     # (a sharded site's gradients are reduce-scattered by FSDP inside backward)
     average_gradients = site.gradient_averaging(model) if site is not None and not sharded else gradient_averaging
+
+    def save_worker_state(step: int, round_index: int) -> None:
+        worker_state = {
+            "model": model.state_dict(),
+            "inner_optimizer": inner_optimizer.state_dict(),
+            "outer": outer.state_dict(),
+            "error_feedback": error_feedback.state_dict(),
+            "overlap": overlapped.state_dict() if overlapped is not None else None,
+            "sampler": sampler.state_dict(),
+            "rng": capture_rng_state(),
+            "step": step,
+            "round": round_index,
+            "totals": totals_state(totals, log),
+        }
+        if sharded:  # each rank saves its own shards, as plain tensors
+            worker_state = local_shards(worker_state)
+        save_checkpoint(checkpoints, cfg.worker.index, round_index, worker_state, keep=cfg.checkpoint.keep)
+
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
         if not data_parallel and overlapped is None:
+            behind = round_index
             step, round_index = catch_up_with_run(
                 outer, backend, step, round_index, cfg=cfg, required=join, align_step=not clock.timed
             )
+            if round_index != behind and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
+                save_worker_state(step, round_index)  # took the run's final state: it is this worker's last
         samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
         clock.start_round()
         while clock.running(step, round_index):
@@ -242,21 +263,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
             every = cfg.checkpoint.every_rounds
             if every and (round_index % every == 0 or not clock.running(step, round_index)):
-                worker_state = {
-                    "model": model.state_dict(),
-                    "inner_optimizer": inner_optimizer.state_dict(),
-                    "outer": outer.state_dict(),
-                    "error_feedback": error_feedback.state_dict(),
-                    "overlap": overlapped.state_dict() if overlapped is not None else None,
-                    "sampler": sampler.state_dict(),
-                    "rng": capture_rng_state(),
-                    "step": step,
-                    "round": round_index,
-                    "totals": totals_state(totals, log),
-                }
-                if sharded:  # each rank saves its own shards, as plain tensors
-                    worker_state = local_shards(worker_state)
-                save_checkpoint(checkpoints, cfg.worker.index, round_index, worker_state, keep=cfg.checkpoint.keep)
+                save_worker_state(step, round_index)
             check_stop(cfg.faults, cfg.worker.index, round_index)
 
         backend.finish()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up, then run the lint and the whole test suite (unit + integration with real hivemind
 # peers on loopback), TEST_JOBS test processes at a time (pytest-xdist; default 3: most
-# integration tests wait on the network more than they compute). The 25 slowest tests are
-# listed at the end. Extra arguments go to pytest.
+# integration tests wait on the network more than they compute; the tests that build network
+# testbeds run one at a time, in one process). The 25 slowest tests are listed at the end.
+# Extra arguments go to pytest.
 #
 #   bash launch/test.sh                        # everything
 #   bash launch/test.sh tests/unit -x          # a part
@@ -12,4 +13,4 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
-exec .venv/bin/python -m pytest -q -n "${TEST_JOBS:-3}" --durations=25 "$@"
+exec .venv/bin/python -m pytest -q -n "${TEST_JOBS:-3}" --dist loadgroup --durations=25 "$@"

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 GLOBAL_BATCH = 48
 SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -51,31 +52,42 @@ def default_data(data: str | None) -> str:
     return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")
 
 
-def _job_config(job: tuple):
-    """The config of one arm and seed: the workload, the arm's settings, then the user's overrides."""
-    from diloco.config import load_config
+class Job(NamedTuple):
+    """One arm and seed to run, in ``out/<arm>-seed<seed>``."""
 
-    arm, seed, data_path, steps, out, device, _threads, overrides = job
-    return load_config(
-        None,
-        [
-            *COMMON,
-            *arm.overrides,
-            f"inner.steps={steps}",
-            f"seed={seed}",
-            f"data.path={data_path}",
-            f"run.dir={out / f'{arm.name}-seed{seed}'}",
-            f"run.name={arm.name}",
-            f"worker.device={device}",
-            f"comm.run_id=q_{arm.name.replace('-', '_').replace('.', '_')}_{seed}",
-            *overrides,
-        ],
-    )
+    arm: Arm
+    seed: int
+    data_path: str
+    steps: int
+    out: Path
+    device: str
+    threads: int  # torch threads, unless the overrides set worker.threads
+    overrides: list[str]  # the user's, applied last
+
+    def config(self):
+        """The workload, the arm's settings, then the user's overrides."""
+        from diloco.config import load_config
+
+        arm, seed = self.arm, self.seed
+        return load_config(
+            None,
+            [
+                *COMMON,
+                *arm.overrides,
+                f"inner.steps={self.steps}",
+                f"seed={seed}",
+                f"data.path={self.data_path}",
+                f"run.dir={self.out / f'{arm.name}-seed{seed}'}",
+                f"run.name={arm.name}",
+                f"worker.device={self.device}",
+                f"comm.run_id=q_{arm.name.replace('-', '_').replace('.', '_')}_{seed}",
+                *self.overrides,
+            ],
+        )
 
 
-def _run_one(job: tuple) -> dict:
+def _run_one(job: Job) -> dict:
     """One arm and seed, in its own process: returns the run's summary."""
-    arm, seed, _data, _steps, _out, _device, threads, _overrides = job
     import logging
 
     import torch
@@ -83,9 +95,9 @@ def _run_one(job: tuple) -> dict:
     from diloco.local import simulate
 
     logging.basicConfig(level=logging.WARNING)
-    cfg = _job_config(job)
-    run_dir = cfg.run_dir
-    torch.set_num_threads(cfg.worker.threads or threads)  # worker.threads=N overrides the share of the cores
+    cfg = job.config()
+    arm, seed, run_dir = job.arm, job.seed, cfg.run_dir
+    torch.set_num_threads(cfg.worker.threads or job.threads)  # worker.threads=N overrides the share of the cores
     started = time.perf_counter()
     summary = finished_summary(cfg)
     reused = summary is not None
@@ -156,19 +168,20 @@ def run_arms(
     """Run every arm for every seed (the arms named in ``first`` first, so a run cut short still
     answers them); ``results.json`` (``collect`` of the runs so far) is rewritten after each run.
     Returns the last results and the runs."""
+    seeds = list(seeds)
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
-    todo = [(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]
-    todo.sort(key=lambda job: (job[0].name not in first, job[1]))
+    todo = [Job(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]
+    todo.sort(key=lambda job: (job.arm.name not in first, job.seed))
     for job in todo:
-        _refuse_to_replace_a_finished_run(_job_config(job))
+        _refuse_to_replace_a_finished_run(job.config())
     print(
         f"{title}: {len(arms)} arms x seeds {', '.join(map(str, seeds))}, {steps} inner steps, "
         f"global batch {GLOBAL_BATCH}, "
         f"data {data_path or 'embedded corpus'}, device {device}, {jobs} at a time",
         flush=True,
     )
-    config = {"steps": steps, "seeds": list(seeds), "global_batch": GLOBAL_BATCH, "data": data_path, "device": device}
+    config = {"steps": steps, "seeds": seeds, "global_batch": GLOBAL_BATCH, "data": data_path, "device": device}
     config["overrides"] = overrides
     runs: list[dict] = []
     results: dict = {}

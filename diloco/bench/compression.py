@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench.arms import COMMON, Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
@@ -99,7 +100,7 @@ def run_compression_benchmark(
     *,
     data: str | None,
     steps: int,
-    seeds: range,
+    seeds: Sequence[int],
     out: Path,
     jobs: int,
     device: str,

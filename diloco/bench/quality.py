@@ -18,6 +18,7 @@ one run directory per arm and seed under ``--out``.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
@@ -81,7 +82,7 @@ def run_quality_benchmark(
     *,
     data: str | None,
     steps: int,
-    seeds: range,
+    seeds: Sequence[int],
     arms: list[str] | None,
     out: Path,
     jobs: int,

@@ -19,6 +19,9 @@ from diloco.testbed import _NAME, leftovers, remove_stale, testbed_unavailable
 from tests.conftest import TINY, read_records
 
 needs_root = pytest.mark.skipif(testbed_unavailable() is not None, reason=str(testbed_unavailable()))
+# one test process runs every test that builds a testbed (launch/test.sh: --dist loadgroup): these
+# compare the testbeds that exist before and after, and a testbed's build removes dead owners' leftovers
+pytestmark = pytest.mark.xdist_group("testbed")
 
 SMALL = [*TINY, "model.n_layer=1", "model.n_embd=32", "comm.matchmaking_s=8"]
 

@@ -72,6 +72,7 @@ def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
 
 
 @pytest.mark.skipif(testbed_unavailable() is not None, reason="the testbed needs root and iproute2")
+@pytest.mark.xdist_group("testbed")  # with the testbed's own tests, one at a time (test_testbed.py)
 def test_a_worker_on_a_link_ten_times_slower_holds_no_round_past_its_deadline(tmp_path):
     _check_run(run_scenario("slow", _plan(steps=100, rate_mbit=20.0), tmp_path), steps=100)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from diloco.bench.arms import Arm, _run_one, run_arms
+from diloco.bench.arms import Arm, Job, _run_one, run_arms
 from diloco.cli import UsageError
 from tests.conftest import read_records
 
@@ -15,7 +15,7 @@ SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes
 
 
 def test_a_cut_short_run_restarts_clean_and_a_finished_one_is_reused(tmp_path):
-    job = (Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL)
+    job = Job(Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL)
     stale = tmp_path / "m1-h2-seed0"
     stale.mkdir()
     (stale / "worker-0.jsonl").write_text(json.dumps({"event": "round", "round": 7, "val_loss": 9.0}) + "\n")
@@ -27,7 +27,7 @@ def test_a_cut_short_run_restarts_clean_and_a_finished_one_is_reused(tmp_path):
 
 
 def test_a_finished_run_of_another_config_is_refused_not_trained_over(tmp_path):
-    _run_one((Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL))
+    _run_one(Job(Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL))
     summary = (tmp_path / "m1-h2-seed0" / "summary.json").read_text()
     with pytest.raises(UsageError, match="holds a finished run of another config"):
         run_arms(

@@ -71,6 +71,25 @@ def test_chunked_shards_are_dealt_round_robin_and_windows_stay_inside_one_chunk(
     assert not (seen[0] & seen[1] or seen[1] & seen[2] or seen[0] & seen[2])
 
 
+def test_contiguous_shards_draw_the_very_windows_they_drew_before_chunks_existed():
+    tokens = _positions(3000)
+    start, end = shard_bounds(len(tokens), 1, 3)
+    generator = torch.Generator().manual_seed(1_000_003 + 1)  # seed 1, shard 1, as the sampler mixes them
+    before = torch.randint(start, end - BLOCK, (16,), generator=generator)
+    x, _ = _sampler(tokens, 1, seed=1).next_batch()
+    torch.testing.assert_close(x[:, 0], before)
+
+
+def test_a_sampler_state_saved_before_chunks_existed_resumes_contiguous_shards():
+    tokens = _positions(3000)
+    original = _sampler(tokens, 2)
+    original.next_batch()
+    state = {key: value for key, value in original.state_dict().items() if key != "chunk"}
+    resumed = _sampler(tokens, 2)
+    resumed.load_state_dict(state)
+    torch.testing.assert_close(resumed.next_batch(), original.next_batch())
+
+
 def test_a_corpus_of_fewer_chunks_than_workers_falls_back_to_contiguous_shards():
     starts, length = shard_regions(1000, 1, 4, chunk=400)  # 2 whole chunks for 4 workers
     assert (starts.tolist(), length) == ([250], 250) == (shard_regions(1000, 1, 4)[0].tolist(), 250)

@@ -51,4 +51,4 @@ def test_a_restart_that_finds_the_runs_final_state_has_nothing_left_to_train():
     # that state and ends with it, rather than training one more step and averaging alone
     backend, outer = _Backend(round=10, step=200, served=9), _Outer()
     assert _catch_up(backend, outer, step=40, round_index=2) == (200, 10)
-    assert outer.loaded == {"round": 9}
+    assert outer.loaded == {"round": 9} and backend.progress == [(10, 200)]
