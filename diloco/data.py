@@ -179,6 +179,12 @@ def shard_regions(n_tokens: int, shard_index: int, num_shards: int, chunk: int =
     ``num_shards`` whole chunks falls back to contiguous regions.
     """
     start, end = shard_bounds(n_tokens, shard_index, num_shards)
+    if chunk > 0 and n_tokens // chunk < num_shards:
+        logger.warning(
+            "data.shard_chunk=%d: fewer whole chunks than the %d workers; each takes one contiguous stretch",
+            chunk,
+            num_shards,
+        )
     if chunk <= 0 or n_tokens // chunk < num_shards:
         return torch.tensor([start]), end - start
     return torch.arange(shard_index, n_tokens // chunk, num_shards) * chunk, chunk
@@ -221,12 +227,6 @@ class ShardSampler:
                 f"use a larger corpus (data.path, data.dataset) or data.max_bytes, fewer workers, "
                 f"a shorter block{', or a larger data.shard_chunk' if chunk else ''}"
             )
-        if chunk > 0 and len(tokens) // chunk < num_shards:
-            logger.warning(
-                "data.shard_chunk=%d: fewer whole chunks than the %d workers; each takes one contiguous stretch",
-                chunk,
-                num_shards,
-            )
         self.tokens = tokens
         self.block_size = block_size
         self.batch_size = batch_size
@@ -243,7 +243,7 @@ class ShardSampler:
         """``(x, y)``: int64 [batch_size, block_size], ``y`` is ``x`` shifted left by one."""
         # Offsets so that offset + block_size + 1 <= length (randint's high is exclusive).
         offsets = torch.randint(0, self.length - self.block_size, (self.batch_size,), generator=self.generator)
-        if len(self.starts) == 1:
+        if len(self.starts) == 1:  # one region: no region draw, so the windows are those drawn before chunks existed
             starts = self.starts + offsets
         else:  # regions of equal length: a uniform region, then a uniform offset, is a uniform window
             region = torch.randint(0, len(self.starts), (self.batch_size,), generator=self.generator)

@@ -177,8 +177,7 @@ def run_arms(
         _refuse_to_replace_a_finished_run(job.config())
     print(
         f"{title}: {len(arms)} arms x seeds {', '.join(map(str, seeds))}, {steps} inner steps, "
-        f"global batch {GLOBAL_BATCH}, "
-        f"data {data_path or 'embedded corpus'}, device {device}, {jobs} at a time",
+        f"global batch {GLOBAL_BATCH}, data {data_path or 'embedded corpus'}, device {device}, {jobs} at a time",
         flush=True,
     )
     config = {"steps": steps, "seeds": seeds, "global_batch": GLOBAL_BATCH, "data": data_path, "device": device}
