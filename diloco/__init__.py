@@ -12,6 +12,7 @@ arXiv:2311.08105). Where things live:
 - ``transfer.py``    the outer step's copies between the model's device and (pinned) host memory
 - ``rounds.py``      when a round ends: every H steps, or a time budget (dynamic local steps)
 - ``site.py``        several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites
+- ``placement.py``   where a worker's model lives: one process, a site's replicas, or a site's shards
 - ``joining.py``     a newcomer or a restarted worker takes a live peer's state before its first round
 - ``comm/``          how pseudo-gradients travel: ``CommBackend``; hivemind, simulated, torchrun;
                      who is in the run (roster), the run key, robust aggregation

@@ -31,8 +31,8 @@ from diloco.metrics import param_sha256
 from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
 from diloco.overlap import OverlappedOuter, fragments_for
+from diloco.placement import placement_for
 from diloco.rounds import RoundClock
-from diloco.site import ShardedSiteBackend, Site, SiteBackend, local_shards, shard_comm, shard_model
 from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 
 logger = logging.getLogger(__name__)
@@ -45,18 +45,14 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     are rounds ahead (it joins a live run, or restarts from an old checkpoint) first takes their
     state (``joining.py``); with ``join`` a live run is required (``JoinError`` when none is found).
     """
-    device = _device(cfg.worker.device)
-    # worker.site: this process is one rank of a site (torchrun), data-parallel inside it (site.py);
-    # sharded (worker.site_sharding=fsdp), each rank holds and syncs a shard of the params
-    # the site's collectives wait for its slowest rank's round: a deadline, a download, and margin
+    # one process, or one rank of a site (worker.site, under torchrun) holding the whole model or
+    # (worker.site_sharding=fsdp) a shard of it: placement.py. A site's collectives wait for its
+    # slowest rank's round: a deadline, a download, and margin
     site_timeout_s = 2 * cfg.comm.deadline_s + cfg.comm.matchmaking_s + 30
-    site = Site.from_torchrun(device, timeout_s=site_timeout_s) if cfg.worker.site else None
-    ranks, leader = (site.size, site.leader) if site else (1, True)
-    sharded = site is not None and cfg.worker.site_sharding == "fsdp"
-    if sharded and join:
-        raise ConfigError("a sharded site (worker.site_sharding=fsdp) cannot join a live run with diloco join yet")
-    device = site.device if site else device
-    run_dir = cfg.run_dir if leader else cfg.run_dir / f"rank-{site.rank}"  # each rank's own records
+    placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
+    placement.check_join(join)
+    device, ranks, leader = placement.device, placement.ranks, placement.leader
+    run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
@@ -85,10 +81,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     # model and optimizers: the same seed gives every worker the same initial params
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size)
-    # what the outer step averages: all the params, or (sharded) this rank's shards of them; a sharded
-    # model is built in host memory and FSDP moves each block to the device as it shards it, so the
-    # whole model never has to fit there
-    synced_local = shard_model(model, site) if sharded else list(model.to(device).parameters())
+    synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
     error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
@@ -101,8 +94,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     step, round_index, totals = 0, 0, Totals()
     checkpoints = run_dir / "checkpoints"
     if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
-        if sharded:
-            raise ConfigError(f"a sharded site cannot resume from {checkpoints} yet: start afresh in another run.dir")
+        placement.check_resume(checkpoints)
         _load_model_state(model, state["model"], checkpoints)
         inner_optimizer.load_state_dict(state["inner_optimizer"])
         outer.load_state_dict(state["outer"])
@@ -114,10 +106,10 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
         save_config(cfg, run_dir / "config.yaml")
 
-    backend = None
-    if leader or sharded:  # of a site, only the leader talks to the other workers, unless each syncs a shard
+    transport = None
+    if (comm := placement.transport_comm(cfg.comm)) is not None:  # of a replicated site, only the leader's
         transport = build_backend(
-            shard_comm(cfg.comm, site) if sharded else cfg.comm,
+            comm,
             templates=outer.global_params,
             num_workers=cfg.worker.count,
             worker_index=cfg.worker.index,
@@ -125,9 +117,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
             fragments=fragments_for(cfg.outer, outer.global_params),
         )
-        backend = with_faults(transport, cfg.faults, cfg.worker.index)
-    if site is not None:
-        backend = ShardedSiteBackend(site, backend) if sharded else SiteBackend(site, backend)
+        transport = with_faults(transport, cfg.faults, cfg.worker.index)
+    backend = placement.backend(transport)
     log = WorkerLog(
         cfg.logging if leader else replace(cfg.logging, wandb="disabled"),
         run_dir=run_dir,
@@ -158,8 +149,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
     # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
-    # (a sharded site's gradients are reduce-scattered by FSDP inside backward)
-    average_gradients = site.gradient_averaging(model) if site is not None and not sharded else gradient_averaging
+    average_gradients = placement.gradient_averaging(model, gradient_averaging)
 
     def save_worker_state(step: int, round_index: int) -> None:
         worker_state = {
@@ -174,8 +164,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             "round": round_index,
             "totals": totals_state(totals, log),
         }
-        if sharded:  # each rank saves its own shards, as plain tensors
-            worker_state = local_shards(worker_state)
+        worker_state = placement.checkpoint_state(worker_state)  # a sharded site's rank: its own shards
         save_checkpoint(checkpoints, cfg.worker.index, round_index, worker_state, keep=cfg.checkpoint.keep)
 
     try:
@@ -194,7 +183,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             # ---- inner step -------------------------------------------------------------
             started = time.perf_counter()
             lr = lr_at(cfg.inner, clock.schedule_step(step, round_index))
-            batch_tensors = sampler.next_batch() if site is None else site.my_slice(sampler.next_batch())
+            batch_tensors = placement.my_slice(sampler.next_batch())
             loss = inner_step(
                 model,
                 inner_optimizer,
@@ -247,10 +236,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             backend.report_progress(round_index, step, log.live)
             clock.start_round()
             param_hash = param_sha256(synced_params)
-            if sharded:  # its ranks evaluate together (FSDP gathers the params inside forward), never from a cache
-                val_loss = evaluate(model, held_out)
-            else:
-                val_loss = _evaluate_once(model, held_out, held_out_hash, param_hash)
+            val_loss = placement.evaluate(model, held_out, (param_hash, held_out_hash))
             log.round(
                 round_index,
                 step,
@@ -286,20 +272,6 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints) -> None:
             f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
             f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
         ) from None
-
-
-# Workers simulated in one process (comm.backend=inproc) hold bit-identical params after every
-# round: each distinct set of params is evaluated once, keyed by its hash and the held-out set's.
-_EVALUATED: dict[tuple[str, str], float] = {}
-
-
-def _evaluate_once(model: torch.nn.Module, held_out: list, held_out_hash: str, param_hash: str) -> float:
-    key = (param_hash, held_out_hash)
-    if key not in _EVALUATED:
-        if len(_EVALUATED) > 256:
-            _EVALUATED.clear()
-        _EVALUATED[key] = evaluate(model, held_out)
-    return _EVALUATED[key]
 
 
 def _account(result: SyncResult, measured_s: float, totals: Totals, log: WorkerLog) -> RoundCost:
