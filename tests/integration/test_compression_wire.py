@@ -43,7 +43,10 @@ def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: 
             tensors = _tensors(index)
             result = backend.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=40)
             digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
-            results.put((name, index, result.ok, result.bytes_sent, digest, tensors))
+            # as numpy arrays, sent by value: a torch tensor would travel in this peer's shared memory,
+            # whose torch_shm_manager (holding this process's exit sentinel) would then outlive it for as
+            # long as the test holds the tensor, and each join below would wait out its whole timeout
+            results.put((name, index, result.ok, result.bytes_sent, digest, [t.numpy() for t in tensors]))
         finally:
             backend.shutdown()
 
@@ -66,7 +69,8 @@ def _run_peers(count: int, codecs: list[str], bad_peer: int = -1, bad: str = "")
             process.start()
         found: dict = {}
         for _ in range(count * len(codecs)):
-            name, index, ok, sent, digest, tensors = results.get(timeout=120)
+            name, index, ok, sent, digest, arrays = results.get(timeout=120)
+            tensors = [torch.from_numpy(array) for array in arrays]
             found[(name, index)] = {"ok": ok, "sent": sent, "digest": digest, "tensors": tensors}
         return found
     except queue.Empty:

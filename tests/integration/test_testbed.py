@@ -57,9 +57,10 @@ def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(dilo
 @pytest.mark.timeout(240)
 def test_a_crashed_worker_leaves_no_namespace_or_link_behind(diloco_cli, tmp_path):
     before = set(leftovers())
+    # worker 0's round 2 waits out comm.deadline_s for worker 1, which stopped after round 1: short
     done = diloco_cli(
         "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(tmp_path / "run"),
-        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.deadline_s=10",
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.matchmaking_s=3", "comm.deadline_s=5",
         "faults.worker=1", "faults.stop_after_round=1",
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:]
