@@ -10,7 +10,9 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     slow       one worker's link at 1/10 of the others' rate, each worker declaring its rate (testbed only)
     join       a fifth worker joins at round ``--join-round`` with ``diloco join``
     bad        one worker sends NaN, another 100 x scaled pseudo-gradients
-    wrong_key  a peer with the wrong run key tries ``diloco join`` three times, then runs a worker
+    wrong_key  a worker with a wrong run key runs beside the run from its start, and peers with other
+               wrong keys try ``diloco join`` three times (counted only while the run is live: a run
+               that is over refuses a join with the same one line)
 
 Per scenario: rounds the healthy workers completed, the longest time a round spent syncing
 (comm_s, against ``comm.deadline_s``) for the healthy and for the faulty workers (a crashed,
@@ -221,19 +223,24 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
             elif name == "bad":
                 faulty |= {1, 2}
             elif name == "wrong_key":
-                cluster.wait_for_step(0, plan.sync_every, plan.timeout_s)
                 # a worker that skips diloco join's check runs beside the run, and tries to average with it
                 intruder = cluster.start(plan.workers, ["comm.run_key=intruder"])
                 del cluster.processes[plan.workers]
                 cluster.others.append(intruder)
+                cluster.wait_for_step(0, 1, plan.timeout_s)  # the run is up, with a roster to refuse them
+                run = cluster.processes[0]
                 refused = 0
                 for attempt in range(plan.key_attempts):
                     # a key of its own each time: two peers that share a wrong key form a run of their own
                     attempt_process = cluster.join(
                         [f"comm.run_key=guess-{attempt}"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
                     )
-                    refused += attempt_process.wait(timeout=plan.timeout_s) == 2
-                notes.append(f"diloco join with the wrong key refused {refused} of {plan.key_attempts} times")
+                    # a run that is over refuses with the same line: only a refusal it outlived counts
+                    refused += attempt_process.wait(timeout=plan.timeout_s) == 2 and run.poll() is None
+                attempts = f"{refused} of {plan.key_attempts} times"
+                notes.append(f"diloco join with the wrong key refused {attempts} while the run was live")
+                tried = _reached_step_while_live(run_dir, plan.workers, plan.sync_every, run, plan.timeout_s)
+                notes.append(f"wrong-key worker tried to average while the run was live: {'yes' if tried else 'no'}")
             codes = cluster.wait_all(plan.timeout_s)
             if name == "wrong_key":
                 intruder_rounds = [r for r in _records(run_dir, plan.workers) if r.get("event") == "round"]
@@ -243,6 +250,17 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
         if testbed is not None:
             testbed.close()
     return _measure(name, run_dir, codes, faulty, plan, overrides, notes)
+
+
+def _reached_step_while_live(run_dir: Path, index: int, step: int, run: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether worker ``index`` logged inner step ``step`` (the end of its first round: it then tries
+    to average) while ``run`` (a worker of the run) was still going."""
+    deadline = time.monotonic() + timeout_s
+    while run.poll() is None and time.monotonic() < deadline:
+        if latest_step(run_dir, index) >= step:
+            return run.poll() is None
+        time.sleep(0.5)  # polling a file another process writes
+    return False
 
 
 def _bad_payload(name: str, index: int) -> list[str]:

@@ -18,13 +18,13 @@ DEADLINE_S = 30.0
 STEPS, SYNC_EVERY = 200, 20
 
 
-def _plan(steps: int = STEPS, **settings) -> FaultRun:
+def _plan(steps: int = STEPS, outage_s: float = 5.0, **settings) -> FaultRun:
     return FaultRun(
         overrides=[*TINY, "comm.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}", "logging.log_every=10"],
         workers=3,
         steps=steps,
         sync_every=SYNC_EVERY,
-        outage_s=5.0,
+        outage_s=outage_s,
         join_round=1,
         timeout_s=180.0,
         **settings,
@@ -40,7 +40,9 @@ def _check_run(result, *, workers: int = 3, steps: int = STEPS) -> None:
 
 
 def test_a_worker_killed_mid_round_restarts_and_takes_the_runs_state(tmp_path):
-    result = run_scenario("crash", _plan(), tmp_path)
+    # restarted at once: the others finish their last rounds a few seconds after the crash, and a
+    # restart that comes up after they have left has nobody to take the run's state from
+    result = run_scenario("crash", _plan(outage_s=0.5), tmp_path)
     _check_run(result)
     log = (tmp_path / "crash" / "worker-2.log").read_text()
     assert "worker 2 resumed at step" in log  # from its own checkpoint, which the run had left behind,
@@ -64,9 +66,11 @@ def test_a_newcomer_joins_a_live_run_and_averages_with_others_from_its_first_rou
 
 
 def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
-    result = run_scenario("wrong_key", _plan(key_attempts=1), tmp_path)  # the benchmark tries 3 times
-    _check_run(result)
-    assert "diloco join with the wrong key refused 1 of 1 times" in result.notes
+    # long enough for the join attempt (process start-up and its search) to end while the run is live
+    result = run_scenario("wrong_key", _plan(steps=400, key_attempts=1), tmp_path)  # the benchmark tries 3 times
+    _check_run(result, steps=400)
+    assert "diloco join with the wrong key refused 1 of 1 times while the run was live" in result.notes
+    assert "wrong-key worker tried to average while the run was live: yes" in result.notes
     assert "comm.run_key" in (tmp_path / "wrong_key" / "wrong-key-0.log").read_text()
     for i in range(3):  # the keyed workers never averaged with a fourth
         assert all(r["peers"] <= 3 for r in read_records(tmp_path / "wrong_key", i) if r["event"] == "round")
