@@ -8,7 +8,10 @@
 - ``ShardedSite``: each rank holds a shard of the model (FSDP2) and syncs it with the same shard
   of the other sites, over a transport of its own (``ShardedSiteBackend``).
 
-``train()`` asks its placement what to do at each of these points, never which one it has.
+``train()`` asks its placement at each point where they differ, never which one it has: where
+to write records, whether joining or resuming is supported, how to place the model (and what
+the outer step averages), which rows of a batch to train on, how to reach the run, the
+gradient hook inside the inner step, what to checkpoint, and how to evaluate.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from diloco.data import evaluate, evaluate_cached
 from diloco.site import ShardedSiteBackend, Site, SiteBackend, local_shards, shard_comm, shard_model
 
 Batch = Sequence[torch.Tensor]
+OpenTransport = Callable[[CommConfig], CommBackend]
 
 
-class SingleProcess:
-    """One process, the whole model, its own transport."""
+class Placement:
+    """What ``train()`` asks; the defaults are those of one process holding the whole model."""
 
-    ranks = 1
-    leader = True  # writes the run's records (and wandb)
+    ranks = 1  # processes that train this worker's replica together
+    leader = True  # writes its records into the run directory (other ranks into rank-<r>/), and to wandb
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -40,11 +44,11 @@ class SingleProcess:
         """Where this process writes its records and checkpoints."""
         return run_dir
 
-    def check_join(self, join: bool) -> None:
-        """Refuse ``diloco join`` where it is not supported."""
+    def check_join(self) -> None:
+        """Refuse ``diloco join`` where it is not supported (ConfigError)."""
 
     def check_resume(self, checkpoints: Path) -> None:
-        """Refuse resuming from ``checkpoints`` where it is not supported."""
+        """Refuse resuming from ``checkpoints`` where it is not supported (ConfigError)."""
 
     def place(self, model: nn.Module) -> list[torch.Tensor]:
         """Move ``model`` where it trains; return the params this process's outer step averages."""
@@ -54,30 +58,30 @@ class SingleProcess:
         """This process's rows of a batch drawn for ``ranks`` processes."""
         return batch
 
-    def transport_comm(self, comm: CommConfig) -> CommConfig | None:
-        """The settings of this process's transport to the run; None when it has none."""
-        return comm
+    def connect(self, comm: CommConfig, open_transport: OpenTransport) -> CommBackend:
+        """What the outer step talks to: a transport opened with ``open_transport`` (or none), wrapped."""
+        return open_transport(comm)
 
-    def backend(self, transport: CommBackend | None) -> CommBackend:
-        """What the outer step talks to, given this process's transport."""
-        return transport
-
-    def gradient_averaging(self, model: nn.Module, data_parallel: Callable[[], None] | None):
-        """The hook ``inner_step`` calls between backward and the update (``data_parallel``: the
-        data-parallel baseline's, or None)."""
-        return data_parallel
+    def site_gradient_hook(self, model: nn.Module) -> Callable[[], None] | None:
+        """A hook for ``inner_step`` that averages gradients over the site's ranks, if any."""
+        return None
 
     def checkpoint_state(self, state: dict) -> dict:
         """What of ``state`` this process checkpoints."""
         return state
 
-    def evaluate(self, model: nn.Module, held_out: list, params_key: tuple[str, str]) -> float:
-        """Validation loss; simulated workers holding the same params (``params_key``) share one."""
-        return evaluate_cached(model, held_out, params_key)
+    def evaluate(self, model: nn.Module, held_out: list, params_key: tuple[str, str] | None) -> float:
+        """Validation loss; workers simulated in this process with the same ``params_key`` (the
+        hash of the model's params, of the held-out set) share one; None: evaluate afresh."""
+        return evaluate(model, held_out) if params_key is None else evaluate_cached(model, held_out, params_key)
 
 
-class ReplicatedSite(SingleProcess):
-    """A rank of a site whose ranks each hold the whole model (``worker.site_sharding=ddp``)."""
+class SingleProcess(Placement):
+    """One process, the whole model, its own transport."""
+
+
+class _SiteRank(Placement):
+    """One rank of a site: a share of its batch, records of its own beside the leader's."""
 
     def __init__(self, site: Site):
         super().__init__(site.device)
@@ -90,49 +94,46 @@ class ReplicatedSite(SingleProcess):
     def my_slice(self, batch: Batch) -> Batch:
         return self.site.my_slice(batch)
 
-    def transport_comm(self, comm: CommConfig) -> CommConfig | None:
-        return comm if self.leader else None  # only the leader talks to the other sites
 
-    def backend(self, transport: CommBackend | None) -> CommBackend:
-        return SiteBackend(self.site, transport)
+class ReplicatedSite(_SiteRank):
+    """A rank of a site whose ranks each hold the whole model (``worker.site_sharding=ddp``)."""
 
-    def gradient_averaging(self, model: nn.Module, data_parallel: Callable[[], None] | None):
+    def connect(self, comm: CommConfig, open_transport: OpenTransport) -> CommBackend:
+        # only the leader talks to the other sites; it shares each answer with the site's ranks
+        return SiteBackend(self.site, open_transport(comm) if self.leader else None)
+
+    def site_gradient_hook(self, model: nn.Module) -> Callable[[], None] | None:
         return self.site.gradient_averaging(model)
 
 
-class ShardedSite(ReplicatedSite):
-    """A rank of a site whose ranks each hold a shard of the model (``worker.site_sharding=fsdp``)."""
+class ShardedSite(_SiteRank):
+    """A rank of a site whose ranks each hold a shard of the model (``worker.site_sharding=fsdp``).
+    Its gradients are reduce-scattered by FSDP inside backward: no gradient hook."""
 
-    def check_join(self, join: bool) -> None:
-        if join:
-            raise ConfigError("a sharded site (worker.site_sharding=fsdp) cannot join a live run with diloco join yet")
+    def check_join(self) -> None:
+        raise ConfigError("a sharded site (worker.site_sharding=fsdp) cannot join a live run with diloco join yet")
 
     def check_resume(self, checkpoints: Path) -> None:
         raise ConfigError(f"a sharded site cannot resume from {checkpoints} yet: start afresh in another run.dir")
 
     def place(self, model: nn.Module) -> list[torch.Tensor]:
         # built in host memory, the model moves to the device block by block as it is sharded,
-        # so it never has to fit there whole
+        # so it never has to fit there whole; the outer step averages this rank's shards
         return shard_model(model, self.site)
 
-    def transport_comm(self, comm: CommConfig) -> CommConfig | None:
-        return shard_comm(comm, self.site)  # every rank syncs its own shard
-
-    def backend(self, transport: CommBackend | None) -> CommBackend:
-        return ShardedSiteBackend(self.site, transport)
-
-    def gradient_averaging(self, model: nn.Module, data_parallel: Callable[[], None] | None):
-        return None  # FSDP reduce-scatters the gradients inside backward
+    def connect(self, comm: CommConfig, open_transport: OpenTransport) -> CommBackend:
+        # every rank syncs its own shard, with the same shard of the other sites
+        return ShardedSiteBackend(self.site, open_transport(shard_comm(comm, self.site)))
 
     def checkpoint_state(self, state: dict) -> dict:
         return local_shards(state)  # each rank saves its own shards, as plain tensors
 
-    def evaluate(self, model: nn.Module, held_out: list, params_key: tuple[str, str]) -> float:
+    def evaluate(self, model: nn.Module, held_out: list, params_key: tuple[str, str] | None) -> float:
         # the ranks evaluate together (FSDP gathers the params inside forward): never from a cache
         return evaluate(model, held_out)
 
 
-def placement_for(cfg: WorkerConfig, device: torch.device, *, site_timeout_s: float) -> SingleProcess:
+def placement_for(cfg: WorkerConfig, device: torch.device, *, site_timeout_s: float) -> Placement:
     """This process's placement. A site's collectives wait up to ``site_timeout_s`` for its slowest rank."""
     if not cfg.site:
         return SingleProcess(device)

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
-from diloco.comm import SyncResult, build_backend
+from diloco.comm import CommBackend, CommConfig, SyncResult, build_backend
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
@@ -50,7 +50,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     # slowest rank's round: a deadline, a download, and margin
     site_timeout_s = 2 * cfg.comm.deadline_s + cfg.comm.matchmaking_s + 30
     placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
-    placement.check_join(join)
+    if join:
+        placement.check_join()
     device, ranks, leader = placement.device, placement.ranks, placement.leader
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -106,8 +107,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
         save_config(cfg, run_dir / "config.yaml")
 
-    transport = None
-    if (comm := placement.transport_comm(cfg.comm)) is not None:  # of a replicated site, only the leader's
+    def open_transport(comm: CommConfig) -> CommBackend:
         transport = build_backend(
             comm,
             templates=outer.global_params,
@@ -117,8 +117,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
             fragments=fragments_for(cfg.outer, outer.global_params),
         )
-        transport = with_faults(transport, cfg.faults, cfg.worker.index)
-    backend = placement.backend(transport)
+        return with_faults(transport, cfg.faults, cfg.worker.index)
+
+    backend = placement.connect(cfg.comm, open_transport)  # a site's ranks: through the site
     log = WorkerLog(
         cfg.logging if leader else replace(cfg.logging, wandb="disabled"),
         run_dir=run_dir,
@@ -149,7 +150,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
     # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
-    average_gradients = placement.gradient_averaging(model, gradient_averaging)
+    average_gradients = placement.site_gradient_hook(model) or gradient_averaging
 
     def save_worker_state(step: int, round_index: int) -> None:
         worker_state = {
@@ -236,7 +237,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             backend.report_progress(round_index, step, log.live)
             clock.start_round()
             param_hash = param_sha256(synced_params)
-            val_loss = placement.evaluate(model, held_out, (param_hash, held_out_hash))
+            # overlapped, a worker's model is the global params plus its own progress: not a cache key
+            params_key = (param_hash, held_out_hash) if overlapped is None else None
+            val_loss = placement.evaluate(model, held_out, params_key)
             log.round(
                 round_index,
                 step,

@@ -200,8 +200,10 @@ def run_arms(
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
             for run in pool.imap_unordered(_run_one, todo):
                 record(run)
-            pool.close()  # let the workers exit on their own: leaving the block would terminate them
-            pool.join()  # mid-cleanup, and their semaphores would be reported leaked at shutdown
+            # let the workers exit on their own: leaving the block terminates them, in the middle of
+            # their clean-up, and their semaphores are then reported leaked at shutdown
+            pool.close()
+            pool.join()
     else:
         for job in todo:
             record(_run_one(job))

@@ -227,8 +227,9 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 intruder = cluster.start(plan.workers, ["comm.run_key=intruder"])
                 del cluster.processes[plan.workers]
                 cluster.others.append(intruder)
-                cluster.wait_for_step(0, 1, plan.timeout_s)  # the run is up, with a roster to refuse them
-                run = cluster.processes[0]
+                # the run is up, with a roster to refuse them (step records come every logging.log_every steps)
+                cluster.wait_for_step(0, 1, plan.timeout_s)
+                run = _RunLiveness(run_dir, cluster.processes[0])
                 refused = 0
                 for attempt in range(plan.key_attempts):
                     # a key of its own each time: two peers that share a wrong key form a run of their own
@@ -236,7 +237,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                         [f"comm.run_key=guess-{attempt}"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
                     )
                     # a run that is over refuses with the same line: only a refusal it outlived counts
-                    refused += attempt_process.wait(timeout=plan.timeout_s) == 2 and run.poll() is None
+                    refused += attempt_process.wait(timeout=plan.timeout_s) == 2 and run.live()
                 attempts = f"{refused} of {plan.key_attempts} times"
                 notes.append(f"diloco join with the wrong key refused {attempts} while the run was live")
                 tried = _reached_step_while_live(run_dir, plan.workers, plan.sync_every, run, plan.timeout_s)
@@ -252,13 +253,29 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
     return _measure(name, run_dir, codes, faulty, plan, overrides, notes)
 
 
-def _reached_step_while_live(run_dir: Path, index: int, step: int, run: subprocess.Popen, timeout_s: float) -> bool:
-    """Whether worker ``index`` logged inner step ``step`` (the end of its first round: it then tries
-    to average) while ``run`` (a worker of the run) was still going."""
+class _RunLiveness:
+    """Whether a run is still going, as a peer trying to reach it would see it: its worker has
+    neither exited nor written its end record (after which it leaves the run)."""
+
+    def __init__(self, run_dir: Path, worker: subprocess.Popen, index: int = 0):
+        self.run_dir, self.worker, self.index = run_dir, worker, index
+
+    def live(self) -> bool:
+        if self.worker.poll() is not None:
+            return False
+        path = self.run_dir / f"worker-{self.index}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        # whole lines only: the worker may be writing the last one
+        return not any(json.loads(line).get("event") == "end" for line in lines if line.endswith("}"))
+
+
+def _reached_step_while_live(run_dir: Path, index: int, step: int, run: _RunLiveness, timeout_s: float) -> bool:
+    """Whether worker ``index`` logged inner step ``step`` (its first sync: it then tries to average)
+    while ``run`` was still going."""
     deadline = time.monotonic() + timeout_s
-    while run.poll() is None and time.monotonic() < deadline:
+    while run.live() and time.monotonic() < deadline:
         if latest_step(run_dir, index) >= step:
-            return run.poll() is None
+            return run.live()
         time.sleep(0.5)  # polling a file another process writes
     return False
 

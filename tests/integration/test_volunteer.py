@@ -18,13 +18,13 @@ DEADLINE_S = 30.0
 STEPS, SYNC_EVERY = 200, 20
 
 
-def _plan(steps: int = STEPS, outage_s: float = 5.0, **settings) -> FaultRun:
+def _plan(steps: int = STEPS, **settings) -> FaultRun:
     return FaultRun(
         overrides=[*TINY, "comm.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}", "logging.log_every=10"],
         workers=3,
         steps=steps,
         sync_every=SYNC_EVERY,
-        outage_s=outage_s,
+        outage_s=5.0,
         join_round=1,
         timeout_s=180.0,
         **settings,
@@ -40,13 +40,16 @@ def _check_run(result, *, workers: int = 3, steps: int = STEPS) -> None:
 
 
 def test_a_worker_killed_mid_round_restarts_and_takes_the_runs_state(tmp_path):
-    # restarted at once: the others finish their last rounds a few seconds after the crash, and a
-    # restart that comes up after they have left has nobody to take the run's state from
-    result = run_scenario("crash", _plan(outage_s=0.5), tmp_path)
-    _check_run(result)
+    # 15 rounds: the others must still be there when the restart (5 s, then process start-up, slow
+    # on a loaded machine) comes up, or it has nobody to take the run's state from
+    result = run_scenario("crash", _plan(steps=300), tmp_path)
+    _check_run(result, steps=300)
     log = (tmp_path / "crash" / "worker-2.log").read_text()
-    assert "worker 2 resumed at step" in log  # from its own checkpoint, which the run had left behind,
-    assert "took the state" in log  # so it took a peer's (before its first round, or in it)
+    assert "worker 2 resumed at step" in log  # from its own checkpoint, a round behind the run,
+    # so it took a peer's state (before its first round, or in it); only on a machine fast enough to
+    # restart it before the others close the round it died in does it average in that round instead
+    first = next(r for r in read_records(tmp_path / "crash", 2) if r["event"] == "round" and r["round"] > 2)
+    assert "took the state" in log or (first["round"] == 3 and first["peers"] == 3), first
 
 
 def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
