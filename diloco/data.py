@@ -185,7 +185,8 @@ def shard_regions(n_tokens: int, shard_index: int, num_shards: int, chunk: int =
             chunk,
             num_shards,
         )
-    if chunk <= 0 or n_tokens // chunk < num_shards:
+        chunk = 0
+    if chunk <= 0:
         return torch.tensor([start]), end - start
     return torch.arange(shard_index, n_tokens // chunk, num_shards) * chunk, chunk
 

@@ -151,11 +151,15 @@ class Cluster:
         self.close()
 
 
-def latest_step(run_dir: Path, index: int) -> int:
+def _written_records(run_dir: Path, index: int) -> list[dict]:
+    """Worker ``index``'s records so far, whole lines only: it may be writing the last one."""
     path = run_dir / f"worker-{index}.jsonl"
-    if not path.exists():
-        return -1
-    steps = [json.loads(line).get("step", -1) for line in path.read_text().splitlines() if line.endswith("}")]
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def latest_step(run_dir: Path, index: int) -> int:
+    steps = [record.get("step", -1) for record in _written_records(run_dir, index)]
     return max(steps, default=-1)
 
 
@@ -263,10 +267,7 @@ class _RunLiveness:
     def live(self) -> bool:
         if self.worker.poll() is not None:
             return False
-        path = self.run_dir / f"worker-{self.index}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        # whole lines only: the worker may be writing the last one
-        return not any(json.loads(line).get("event") == "end" for line in lines if line.endswith("}"))
+        return not any(r.get("event") == "end" for r in _written_records(self.run_dir, self.index))
 
 
 def _reached_step_while_live(run_dir: Path, index: int, step: int, run: _RunLiveness, timeout_s: float) -> bool:
