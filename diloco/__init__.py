@@ -5,6 +5,7 @@ their pseudo-gradients with their peers and apply an outer optimizer (DiLoCo,
 arXiv:2311.08105). Where things live:
 
 - ``config.py``      the typed schema and ``load_config`` (defaults <- YAML <- CLI overrides)
+- ``config_reference.py`` the configuration reference table (README, ``diloco config --reference``)
 - ``train.py``       the worker loop, top to bottom, readable like the algorithm
 - ``outer.py``       pseudo-gradients and the outer optimizer: **the outer step happens here**
 - ``overlap.py``     outer steps overlapped with compute (delayed, streaming fragments)
@@ -24,7 +25,9 @@ arXiv:2311.08105). Where things live:
 - ``hf_extra.py``    the optional ``hf`` extra: is it installed, and the one-line error when it is not
 - ``token_cache.py`` a dataset streamed once into a memory-mapped token file (corpora larger than memory)
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume
-- ``metrics.py``     JSONL records, wandb, console progress
+- ``metrics.py``     the sinks (JSONL file, wandb) and the run summary
+- ``worker_log.py``  what a worker records per event: the JSONL line, the wandb point, the console line
+- ``plot.py``        ``diloco plot``: loss against tokens, wall time and bytes for runs
 - ``local.py``       runs a bootstrap peer and M workers on one machine, with a live view
 - ``status.py``      ``diloco status``: a live run's workers, read from the roster on the DHT
 - ``faults.py``      fault injection at named points (skip a round, stop, bad payloads, slow steps)
