@@ -31,7 +31,7 @@ class InnerConfig:
     optimizer: str = "adamw"  # adamw | sgd (plain SGD, used to check DiLoCo against data-parallel SGD)
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
-    warmup_steps: int = 50  # linear warm-up from 0 to lr over this many inner steps
+    warmup_steps: int = 50  # linear warm-up from 0 to lr over these inner steps; M>1 DiLoCo wants more than DDP
     weight_decay: float = 0.1  # AdamW decoupled weight decay, on matrices only
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
