@@ -120,7 +120,8 @@ def _run_one(job: Job) -> dict:
 def finished_summary(cfg) -> dict | None:
     """The summary of a finished run of exactly this config in its run directory (a benchmark rerun
     into the same ``--out`` reuses it instead of training again), else None. Only the config is
-    compared: delete a run directory to rerun it after changing the code."""
+    compared, not where the run directory is: one moved into another ``--out`` is reused there.
+    Delete a run directory to rerun it after changing the code."""
     from diloco.config import ConfigError, load_config, to_dict
 
     summary_path, config_path = cfg.run_dir / "summary.json", cfg.run_dir / "config.yaml"
@@ -135,6 +136,7 @@ def finished_summary(cfg) -> dict | None:
     for config in (saved, wanted):  # what launchers set per worker: index, count, threads, address, peers
         config.pop("worker")
         config["comm"].pop("host"), config["comm"].pop("initial_peers")
+        config["run"].pop("dir")
     finished = summary.get("inner_steps") == cfg.inner.steps and summary.get("final_val_loss") is not None
     return summary if finished and saved == wanted else None
 

@@ -1,5 +1,6 @@
-"""The benchmarks' runner: a rerun reuses a finished run and restarts one that was cut short
-from scratch, without the old run's records; a finished run of another config is left alone."""
+"""The benchmarks' runner: a rerun reuses a finished run (also one moved into another --out) and
+restarts one that was cut short from scratch, without the old run's records; a finished run of
+another config is left alone."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_a_cut_short_run_restarts_clean_and_a_finished_one_is_reused(tmp_path):
     assert [r["round"] for r in read_records(stale, 0) if r["event"] == "round"] == [1, 2]  # no round 7
     again = _run_one(job)
     assert again["reused"] and again["final_val_loss"] == first["final_val_loss"]
+    moved = tmp_path / "elsewhere"  # a finished run moved into another --out is reused there too
+    moved.mkdir()
+    stale.rename(moved / stale.name)
+    assert _run_one(job._replace(out=moved))["reused"]
 
 
 def test_a_finished_run_of_another_config_is_refused_not_trained_over(tmp_path):
