@@ -163,13 +163,6 @@ def latest_step(run_dir: Path, index: int) -> int:
     return max(steps, default=-1)
 
 
-def _records(run_dir: Path, index: int) -> list[dict]:
-    path = run_dir / f"worker-{index}.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
     """Run one scenario (or "none", the fault-free run) and measure it."""
     from diloco.testbed import Testbed, testbed_unavailable
@@ -248,7 +241,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 notes.append(f"wrong-key worker tried to average while the run was live: {'yes' if tried else 'no'}")
             codes = cluster.wait_all(plan.timeout_s)
             if name == "wrong_key":
-                intruder_rounds = [r for r in _records(run_dir, plan.workers) if r.get("event") == "round"]
+                intruder_rounds = [r for r in _written_records(run_dir, plan.workers) if r.get("event") == "round"]
                 grouped = [r for r in intruder_rounds if r.get("peers", 1) > 1]
                 notes.append(f"wrong-key worker: {len(intruder_rounds)} rounds, {len(grouped)} of them in a group")
     finally:
@@ -304,7 +297,7 @@ def _measure(
 ) -> ScenarioResult:
     ends, syncs, faulty_syncs, healthy_rounds = {}, [], [], []
     for index in codes:
-        records = _records(run_dir, index)
+        records = _written_records(run_dir, index)
         times = [r.get("comm_s", 0.0) for r in records if r.get("event") == "round"]
         (faulty_syncs if index in faulty else syncs).extend(times)
         end = next((r for r in reversed(records) if r.get("event") == "end"), None)
