@@ -25,17 +25,25 @@ delay is up are waited for and applied, (3) the new ones start, (4) any with no 
 applied. ``delayed`` is one fragment with a delay of H; one fragment with no delay is the
 blocking round. The last inner step syncs every fragment and waits for everything, so a run
 ends with every worker on the same params (eager excepted).
+
+When an average fails for this worker (hivemind can lose part of a round for one sender), it
+applies its own pseudo-gradient and its global params drift from the others'. With one fragment
+it takes a peer's state right away, as the blocking round does (``OuterStep.catch_up``). With
+several, a peer's state mixes fragments at other points of their schedules, so the worker keeps
+going and takes a peer's whole state at the run's end, where every worker has applied the same
+averages: a run still ends on identical params.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import CommBackend, PendingAverage, SyncResult
+from diloco.comm.base import CommBackend, PendingAverage, StateRank, SyncResult
 from diloco.outer import OuterConfig, OuterStep
 
 logger = logging.getLogger(__name__)
@@ -105,11 +113,16 @@ class OverlappedOuter:
         self.syncs_started = [0] * count
         self.last_start_step = [0] * count
         self.in_flight: list[_InFlight] = []
+        # an average failed for us since the last state taken: with several fragments our global
+        # params may differ from the others' until the end-of-run catch-up
+        self.drifted = False
 
     def after_inner_step(self, step: int, *, samples_per_step: int, compute_s: float, final: bool) -> list[Applied]:
         """Start the syncs due after inner step ``step`` and apply the averages due; at the ``final``
         step, sync every fragment and apply everything. Returns what was applied."""
         due = [p for p in range(len(self.fragments)) if final or step % self.every == self.offsets[p]]
+        if final and len(self.fragments) > 1:
+            self._offer_state(round_index=sum(self.syncs_started))
         taken = {p: self._pseudo_gradients(p) for p in due}  # before any average lands in the params
         fresh = {p: own for p, (own, _) in taken.items()}
         applied = self._apply_due(step, fresh, final=final, compute_s=compute_s)
@@ -125,7 +138,10 @@ class OverlappedOuter:
             self.syncs_started[p] += 1
             apply_at = step if final else step + self.delay
             self.in_flight.append(_InFlight(p, to_send, own, weight, pending, apply_at, round_index, compute_s))
-        return applied + self._apply_due(step, {}, final=final, compute_s=compute_s)
+        applied += self._apply_due(step, {}, final=final, compute_s=compute_s)
+        if final and len(self.fragments) > 1:
+            applied = self._catch_up_at_the_end(applied)
+        return applied
 
     @torch.no_grad()
     def _pseudo_gradients(self, fragment: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -158,14 +174,15 @@ class OverlappedOuter:
             if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
+            self.drifted = self.drifted or not result.ok
             recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
             applied.append(Applied(result, wait_s, recovered))
         return applied
 
     def _catch_up(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> bool:
         """The blocking round's recovery (``OuterStep.catch_up``) after an applied average, keeping our
-        own progress carried over. One fragment only: a fragment's state is not served on its own yet.
-        Returns whether a peer's state was taken."""
+        own progress carried over. One fragment only (several: ``_catch_up_at_the_end``). Returns
+        whether a peer's state was taken."""
         taken = self.outer.catch_up(
             self.backend,
             round_index=flight.round_index,
@@ -175,8 +192,40 @@ class OverlappedOuter:
             timeout_s=self.deadline_s,
         )
         if taken is not None:
+            self.drifted = False
             self._restart_local(flight.fragment, fresh if self._carries_progress else None)
         return taken is not None
+
+    def _offer_state(self, *, round_index: int) -> None:
+        """Offer our state before the last syncs of a run of several fragments: a peer that ends
+        first then waits (``CommBackend.finish``) while ours is older, in case we need its state.
+        Ranked lowest: it only says that we are still here (round indices of fragments' syncs are
+        not these, so no peer takes it for a fragment's average made without it)."""
+        self.backend.publish_state(round_index, StateRank(0), self.outer.state_dict)
+
+    def _catch_up_at_the_end(self, applied: list[Applied]) -> list[Applied]:
+        """After a run's last averages (several fragments): a worker whose average failed at some
+        point takes the state of a peer whose did not (ranked below every peer, as an unsynced
+        blocking worker is); the others offer theirs. Returns ``applied``, marked recovered if a
+        state was taken."""
+        results = [a.result for a in applied]
+        failed = self.drifted or not all(r.ok for r in results)
+        taken = self.outer.catch_up(
+            self.backend,
+            round_index=sum(self.syncs_started),
+            failed=failed,
+            peers=0 if failed else min((r.peers for r in results), default=self.expected_peers),
+            group=0 if failed else min((r.group for r in results), default=0),
+            expected_peers=self.expected_peers,
+            timeout_s=self.deadline_s,
+            newer=True,
+        )
+        if taken is None:
+            return applied
+        self.drifted = False
+        for fragment in range(len(self.fragments)):
+            self._restart_local(fragment)
+        return [dataclasses.replace(a, recovered=True) for a in applied]
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""
@@ -242,8 +291,13 @@ class OverlappedOuter:
 
     def state_dict(self) -> dict:
         """Where the schedule stands (averages in flight are not saved: a resumed worker starts afresh)."""
-        return {"syncs_started": list(self.syncs_started), "last_start_step": list(self.last_start_step)}
+        return {
+            "syncs_started": list(self.syncs_started),
+            "last_start_step": list(self.last_start_step),
+            "drifted": self.drifted,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs_started = list(state["syncs_started"])
         self.last_start_step = list(state["last_start_step"])
+        self.drifted = bool(state.get("drifted", False))  # checkpoints before it was saved: in step

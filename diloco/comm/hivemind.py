@@ -233,6 +233,7 @@ class HivemindBackend(CommBackend):
             and result.peers
             and result.bytes_sent
             and self._published is not None  # the others' state offers tell whether they failed too
+            and len(self._averagers) == 1  # not for a fragment's sync: offers are of whole rounds (overlap.py)
             and remaining > self.cfg.request_timeout_s
             and not self._averaged_by_others(round_index)
         ):

@@ -102,10 +102,15 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
     assert summary["workers"] == 2 and summary["failed_workers"] == []
     assert summary["params_agree"], summary["param_sha256"]
     rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
-    # hivemind sometimes loses part of a round for one worker (under load): it then takes its peer's state
-    assert len(rounds) == 4 and all(r["ok"] or r["recovered"] for r in rounds), rounds
+    assert len(rounds) == 4, rounds
+    # hivemind sometimes loses part of a round for one worker (seen in CI): it then takes its peer's
+    # state, at once with one fragment (delayed), at the run's end with several (streaming)
+    if "outer.overlap=streaming" in overlap:
+        assert all(r["ok"] for r in rounds) or rounds[-1]["recovered"], rounds
+    else:
+        assert all(r["ok"] or r["recovered"] for r in rounds), rounds
     # delayed applies nothing in its first round
-    assert all(r["peers"] == 2 or r["recovered"] for r in rounds[1:]), rounds
+    assert all(r["peers"] == 2 or not r["ok"] or r["recovered"] for r in rounds[1:]), rounds
     if "outer.overlap=streaming" in overlap:
         assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4  # a fragment at a time
 
@@ -139,3 +144,29 @@ def test_a_worker_sending_a_blown_up_pseudo_gradient_is_dropped_by_every_peer(tm
     ends = [[r for r in read_records(run_dir, w) if r["event"] == "end"][0] for w in range(3)]
     assert len({end["param_sha256"] for end in ends}) == 1, ends
     assert rounds[0][-1]["val_loss"] < 3.2  # learned; the 100 x update would have thrown it far off
+
+
+def test_a_streaming_worker_whose_contributions_are_dropped_ends_on_the_others_params(tmp_path, diloco_cli):
+    # with several fragments a worker whose averages failed takes a peer's state only at the run's end
+    # (diloco/overlap.py); without that it would end on params of its own
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "local",
+        "--workers",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "inner.steps=20",
+        "outer.sync_every=10",
+        "outer.overlap=streaming",
+        "outer.fragments=2",
+        "outer.delay_steps=2",
+        "faults.worker=2",
+        "faults.bad_payload=scaled",
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    dropped = [r for r in read_records(run_dir, 2) if r["event"] == "round"]
+    assert not any(r["ok"] for r in dropped) and dropped[-1]["recovered"], dropped
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["params_agree"], summary["param_sha256"]

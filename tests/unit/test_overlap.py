@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
 from diloco.config import ConfigError, load_config
 from diloco.local import simulate
 from diloco.outer import OuterConfig, OuterStep
@@ -77,6 +77,78 @@ def test_streaming_syncs_fragments_staggered_and_applies_each_tau_steps_later():
     assert applied_at[5] == [9.0, 19.0]
     assert applied_at[7] == [7.0, 19.0]
     assert applied_at[8] == [7.0 - 3.0, 19.0 - 2.0]
+
+
+class LosesOneAverage(ScriptedAverages):
+    """Fragment 1's first average fails for this worker (hivemind lost part of it); a peer whose did
+    not offers ``peer_state`` at the run's end. Records what is published and asked for."""
+
+    def __init__(self, peer_state: dict | None):
+        super().__init__()
+        self.peer_state, self.published, self.asked = peer_state, [], []
+
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+        result = super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+        if (fragment, round_index) == (1, 0):
+            return SyncResult(False, 1, weight, error="64 values were not averaged")
+        return result
+
+    def publish_state(self, round_index, rank, state):
+        self.published.append((round_index, rank.peers))
+
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+        self.asked.append((round_index, better_than.peers, newer))
+        return None if self.peer_state is None else PeerState(round_index, StateRank(2), self.peer_state)
+
+
+def _streaming_that_loses_an_average(peer_state_of=None):
+    overlapped, outer, _, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
+                                         delay_steps=1)  # fmt: skip
+    backend = overlapped.backend = LosesOneAverage(None)
+    if peer_state_of is not None:
+        backend.peer_state = peer_state_of(outer)
+    applied = []
+    for step in range(1, 9):
+        with torch.no_grad():
+            for p in local:
+                p.sub_(0.5)
+        applied.append(overlapped.after_inner_step(step, samples_per_step=1, compute_s=0.0, final=step == 8))
+    return overlapped, outer, backend, local, applied
+
+
+def test_streaming_takes_a_peers_state_at_the_end_after_an_average_failed_for_it():
+    # with several fragments a peer's state mid-run would mix fragments at other points of their
+    # schedules, so the worker whose average failed takes one when every worker has applied the same
+    # averages: at the run's end (5 syncs started in all), ranked below every peer
+    def peers_state(outer):
+        return {
+            "global_params": [torch.full((3,), 4.0), torch.full((3,), 17.0)],
+            "optimizer": outer.optimizer.state_dict(),
+        }
+
+    overlapped, outer, backend, local, applied = _streaming_that_loses_an_average(peers_state)
+    assert [a.recovered for a in applied[4]] == [False]  # fragment 1's failed average (step 5): kept going
+    assert overlapped.drifted is False and all(a.recovered for a in applied[-1])
+    assert backend.asked == [(5, 0, True)]
+    assert backend.published[0] == (3, 0)  # before the last syncs: an older state, so peers wait for us
+    assert [g[0].item() for g in outer.global_params] == [4.0, 17.0]
+    assert [p[0].item() for p in local] == [4.0, 17.0]
+
+
+def test_streaming_without_a_failed_average_offers_its_state_and_takes_none():
+    overlapped, outer, backend, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
+                                               delay_steps=1)  # fmt: skip
+    overlapped.backend = quiet = LosesOneAverage(None)
+    quiet.all_reduce_mean = lambda tensors, weight, **kw: ScriptedAverages.all_reduce_mean(quiet, tensors, weight, **kw)
+    _run(overlapped, 8, local)
+    assert quiet.asked == [] and quiet.published == [(3, 0), (5, 2)]
+    assert [g[0].item() for g in outer.global_params] == [7.0 - 3.0, 19.0 - 2.0]
+
+
+def test_streaming_that_finds_no_better_state_at_the_end_stays_marked_drifted():
+    overlapped, outer, backend, local, applied = _streaming_that_loses_an_average()
+    assert overlapped.drifted and outer.unsynced and not any(a.recovered for a in applied[-1])
+    assert overlapped.state_dict()["drifted"]
 
 
 def test_streaming_restarts_local_params_mixed_with_alpha():
