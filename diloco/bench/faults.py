@@ -12,7 +12,8 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     bad        one worker sends NaN, another 100 x scaled pseudo-gradients
     wrong_key  a worker with a wrong run key runs beside the run from its start, and peers with other
                wrong keys try ``diloco join`` three times (counted only while the run is live: a run
-               that is over refuses a join with the same one line)
+               that is over refuses a join with the same one line; its workers pause after each
+               step, so that it outlives the attempts on a fast machine too)
 
 Per scenario: rounds the healthy workers completed, the longest time a round spent syncing
 (comm_s, against ``comm.deadline_s``) for the healthy and for the faulty workers (a crashed,
@@ -38,6 +39,7 @@ from pathlib import Path
 
 SCENARIOS = ("crash", "cut", "slow", "join", "bad", "wrong_key")
 RUN_KEY = "bench-faults-key"
+KEY_ATTEMPT_S = 30.0  # wrong_key: one diloco join attempt (a process start, then a roster probe of 10 s)
 
 
 @dataclass
@@ -183,6 +185,10 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
         raise RuntimeError(f"scenario {name} needs the testbed: {reason}")
     testbed = Testbed(slots, up_mbit=plan.rate_mbit, down_mbit=plan.rate_mbit) if use_testbed else None
     key = RUN_KEY if name == "wrong_key" else ""
+    if name == "wrong_key":
+        # the run must outlive the intruder's attempts however fast this machine trains (on an idle
+        # one a short run ended before the first was refused): a floor on its length
+        overrides.append(f"faults.step_delay_s={plan.key_attempts * KEY_ATTEMPT_S / plan.steps:.3f}")
     notes: list[str] = []
     faulty: set[int] = set()
     try:
