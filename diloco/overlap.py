@@ -199,8 +199,8 @@ class OverlappedOuter:
     def _offer_state(self, *, round_index: int) -> None:
         """Offer our state before the last syncs of a run of several fragments: a peer that ends
         first then waits (``CommBackend.finish``) while ours is older, in case we need its state.
-        Ranked lowest: it only says that we are still here (round indices of fragments' syncs are
-        not these, so no peer takes it for a fragment's average made without it)."""
+        Ranked lowest (peers 0): it only says that we are still here, and no peer takes it for a
+        fragment's average made without it (that needs an offer averaged in a group)."""
         self.backend.publish_state(round_index, StateRank(0), self.outer.state_dict)
 
     def _catch_up_at_the_end(self, applied: list[Applied]) -> list[Applied]:
@@ -208,14 +208,13 @@ class OverlappedOuter:
         point takes the state of a peer whose did not (ranked below every peer, as an unsynced
         blocking worker is); the others offer theirs. Returns ``applied``, marked recovered if a
         state was taken."""
-        results = [a.result for a in applied]
-        failed = self.drifted or not all(r.ok for r in results)
+        results = [a.result for a in applied]  # the last syncs' too: ``drifted`` counts them
         taken = self.outer.catch_up(
             self.backend,
             round_index=sum(self.syncs_started),
-            failed=failed,
-            peers=0 if failed else min((r.peers for r in results), default=self.expected_peers),
-            group=0 if failed else min((r.group for r in results), default=0),
+            failed=self.drifted,
+            peers=0 if self.drifted else min((r.peers for r in results), default=self.expected_peers),
+            group=0 if self.drifted else min((r.group for r in results), default=0),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
             newer=True,
