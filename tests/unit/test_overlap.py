@@ -79,17 +79,18 @@ def test_streaming_syncs_fragments_staggered_and_applies_each_tau_steps_later():
     assert applied_at[8] == [7.0 - 3.0, 19.0 - 2.0]
 
 
-class LosesOneAverage(ScriptedAverages):
-    """Fragment 1's first average fails for this worker (hivemind lost part of it); a peer whose did
-    not offers ``peer_state`` at the run's end. Records what is published and asked for."""
+class ScriptedWithStates(ScriptedAverages):
+    """``ScriptedAverages`` whose averages listed in ``lost`` ((fragment, round) pairs) fail for this
+    worker (hivemind lost part of them); a peer whose did not offers ``peer_state`` at the run's
+    end. Records what is published and asked for."""
 
-    def __init__(self, peer_state: dict | None):
+    def __init__(self, lost: set[tuple[int, int]], peer_state: dict | None = None):
         super().__init__()
-        self.peer_state, self.published, self.asked = peer_state, [], []
+        self.lost, self.peer_state, self.published, self.asked = lost, peer_state, [], []
 
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
         result = super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
-        if (fragment, round_index) == (1, 0):
+        if (fragment, round_index) in self.lost:
             return SyncResult(False, 1, weight, error="64 values were not averaged")
         return result
 
@@ -104,9 +105,7 @@ class LosesOneAverage(ScriptedAverages):
 def _streaming_that_loses_an_average(peer_state_of=None):
     overlapped, outer, _, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
                                          delay_steps=1)  # fmt: skip
-    backend = overlapped.backend = LosesOneAverage(None)
-    if peer_state_of is not None:
-        backend.peer_state = peer_state_of(outer)
+    backend = overlapped.backend = ScriptedWithStates({(1, 0)}, peer_state_of(outer) if peer_state_of else None)
     applied = []
     for step in range(1, 9):
         with torch.no_grad():
@@ -138,8 +137,7 @@ def test_streaming_takes_a_peers_state_at_the_end_after_an_average_failed_for_it
 def test_streaming_without_a_failed_average_offers_its_state_and_takes_none():
     overlapped, outer, backend, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
                                                delay_steps=1)  # fmt: skip
-    overlapped.backend = quiet = LosesOneAverage(None)
-    quiet.all_reduce_mean = lambda tensors, weight, **kw: ScriptedAverages.all_reduce_mean(quiet, tensors, weight, **kw)
+    overlapped.backend = quiet = ScriptedWithStates(lost=set())
     _run(overlapped, 8, local)
     assert quiet.asked == [] and quiet.published == [(3, 0), (5, 2)]
     assert [g[0].item() for g in outer.global_params] == [7.0 - 3.0, 19.0 - 2.0]
