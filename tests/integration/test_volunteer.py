@@ -60,11 +60,15 @@ def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
 def test_a_newcomer_joins_a_live_run_and_averages_with_others_from_its_first_round(tmp_path):
     result = run_scenario("join", _plan(steps=480), tmp_path)  # long enough for the newcomer to start
     _check_run(result, workers=4, steps=480)
-    first = next(r for r in read_records(tmp_path / "join", 3) if r["event"] == "round")
+    rounds = [r for r in read_records(tmp_path / "join", 3) if r["event"] == "round"]
+    first = rounds[0]
     same_round = next(r for r in read_records(tmp_path / "join", 0) if r.get("round") == first["round"])
+    assert first["param_sha256"] == same_round["param_sha256"], (first, same_round)
     # usually all 4 average together; hivemind's matchmaking may split a round into two groups of 2
-    # (seen once in CI), and then the groups agree on one group's average (outer.py, StateRank)
-    assert first["peers"] >= 2 and first["param_sha256"] == same_round["param_sha256"], (first, same_round)
+    # (seen once in CI), and then the groups agree on one group's average (outer.py, StateRank). When
+    # the others close the newcomer's first round a moment before it is ready (seen in CI on an idle
+    # machine), it takes their state and averages from its second round on
+    assert first["peers"] >= 2 or (first["recovered"] and rounds[1]["peers"] >= 2), rounds[:2]
     assert "joining run 'faults_join' as worker 3" in (tmp_path / "join" / "worker-3.log").read_text()
 
 
