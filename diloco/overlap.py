@@ -36,10 +36,9 @@ averages: a run still ends on identical params.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -208,13 +207,15 @@ class OverlappedOuter:
         point takes the state of a peer whose did not (ranked below every peer, as an unsynced
         blocking worker is); the others offer theirs. Returns ``applied``, marked recovered if a
         state was taken."""
-        results = [a.result for a in applied]  # the last syncs' too: ``drifted`` counts them
+        results = [
+            a.result for a in applied
+        ]  # never empty: every fragment syncs at the last step; ``drifted`` counts them
         taken = self.outer.catch_up(
             self.backend,
             round_index=sum(self.syncs_started),
             failed=self.drifted,
-            peers=0 if self.drifted else min((r.peers for r in results), default=self.expected_peers),
-            group=0 if self.drifted else min((r.group for r in results), default=0),
+            peers=0 if self.drifted else min(r.peers for r in results),
+            group=0 if self.drifted else min(r.group for r in results),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
             newer=True,
@@ -224,7 +225,7 @@ class OverlappedOuter:
         self.drifted = False
         for fragment in range(len(self.fragments)):
             self._restart_local(fragment)
-        return [dataclasses.replace(a, recovered=True) for a in applied]
+        return [replace(a, recovered=True) for a in applied]
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""
