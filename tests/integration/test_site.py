@@ -45,10 +45,10 @@ def _run_sites(run_dir, peer: str, extra: list[str]) -> list[subprocess.Popen]:
     return sites
 
 
-def _train_two_sites(tmp_path, *extra: str):
+def _train_two_sites_once(folder, *extra: str):
     """Two sites of two ranks each, through a bootstrap peer; returns the run directory."""
-    run_dir = tmp_path / "sites"
-    run_dir.mkdir()
+    run_dir = folder / "sites"
+    run_dir.mkdir(parents=True)
     bootstrap, peers = start_bootstrap(host="127.0.0.1", timeout_s=60)
     sites = []
     try:
@@ -59,20 +59,51 @@ def _train_two_sites(tmp_path, *extra: str):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(site.pid, signal.SIGKILL)
         stop_all([bootstrap])
-    logs = "".join((tmp_path / f"site-{i}.log").read_text()[-3000:] for i in range(2))
+    logs = "".join((folder / f"site-{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], logs
     return run_dir
 
 
-def _hashes_by_round(records_of: list[tuple]) -> dict[int, set[str]]:
+def _train_two_sites(tmp_path, *extra: str):
+    """``_train_two_sites_once``, run once more if a round was not averaged by both sites. With
+    4 ranks and 8 hivemind processes on 2 cores, hivemind's matchmaking about once in 20 runs puts
+    a peer in a leader's group that never joins it (in the failed run's log, the leader waited
+    22 s for parts that never came, and the other peer found no group before the deadline). The
+    run recovers by a state download and every round's params still agree (asserted on the run
+    set aside), but the comparison with single-rank workers needs every round averaged by both."""
+    run_dir = _train_two_sites_once(tmp_path / "first", *extra)
+    if all(_rounds_averaged_by_both(folder) for folder in (run_dir, run_dir / "rank-1")):
+        return run_dir
+    _assert_same_params_by_round(run_dir)  # the recovered run agrees too
+    return _train_two_sites_once(tmp_path / "second", *extra)
+
+
+def _round_records(folder) -> list[dict]:
+    """The round records of both sites' workers in ``folder`` (a rank's records of the run)."""
+    return [record for worker in (0, 1) for record in read_records(folder, worker) if record["event"] == "round"]
+
+
+def _rounds_averaged_by_both(folder) -> bool:
+    return all(record["peers"] == 2 for record in _round_records(folder))
+
+
+def _hashes_by_round(records_of: list[tuple], *, averaged_by_both: bool = True) -> dict[int, set[str]]:
     """The param hashes each round's records hold, over the (folder, worker) pairs given."""
     by_round: dict[int, set[str]] = {}
     for folder, worker in records_of:
         for record in read_records(folder, worker):
             if record["event"] == "round":
-                assert record["peers"] == 2, record  # the two sites, each one worker
+                if averaged_by_both:
+                    assert record["peers"] == 2, record  # the two sites, each one worker
                 by_round.setdefault(record["round"], set()).add(record["param_sha256"])
     return by_round
+
+
+def _assert_same_params_by_round(run_dir) -> None:
+    """Rank r of both sites holds the same params (with fsdp: the same shard) after every round."""
+    for folder in (run_dir, run_dir / "rank-1"):
+        by_round = _hashes_by_round([(folder, 0), (folder, 1)], averaged_by_both=False)
+        assert sorted(by_round) == [1, 2] and all(len(hashes) == 1 for hashes in by_round.values()), by_round
 
 
 @pytest.fixture(scope="module")
