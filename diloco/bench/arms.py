@@ -119,8 +119,9 @@ def _run_one(job: Job) -> dict:
 
 def finished_summary(cfg) -> dict | None:
     """The summary of a finished run of exactly this config in its run directory (a benchmark rerun
-    into the same ``--out`` reuses it instead of training again), else None. Only the config is
-    compared, not where the run directory is: one moved into another ``--out`` is reused there.
+    into the same ``--out`` reuses it instead of training again), else None. Only what the run
+    computes is compared, not where its directory is or what it is called: one moved into another
+    ``--out`` is reused there, and one made with an arm's overrides by hand is reused as that arm.
     Delete a run directory to rerun it after changing the code."""
     from diloco.config import ConfigError, load_config, to_dict
 
@@ -136,7 +137,7 @@ def finished_summary(cfg) -> dict | None:
     for config in (saved, wanted):  # what launchers set per worker: index, count, threads, address, peers
         config.pop("worker")
         config["comm"].pop("host"), config["comm"].pop("initial_peers")
-        config["run"].pop("dir")
+        config["comm"].pop("run_id"), config["run"].pop("name"), config["run"].pop("dir")  # labels
     finished = summary.get("inner_steps") == cfg.inner.steps and summary.get("final_val_loss") is not None
     return summary if finished and saved == wanted else None
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
+LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured at M=4 (README)
 ARMS = [
     Arm("ddp", 4, 0),
     Arm("m1-h50", 1, 50),
@@ -34,11 +35,13 @@ ARMS = [
     Arm("m4-h10", 4, 10),
     Arm("m4-h20", 4, 20),
     Arm("m4-h20-lr1.0", 4, 20, ("outer.lr=1.0",)),
+    Arm("m4-h20-lr1.0-m0.8", 4, 20, LESS_MOMENTUM),
     Arm("m4-h50", 4, 50),
     Arm("m4-h200", 4, 200),
     Arm("m4-h50-fedavg", 4, 50, FEDAVG),
     Arm("m4-h50-lr0.5", 4, 50, ("outer.lr=0.5",)),
     Arm("m4-h50-lr1.0", 4, 50, ("outer.lr=1.0",)),
+    Arm("m4-h50-lr1.0-m0.8", 4, 50, LESS_MOMENTUM),
 ]
 CORE_ARMS = ("ddp", "m4-h20", "m4-h50", "m4-h50-fedavg", "m1-h50")
 

@@ -1,6 +1,6 @@
-"""The benchmarks' runner: a rerun reuses a finished run (also one moved into another --out) and
-restarts one that was cut short from scratch, without the old run's records; a finished run of
-another config is left alone."""
+"""The benchmarks' runner: a rerun reuses a finished run (also one moved into another --out, or
+made by hand with a named arm's overrides) and restarts one that was cut short from scratch,
+without the old run's records; a finished run of another config is left alone."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ def test_a_cut_short_run_restarts_clean_and_a_finished_one_is_reused(tmp_path):
     moved.mkdir()
     stale.rename(moved / stale.name)
     assert _run_one(job._replace(out=moved))["reused"]
+
+
+def test_a_run_made_with_an_arms_overrides_by_hand_is_reused_as_that_arm(tmp_path):
+    by_hand = _run_one(Job(Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, [*SMALL, "outer.lr=1.0"]))
+    (tmp_path / "m1-h2-seed0").rename(tmp_path / "m1-h2-lr1.0-seed0")
+    named = _run_one(Job(Arm("m1-h2-lr1.0", 1, 2, ("outer.lr=1.0",)), 0, "", 4, tmp_path, "cpu", 1, SMALL))
+    assert named["reused"] and named["final_val_loss"] == by_hand["final_val_loss"]
 
 
 def test_a_finished_run_of_another_config_is_refused_not_trained_over(tmp_path):
