@@ -207,9 +207,8 @@ class OverlappedOuter:
         point takes the state of a peer whose did not (ranked below every peer, as an unsynced
         blocking worker is); the others offer theirs. Returns ``applied``, marked recovered if a
         state was taken."""
-        results = [
-            a.result for a in applied
-        ]  # never empty: every fragment syncs at the last step; ``drifted`` counts them
+        # never empty: every fragment syncs at the last step; ``drifted`` counts these results too
+        results = [a.result for a in applied]
         taken = self.outer.catch_up(
             self.backend,
             round_index=sum(self.syncs_started),

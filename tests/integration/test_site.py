@@ -72,19 +72,21 @@ def _train_two_sites(tmp_path, *extra: str):
     run recovers by a state download and every round's params still agree (asserted on the run
     set aside), but the comparison with single-rank workers needs every round averaged by both."""
     run_dir = _train_two_sites_once(tmp_path / "first", *extra)
-    if all(_rounds_averaged_by_both(folder) for folder in (run_dir, run_dir / "rank-1")):
+    if _every_round_averaged_by_both(run_dir):
         return run_dir
     _assert_same_params_by_round(run_dir)  # the recovered run agrees too
     return _train_two_sites_once(tmp_path / "second", *extra)
 
 
-def _round_records(folder) -> list[dict]:
-    """The round records of both sites' workers in ``folder`` (a rank's records of the run)."""
-    return [record for worker in (0, 1) for record in read_records(folder, worker) if record["event"] == "round"]
-
-
-def _rounds_averaged_by_both(folder) -> bool:
-    return all(record["peers"] == 2 for record in _round_records(folder))
+def _every_round_averaged_by_both(run_dir) -> bool:
+    """Whether every rank's record of every round says both sites averaged it."""
+    return all(
+        record["peers"] == 2
+        for folder in (run_dir, run_dir / "rank-1")
+        for worker in (0, 1)
+        for record in read_records(folder, worker)
+        if record["event"] == "round"
+    )
 
 
 def _hashes_by_round(records_of: list[tuple], *, averaged_by_both: bool = True) -> dict[int, set[str]]:
