@@ -54,8 +54,8 @@ class OuterConfig:
 
 def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     """The outer optimizer over the global copy of the parameters."""
-    if cfg.optimizer == "nesterov":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    if cfg.optimizer == "nesterov":  # with momentum 0, Nesterov's look-ahead is plain SGD
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
@@ -134,7 +134,7 @@ class OuterStep:
             pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
         result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         if not result.ok:  # the backend left our own pseudo-gradient in place
-            logger.warning("round %d: averaging failed (%s)", round_index, result.error)
+            logger.warning("round %d: averaging failed (%s)", round_index + 1, result.error)
             if self.error_feedback is not None:
                 self.error_feedback.forget()  # what it had carried over is applied now, in full
         self.apply(pseudo_gradients)
@@ -193,18 +193,18 @@ class OuterStep:
         self.unsynced = found is None and (failed or demoted)
         if found is None:
             logger.warning(
-                "round %d: averaged over %d of %d workers and no peer did better", round_index, peers, expected
+                "round %d: averaged over %d of %d workers and no peer did better", round_index + 1, peers, expected
             )
             return None
         self.load_state_dict(found.state)
         backend.publish_state(found.round, found.rank, self.state_dict)  # no longer behind: peers may go
         logger.warning(
             "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
-            round_index,
+            round_index + 1,
             peers,
             expected,
             found.rank.peers,
-            found.round,
+            found.round + 1,
         )
         return found.round
 

@@ -94,6 +94,8 @@ def test_outer_optimizer_factory_builds_each_kind():
     assert isinstance(sgd, torch.optim.SGD) and not sgd.defaults["nesterov"]
     nesterov = build_outer_optimizer(OuterConfig(), params)
     assert nesterov.defaults["nesterov"] and nesterov.defaults["momentum"] == 0.9
+    no_momentum = build_outer_optimizer(OuterConfig(lr=1.0, momentum=0.0), params)  # torch refuses Nesterov at 0
+    assert not no_momentum.defaults["nesterov"] and no_momentum.defaults["momentum"] == 0.0
     assert isinstance(build_outer_optimizer(OuterConfig(optimizer="adam", lr=0.1), params), torch.optim.Adam)
     with pytest.raises(ValueError, match="outer.optimizer"):
         build_outer_optimizer(OuterConfig(optimizer="lion"), params)
