@@ -53,14 +53,14 @@ def catch_up_with_run(
     outer.load_state_dict(found.state)
     round_index = taken_round + 1
     if not align_step:
-        logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round)
+        logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round + 1)
         return step, round_index
     round_start = round_index * sync_every
     if round_start >= cfg.inner.steps:  # the peers are past their last round, not yet gone
         logger.warning(
             "worker %d took the state after round %d from a peer, the run's last: nothing is left to train",
             cfg.worker.index,
-            taken_round,
+            taken_round + 1,
         )
         backend.report_progress(round_index, cfg.inner.steps)
         return cfg.inner.steps, round_index
@@ -69,8 +69,8 @@ def catch_up_with_run(
     logger.warning(
         "worker %d took the state after round %d from a peer; starts round %d at step %d",
         cfg.worker.index,
-        taken_round,
-        round_index,
+        taken_round + 1,
+        round_index + 1,
         step,
     )
     backend.report_progress(round_index, step)

@@ -103,7 +103,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         sampler.load_state_dict(state["sampler"])
         restore_rng_state(state["rng"])
         step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
-        logger.info("worker %d resumed at step %d, round %d", cfg.worker.index, step, round_index)
+        logger.info("worker %d resumed at step %d, after round %d", cfg.worker.index, step, round_index)
     if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
         save_config(cfg, run_dir / "config.yaml")
 
@@ -229,7 +229,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 comm_s = _account(result, time.perf_counter() - started, totals, log).comm_s
                 recovered = taken_round is not None
                 if recovered and taken_round > round_index:  # the others are rounds ahead: skip to them
-                    logger.warning("worker %d skips from round %d to %d", cfg.worker.index, round_index, taken_round)
+                    logger.warning(
+                        "worker %d skips from round %d to %d", cfg.worker.index, round_index + 1, taken_round + 1
+                    )
                     if not clock.timed:  # fixed rounds end at multiples of H: keep to them
                         step = min(cfg.inner.steps, step + (taken_round - round_index) * cfg.outer.sync_every)
                     round_index = taken_round

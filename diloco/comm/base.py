@@ -239,14 +239,14 @@ def average_payloads(
             decoded.append([codec.decompress(p, n) for p, n in zip(contribution.payloads, numels)])
             used.append(contribution)
         except PayloadError as error:
-            logger.warning("round %d: dropped the contribution of %s: %s", round_index, contribution.worker, error)
+            logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, contribution.worker, error)
     screening = screen(
         {i: norm_of(values) for i, values in enumerate(decoded)},
         max_norm_ratio=max_norm_ratio,
         clip_to_median=clip_to_median,
     )
     for i, reason in screening.dropped.items():
-        logger.warning("round %d: dropped the contribution of %s: %s", round_index, used[i].worker, reason)
+        logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
     decoded = [
         [v * screening.scales[i] for v in values] if screening.scales[i] != 1.0 else values
         for i, values in enumerate(decoded)
@@ -262,6 +262,6 @@ def average_payloads(
         try:
             means.append(codec.reply_codec.roundtrip(mean))
         except PayloadError as error:  # finite inputs can still overflow
-            logger.warning("round %d: the average is unusable: %s", round_index, error)
+            logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
             return [], []
     return means, used

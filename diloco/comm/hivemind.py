@@ -241,7 +241,7 @@ class HivemindBackend(CommBackend):
             # survivors hold partial averages that differ; averaging once more among them, under a
             # key of its own, gives them the same result instead. They retry at about the same
             # time; the retry's leader starts after comm.matchmaking_s with whoever is there.
-            logger.warning("round %d: %s; trying once more among the peers still there", round_index, result.error)
+            logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
             retry = self._average_once(
                 averager,
                 tensors,

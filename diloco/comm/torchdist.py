@@ -75,7 +75,7 @@ class TorchDistBackend(CommBackend):
             dict(enumerate(norms)), max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median
         )
         for rank, reason in sorted(screening.dropped.items()):
-            logger.warning("round %d: dropped the contribution of rank %d: %s", round_index, rank, reason)
+            logger.warning("round %d: dropped the contribution of rank %d: %s", round_index + 1, rank, reason)
         kept = sorted(screening.scales)
         total = sum(weights[rank] for rank in kept)
         if not kept or not (math.isfinite(total) and total > 0):  # every rank sees the same and gives up alike

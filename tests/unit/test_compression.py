@@ -154,7 +154,7 @@ def test_average_payloads_drops_a_bad_contribution_and_keeps_the_others(caplog):
     means, used = average_payloads(codec, contributions, [20], round_index=4)
     assert [c.worker for c in used] == ["worker 0", "worker 2"]
     torch.testing.assert_close(means[0], torch.full((20,), 2.0), rtol=1e-2, atol=0)
-    assert "round 4: dropped the contribution of worker 1: payload decodes to non-finite values" in caplog.text
+    assert "round 5: dropped the contribution of worker 1: payload decodes to non-finite values" in caplog.text
     assert "dropped the contribution of worker 3: weight inf" in caplog.text
 
 

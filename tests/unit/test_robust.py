@@ -81,7 +81,7 @@ def test_average_payloads_drops_a_blown_up_contribution_and_logs_who_sent_it(cap
         means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, max_norm_ratio=10)
     assert [c.worker for c in used] == ["worker 0", "worker 1"]
     torch.testing.assert_close(means[0], torch.full((4,), 2.0))
-    assert "round 7: dropped the contribution of worker 2: its norm 734.8 is more than 10 x the median" in caplog.text
+    assert "round 8: dropped the contribution of worker 2: its norm 734.8 is more than 10 x the median" in caplog.text
     # off: the poisoned mean
     means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, max_norm_ratio=0)
     assert len(used) == 3 and means[0][0].item() == pytest.approx(304 / 3)
