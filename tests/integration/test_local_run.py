@@ -49,8 +49,11 @@ def test_workers_train_and_hold_identical_params_after_every_round(tmp_path, dil
     # others' state instead, so every record averaged or recovered, and the whole group averaged
     assert all(r["ok"] or r["recovered"] for r in every), every
     assert any(r["ok"] and r["peers"] == workers for r in every), every
-    rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
-    assert rounds[-1]["val_loss"] < rounds[0]["val_loss"] - 0.1 < 5.0  # it learns (ln 256 = 5.55 at init)
+    # it learns past the bytes' unigram entropy (3.32 nats; ln 256 = 5.55 at init): 3.01 after round 4.
+    # Not asserted falling round by round: Nesterov momentum over only four rounds, as the inner lr
+    # decays, overshoots (2.90 at round 2, 3.01 at round 4); a CI run with a lost group began at 2.87
+    val_losses = [r["val_loss"] for r in read_records(run_dir, 0) if r["event"] == "round"]
+    assert val_losses[-1] < 3.15, val_losses
     assert summary["bytes_sent"] > 0 and summary["tokens"] == workers * 40 * 8 * 32
     assert (run_dir / "config.yaml").exists()
     assert "identical" in done.stdout
