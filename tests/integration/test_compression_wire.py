@@ -36,7 +36,7 @@ def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: 
         if bad:
             codec = BadPayloadCodec(codec, bad)
         cfg = CommConfig(
-            run_id=f"wire_{name}", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=2, deadline_s=40
+            run_id=f"wire_{name}", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, deadline_s=40
         )
         backend = HivemindBackend(cfg, templates=_tensors(0), num_workers=count, codec=codec)
         try:

@@ -64,6 +64,7 @@ def test_a_crashed_worker_leaves_no_namespace_or_link_behind(diloco_cli, tmp_pat
     done = diloco_cli(
         "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(tmp_path / "run"),
         *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.matchmaking_s=3", "comm.deadline_s=5",
+        "comm.request_timeout_s=2",
         "faults.worker=1", "faults.stop_after_round=1",
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:]
