@@ -24,12 +24,13 @@ from pathlib import Path
 from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
-LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured at M=4 (README)
+LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured, M=1 and 4 (README)
 ARMS = [
     Arm("ddp", 4, 0),
     Arm("m1-h50", 1, 50),
     Arm("m1-h50-lr0.4", 1, 50, ("outer.lr=0.4",)),
     Arm("m1-h50-lr1.0", 1, 50, ("outer.lr=1.0",)),
+    Arm("m1-h50-lr1.0-m0.8", 1, 50, LESS_MOMENTUM),
     Arm("m2-h20", 2, 20),
     Arm("m2-h50", 2, 50),
     Arm("m4-h10", 4, 10),
