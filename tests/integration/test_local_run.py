@@ -51,7 +51,7 @@ def test_workers_train_and_hold_identical_params_after_every_round(tmp_path, dil
     assert any(r["ok"] and r["peers"] == workers for r in every), every
     # it learns past the bytes' unigram entropy (3.32 nats; ln 256 = 5.55 at init): 3.01 after round 4.
     # Not asserted falling round by round: Nesterov momentum over only four rounds, as the inner lr
-    # decays, overshoots (2.90 at round 2, 3.01 at round 4); a CI run with a lost group began at 2.87
+    # decays, overshoots (2.90 at round 2, 3.01 at round 4); a CI run that lost a round (112 s) began at 2.87
     val_losses = [r["val_loss"] for r in read_records(run_dir, 0) if r["event"] == "round"]
     assert val_losses[-1] < 3.15, val_losses
     assert summary["bytes_sent"] > 0 and summary["tokens"] == workers * 40 * 8 * 32
