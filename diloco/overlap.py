@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from diloco.comm.base import CommBackend, PendingAverage, StateRank, SyncResult
+from diloco.comm.bounds import round_limit_s
 from diloco.outer import OuterConfig, OuterStep
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class OverlappedOuter:
         self, outer: OuterStep, backend: CommBackend, cfg: OuterConfig, *, deadline_s: float, expected_peers: int
     ):
         self.outer, self.backend, self.deadline_s = outer, backend, deadline_s
+        self.wait_limit_s = round_limit_s(deadline_s)  # an average not done by then is abandoned (comm/bounds.py)
         self.expected_peers = expected_peers
         self.every = cfg.sync_every
         self.mix = cfg.mix
@@ -168,8 +170,10 @@ class OverlappedOuter:
         for flight in [f for f in self.in_flight if final or f.apply_at <= step]:
             self.in_flight.remove(flight)
             started = time.perf_counter()
-            result = flight.pending.wait()
+            result = flight.pending.wait(timeout_s=self.wait_limit_s)
             wait_s = time.perf_counter() - started
+            if flight.pending.abandoned:  # its thread may still write the mean into what we apply
+                flight.averaged = [t.clone() for t in flight.averaged]
             if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))

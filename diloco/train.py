@@ -21,6 +21,7 @@ import torch
 
 from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from diloco.comm import CommBackend, CommConfig, SyncResult, build_backend
+from diloco.comm.bounds import site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
@@ -47,8 +48,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     """
     # one process, or one rank of a site (worker.site, under torchrun) holding the whole model or
     # (worker.site_sharding=fsdp) a shard of it: placement.py. A site's collectives wait for its
-    # slowest rank's round: a deadline, a download, and margin
-    site_timeout_s = 2 * cfg.comm.deadline_s + cfg.comm.matchmaking_s + 30
+    # slowest rank's round (comm/bounds.py)
+    site_timeout_s = site_limit_s(cfg.comm.deadline_s)
     placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
     if join:
         placement.check_join()

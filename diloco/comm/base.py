@@ -167,7 +167,8 @@ class CommBackend(abc.ABC):
 
 
 class PendingAverage:
-    """An all-reduce in flight; ``wait()`` blocks until it is done and returns its result."""
+    """An all-reduce in flight; ``wait()`` blocks until it is done, or at most ``timeout_s``, and
+    returns its result."""
 
     def __init__(self, run: Callable[[], SyncResult] | None = None, *, result: SyncResult | None = None):
         self._result = result
@@ -191,12 +192,22 @@ class PendingAverage:
         except BaseException as error:  # handed to the thread that waits
             self._error = error
 
-    def wait(self) -> SyncResult:
+    def wait(self, timeout_s: float | None = None) -> SyncResult:
+        """The result; a failed one (our own tensors left in place) when none came within ``timeout_s``.
+        The abandoned average keeps its thread until the transport gives up on it; the transport
+        refuses a new average of the same tensors meanwhile (``HivemindBackend``)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self.abandoned:
+                return SyncResult(False, 1, 0.0, error=f"no result within {timeout_s:.0f} s: the average was abandoned")
         if self._error is not None:
             raise self._error
         return self._result
+
+    @property
+    def abandoned(self) -> bool:
+        """Still running after a ``wait`` gave up on it: it may yet write into its tensors."""
+        return self._thread is not None and self._thread.is_alive()
 
 
 @dataclass

@@ -29,6 +29,8 @@ be longer than the vector) and drops a sender that under-declared.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import math
@@ -39,7 +41,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException
+from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -96,6 +98,22 @@ class _ReducerStub:
         return self._runner._decode_replies(self._runner._count_received(replies), self._peer)
 
 
+class SenderlessEndingReducer(TensorPartReducer):
+    """hivemind's reducer of our share, which also ends once no sender is left to wait for.
+
+    When the last senders of a part fail before sending it (a peer cut off, or every peer but one
+    whose own contribution was dropped), hivemind's reducer closes that part with nobody in it and
+    opens the next one expecting no sender, and never checks again: its ``finished`` event never
+    fires, and the round waits for the all-reduce's whole timeout (``comm.deadline_s``) while the
+    others have long gone on. A worker whose own contribution every peer dropped waits for exactly
+    that event before its round can end (``_communicate_with_peer``)."""
+
+    def on_sender_failed(self, sender_index: int):
+        super().on_sender_failed(sender_index)
+        if not self.finished.is_set() and self.num_current_senders == 0:
+            self.finalize()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers hand out the average itself, not a delta."""
 
@@ -109,6 +127,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        self.tensor_part_reducer = SenderlessEndingReducer(
+            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
+        )
         # a failed reducer's part falls back to our own values rather than a zero delta
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
@@ -336,13 +357,28 @@ class ExactAverager(DecentralizedAverager):
         if start:
             self.run_in_background(await_ready=True)
 
-    def set_group(self, group_bits: str, *, target_group_size: int) -> None:
-        """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers are in."""
+    def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
+        """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers
+        are in. Raises ``TimeoutError`` if the averager's process does not take it within ``timeout_s``."""
         future = MPFuture()
         self._outer_pipe.send(
             ("_set_group", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future))
         )
-        future.result()
+        try:
+            future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the averager did not take the round's group key within {timeout_s:.0f} s") from None
+
+    @contextlib.contextmanager
+    def tensors_within(self, timeout_s: float):
+        """``get_tensors()``, waiting at most ``timeout_s`` for the averager to release them (it holds
+        them through an all-reduce, one given up on included); raises ``TimeoutError`` past it."""
+        if not self.lock_averaged_tensors.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the averager held its tensors for more than {timeout_s:.0f} s (an earlier all-reduce)")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
 
     async def _set_group(self, group_bits: str, target_group_size: int, future: MPFuture):
         try:

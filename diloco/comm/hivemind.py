@@ -31,6 +31,7 @@ from diloco.comm.base import (
     SyncResult,
     average_payloads,
 )
+from diloco.comm.bounds import control_limit_s, round_limit_s
 from diloco.comm.robust import declared_norm, norm_of, screen
 from diloco.comm.roster import Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
@@ -102,7 +103,8 @@ def roster_reader(cfg: CommConfig):
     again and again). A peer without the run's key reads nothing."""
     dht = start_dht(cfg)
     try:
-        yield Roster(lambda fn: fn(dht), run_id=cfg.run_id, worker_index=-1, planned=0).entries
+        dht_call = bounded_dht_call(dht, threading.Lock(), timeout_s=control_limit_s(cfg.request_timeout_s))
+        yield Roster(dht_call, run_id=cfg.run_id, worker_index=-1, planned=0).entries
     finally:
         dht.shutdown()
 
@@ -122,6 +124,23 @@ def first_entries(read: Callable[[], dict[int, RosterEntry]], timeout_s: float) 
         if entries or time.monotonic() > deadline:
             return entries
         time.sleep(0.5)  # the DHT may need a moment to find the record's holders
+
+
+def bounded_dht_call(dht, lock: threading.Lock, *, timeout_s: float) -> Callable:
+    """``call(fn)``: sends ``fn(dht)``, a DHT request made with ``return_future=True``, under ``lock``
+    (hivemind's DHT handle is not safe to use from two threads at once) and waits at most
+    ``timeout_s`` for its answer, outside the lock; raises ``TimeoutError`` past it."""
+
+    def call(fn):
+        with lock:
+            future = fn(dht)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the DHT did not answer within {timeout_s:g} s") from None
+
+    return call
 
 
 def visible_addresses(dht) -> list[str]:
@@ -150,8 +169,10 @@ class HivemindBackend(CommBackend):
         self.num_workers = num_workers
         self._closed = False
         self._averagers = []
-        self._dht_lock = threading.Lock()
+        self._busy: list[threading.Lock] = []  # held while a fragment's average runs
+        self._control_s = control_limit_s(cfg.request_timeout_s)
         self._dht = start_dht(cfg)
+        self._dht_call = bounded_dht_call(self._dht, threading.Lock(), timeout_s=self._control_s)
         fragments = fragments or [range(len(templates))]
         self.roster = Roster(
             self._dht_call,
@@ -163,16 +184,13 @@ class HivemindBackend(CommBackend):
         try:
             for fragment, indices in enumerate(fragments):
                 self._averagers.append(self._start_averager([templates[i] for i in indices], fragment))
+                self._busy.append(threading.Lock())
             self.roster.start()
         except BaseException:
             self.shutdown()
             raise
         self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
-
-    def _dht_call(self, fn):
-        """``fn(dht)`` under the lock: the roster's heartbeat thread and the trainer share the DHT handle."""
-        with self._dht_lock:
-            return fn(self._dht)
+        self._was_alone = False
 
     def _start_averager(self, templates: Sequence[torch.Tensor], fragment: int):
         from diloco.comm.exact_averager import ExactAverager
@@ -213,20 +231,39 @@ class HivemindBackend(CommBackend):
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        if self.num_workers <= 1:  # nobody to talk to, but the result is what the codec makes of it, as always
-            alone = [Contribution("self", [self.codec.compress(t) for t in tensors], weight)]
-            means, used = average_payloads(self.codec, alone, [t.numel() for t in tensors], round_index=round_index)
-            if not used:
-                return SyncResult(False, 1, weight, error="our own contribution was dropped")
-            for tensor, mean in zip(tensors, means):
-                tensor.copy_(mean.view_as(tensor))
-            return SyncResult(ok=True, peers=1, total_weight=weight)
+        if self._alone():
+            return self._average_alone(tensors, weight, round_index=round_index)
+        # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
+        # still hold the averager; the round fails at once rather than queue behind it
+        busy = self._busy[fragment]
+        if not busy.acquire(blocking=False):
+            return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
+        try:
+            return self._average(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
+        finally:
+            busy.release()
+
+    def _average(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
+    ) -> SyncResult:
         averager = self._averagers[fragment]
         expected = self.expected_peers()
         deadline = time.monotonic() + deadline_s
+        # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
+        # bound matchmaking and the all-reduce, and this bounds hivemind
+        limit = time.monotonic() + round_limit_s(deadline_s)
         result = self._average_once(
-            averager, tensors, weight, round_index=round_index, attempt=0, expected=expected, timeout_s=deadline_s
+            averager,
+            tensors,
+            weight,
+            round_index=round_index,
+            attempt=0,
+            expected=expected,
+            timeout_s=deadline_s,
+            limit=limit,
         )
+        if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
+            return self._average_alone(tensors, weight, round_index=round_index)
         remaining = deadline - time.monotonic()
         if (
             not result.ok
@@ -250,24 +287,62 @@ class HivemindBackend(CommBackend):
                 attempt=1,
                 expected=expected,
                 timeout_s=min(remaining, 2 * self.cfg.matchmaking_s),
+                limit=limit,
             )
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv
             result = retry
         return result
 
-    def _await_step(self, control, round_index: int):
+    def _alone(self) -> bool:
+        """Whether no other worker is left to average with: a run planned for one, or one whose other
+        workers all left (the roster). Logs when that changes."""
+        alone = self.num_workers <= 1 or self._others_left()
+        if alone != self._was_alone and self.num_workers > 1:
+            if alone:
+                logger.warning("every other worker has left the run: outer steps are taken alone until one is back")
+            else:
+                logger.warning("another worker is in the run again: rounds average in groups again")
+        self._was_alone = alone
+        return alone
+
+    def _others_left(self) -> bool:
+        try:
+            return self.roster.others_left()
+        except TimeoutError:  # the DHT did not answer: no reason to think them gone
+            return False
+
+    def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
+        """Nobody to talk to, but the result is what the codec makes of it, as always."""
+        alone = [Contribution("self", [self.codec.compress(t) for t in tensors], weight)]
+        means, used = average_payloads(self.codec, alone, [t.numel() for t in tensors], round_index=round_index)
+        if not used:
+            return SyncResult(False, 1, weight, error="our own contribution was dropped")
+        for tensor, mean in zip(tensors, means):
+            tensor.copy_(mean.view_as(tensor))
+        return SyncResult(ok=True, peers=1, total_weight=weight)
+
+    def _await_step(self, control, round_index: int, *, limit: float):
         """The step's result. A worker still looking for a group when a peer already offers the
         round's state averaged in a group (the others went ahead without it: it came late) stops
-        looking, instead of matchmaking alone until the deadline; the catch-up then takes that state."""
+        looking, instead of matchmaking alone until the deadline; the catch-up then takes that state.
+        At ``limit`` (monotonic time) it stops waiting whatever hivemind is doing."""
+        started = time.monotonic()
         while True:
             try:
-                return control.result(timeout=_POLL_S)
+                return control.result(timeout=max(0.0, min(_POLL_S, limit - time.monotonic())))
             except concurrent.futures.TimeoutError:
                 pass
+            if time.monotonic() >= limit:
+                stage = "the all-reduce" if control.began_allreduce else "matchmaking"
+                control.cancel()
+                raise TimeoutError(f"no result from the averager after {time.monotonic() - started:.0f} s in {stage}")
             if not control.began_allreduce and self._others_averaged(round_index):
                 control.cancel()
                 raise TimeoutError("the others averaged this round without us")
+            if not control.began_allreduce and self._others_left():
+                control.cancel()
+                raise TimeoutError("every other worker has left the run")
 
     def _averaged_by_others(self, round_index: int) -> bool:
         """Whether a peer offers a state of this round averaged in a group, within a moment: then the
@@ -295,20 +370,21 @@ class HivemindBackend(CommBackend):
         attempt: int,
         expected: int,
         timeout_s: float,
+        limit: float,
     ) -> SyncResult:
         group_bits = round_group_bits(round_index, attempt)
-        averager.set_group(group_bits, target_group_size=max(2, expected))
         sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
-        with averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                buffer.copy_(tensor)
         # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
         norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
         try:
+            averager.set_group(group_bits, target_group_size=max(2, expected), timeout_s=self._control_s)
+            with averager.tensors_within(self._control_s) as buffers:
+                for buffer, tensor in zip(buffers, tensors):
+                    buffer.copy_(tensor)
             control = averager.step(
                 weight=weight, gather={"weight": weight, "norm": norm}, timeout=timeout_s, wait=False
             )
-            gathered = self._await_step(control, round_index)
+            gathered = self._await_step(control, round_index, limit=limit)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
@@ -333,9 +409,12 @@ class HivemindBackend(CommBackend):
             # some reducer dropped out: part of the buffers hold our own values, not the mean
             error = f"{failed_values} values were not averaged"
             return SyncResult(False, 1, weight, sent, recv, error=error, group=len(gathered))
-        with averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                tensor.copy_(buffer)
+        try:
+            with averager.tensors_within(self._control_s) as buffers:
+                for buffer, tensor in zip(buffers, tensors):
+                    tensor.copy_(buffer)
+        except TimeoutError as error:
+            return SyncResult(False, 1, weight, sent, recv, error=str(error), group=len(gathered))
         kept = screening.scales  # the peers whose contribution is in the mean
         total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
         return SyncResult(True, len(kept), total_weight, sent, recv, group=len(gathered))
@@ -351,7 +430,11 @@ class HivemindBackend(CommBackend):
         self.roster.progress(round_index, step, stats)
 
     def live_workers(self) -> dict[int, RosterEntry]:
-        return self.roster.entries()
+        try:
+            return self.roster.entries()
+        except TimeoutError as error:
+            logger.warning("reading the run's roster: %s", error)
+            return {}
 
     def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
         self._published = (round_index, rank)
@@ -375,7 +458,7 @@ class HivemindBackend(CommBackend):
             others = self._live_others()
             if any(wanted(r, rank) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
-                found = self._averager.load_state_from_peers(timeout=max(1.0, deadline - time.monotonic()))
+                found = self._download_state(max(1.0, deadline - time.monotonic()))
                 if found is not None:
                     metadata, tensors = found
                     offered_round = metadata.get("round", -1)
@@ -391,6 +474,14 @@ class HivemindBackend(CommBackend):
             # the others may still be finishing this round's outer step: ask again shortly
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
+
+    def _download_state(self, timeout_s: float):
+        """hivemind's download of the best state offered, or None when it did not end within ``timeout_s``."""
+        try:
+            return self._averager.load_state_from_peers(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            logger.warning("downloading a peer's state: no answer within %.0f s", timeout_s)
+            return None
 
     def finish(self) -> None:
         # after the last round nobody would serve a peer that lost part of it: linger while a live
@@ -419,7 +510,12 @@ class HivemindBackend(CommBackend):
 
     def _state_offers(self) -> list[tuple[int, StateRank]]:
         """(round, rank) of the state each other live peer offers, from the priorities it declares on the DHT."""
-        entry = self._dht_call(lambda dht: dht.get(f"{self._averager.prefix}.all_averagers", latest=True))
+        key = f"{self._averager.prefix}.all_averagers"
+        try:
+            entry = self._dht_call(lambda dht: dht.get(key, latest=True, return_future=True))
+        except TimeoutError as error:  # no offers seen this time; the callers ask again or give up at their bound
+            logger.warning("reading the peers' state offers: %s", error)
+            return []
         if entry is None or not isinstance(entry.value, dict):
             return []
         offers, own = [], self._dht.peer_id.to_bytes()

@@ -36,8 +36,9 @@ class RosterEntry:
 
 
 class Roster:
-    """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)`` under
-    the backend's lock (hivemind's DHT handle is not safe to use from two threads at once)."""
+    """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)``, a DHT
+    request made with ``return_future=True``, and waits a bounded time for its answer
+    (``comm.hivemind.bounded_dht_call``)."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class Roster:
         self.serves_state = serves_state
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
         self._seen: set[int] = set()
+        self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,14 +101,16 @@ class Roster:
         expiration = now + self.ttl_s
         try:
             self._dht_call(
-                lambda dht: dht.store(self.key, subkey=self.worker_index, value=value, expiration_time=expiration)
+                lambda dht: dht.store(
+                    self.key, subkey=self.worker_index, value=value, expiration_time=expiration, return_future=True
+                )
             )
         except Exception:  # a missed heartbeat is not an error; the next one may go through
             logger.debug("roster heartbeat failed", exc_info=True)
 
     def entries(self) -> dict[int, RosterEntry]:
         """The workers whose records are fresh, by index (this worker included)."""
-        found = self._dht_call(lambda dht: dht.get(self.key, latest=True))
+        found = self._dht_call(lambda dht: dht.get(self.key, latest=True, return_future=True))
         entries = {}
         if found is not None and isinstance(found.value, dict):
             for subkey, item in found.value.items():
@@ -126,12 +130,28 @@ class Roster:
 
     def expected(self) -> int:
         """Workers a round should wait for: the planned ones not seen gone, plus live ones beyond the plan."""
-        entries = self.entries()
-        live = {i for i, entry in entries.items() if not entry.leaving} | {self.worker_index}
-        self._seen |= live
-        gone = (self._seen - live) | {i for i, entry in entries.items() if entry.leaving}
+        live, leaving = self._refresh()
+        gone = (self._seen - live) | leaving
         planned = [i for i in range(self.planned) if i not in gone]
         return len(planned) + len([i for i in live if i >= self.planned])
+
+    def others_left(self) -> bool:
+        """Whether every other worker this one has seen left the run cleanly and none is live now: the
+        run went on without us (we are late) or is over for the others. Not so for workers that
+        vanished without leaving: they may be back, or it is our own link that is cut."""
+        live, _ = self._refresh()
+        others_seen = self._seen - {self.worker_index}
+        return bool(others_seen) and live == {self.worker_index} and others_seen <= self._left
+
+    def _refresh(self) -> tuple[set[int], set[int]]:
+        """Read the roster: the live workers (this one included) and those leaving now; remember who
+        was seen and who left."""
+        entries = self.entries()
+        live = {i for i, entry in entries.items() if not entry.leaving} | {self.worker_index}
+        leaving = {i for i, entry in entries.items() if entry.leaving}
+        self._seen |= live
+        self._left |= leaving
+        return live, leaving
 
 
 def nobody_answered(run_id: str, peers: list[str], timeout_s: float | None = None) -> str:

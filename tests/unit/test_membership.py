@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
+import pytest
 from hivemind.dht.validation import DHTRecord
 
+from diloco.comm.hivemind import bounded_dht_call
 from diloco.comm.roster import Roster, free_slot
 from diloco.comm.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
+
+
+def _answered(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
 
 
 class _FakeDHT:
@@ -16,18 +27,29 @@ class _FakeDHT:
     def __init__(self):
         self.records: dict[int, dict] = {}
 
-    def store(self, key, *, subkey, value, expiration_time):
+    def store(self, key, *, subkey, value, expiration_time, return_future):
         self.records[subkey] = value
-        return True
+        return _answered(True)
 
-    def get(self, key, latest):
+    def get(self, key, latest, return_future):
         if not self.records:
-            return None
-        return SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.records.items()})
+            return _answered(None)
+        return _answered(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.records.items()}))
 
 
-def _roster(dht: _FakeDHT, index: int, planned: int) -> Roster:
-    return Roster(lambda fn: fn(dht), run_id="r", worker_index=index, planned=planned)
+class _SilentDHT:
+    """A DHT process that takes every request and never answers (stuck, or its daemon gone)."""
+
+    def store(self, key, **kwargs):
+        return Future()
+
+    def get(self, key, **kwargs):
+        return Future()
+
+
+def _roster(dht, index: int, planned: int, timeout_s: float = 5.0) -> Roster:
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=timeout_s)
+    return Roster(call, run_id="r", worker_index=index, planned=planned)
 
 
 def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_who_joined():
@@ -42,6 +64,29 @@ def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_w
     assert me.expected() == 3  # 0 and 2 of the plan, and 3 who joined
     joiner.leave()
     assert me.expected() == 2 and dht.records[3]["leaving"]
+
+
+def test_a_worker_is_alone_once_every_other_left_cleanly_not_when_one_vanished():
+    dht = _FakeDHT()
+    me, other, third = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3), _roster(dht, 2, planned=3)
+    me._publish(), other._publish()
+    assert not me.others_left()
+    other.leave()
+    assert me.others_left()  # the only other worker seen has finished: nobody to wait for
+    third._publish()
+    assert not me.others_left()  # one came (back): groups again
+    del dht.records[2]  # its heartbeat expired without a word: crashed, or our own link is cut
+    assert not me.others_left()
+
+
+@pytest.mark.timeout(30)
+def test_a_dht_that_never_answers_costs_a_heartbeat_and_a_read_their_bound_not_a_hang():
+    roster = _roster(_SilentDHT(), 0, planned=2, timeout_s=0.2)
+    started = time.monotonic()
+    roster._publish()  # a missed heartbeat: logged at debug, the next one may go through
+    with pytest.raises(TimeoutError, match="the DHT did not answer within 0.2 s"):
+        roster.entries()
+    assert time.monotonic() - started < 5
 
 
 def test_a_newcomer_takes_the_lowest_free_slot_and_none_when_the_run_is_full():

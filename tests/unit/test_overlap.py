@@ -3,10 +3,14 @@ the blocking round where they must agree."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
+from diloco.comm.bounds import round_limit_s
 from diloco.config import ConfigError, load_config
 from diloco.local import simulate
 from diloco.outer import OuterConfig, OuterStep
@@ -100,6 +104,50 @@ class ScriptedWithStates(ScriptedAverages):
     def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
         self.asked.append((round_index, better_than.peers, newer))
         return None if self.peer_state is None else PeerState(round_index, StateRank(2), self.peer_state)
+
+
+class NeverAnswers(ScriptedWithStates):
+    """A transport whose averages of fragment 1 never finish (a hivemind round stuck past every timeout
+    of its own); the rest as ``ScriptedWithStates``. It averages in the background, as hivemind does."""
+
+    averages_in_background = True
+
+    def __init__(self):
+        super().__init__(set())
+        self.release = threading.Event()  # set at the test's end, so that no thread outlives it
+
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+        if fragment == 1:
+            self.release.wait()
+            return SyncResult(False, 1, weight, error="released")
+        return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+
+
+@pytest.mark.timeout(60)
+def test_an_overlapped_average_that_never_ends_fails_at_its_bound_and_the_run_goes_on(caplog):
+    # the hang of a streaming worker: an average of fragment 1 that never came back left the trainer
+    # waiting for it forever; it now gives up after round_limit_s(deadline) and applies its own
+    overlapped, outer, _, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
+                                         delay_steps=1)  # fmt: skip
+    overlapped.deadline_s, overlapped.wait_limit_s = 0.2, round_limit_s(0.2)
+    backend = overlapped.backend = NeverAnswers()
+    try:
+        started = time.monotonic()
+        applied = []
+        for step in range(1, 9):
+            with torch.no_grad():
+                for p in local:
+                    p.sub_(0.5)
+            applied += overlapped.after_inner_step(step, samples_per_step=1, compute_s=0.0, final=step == 8)
+        waited = time.monotonic() - started
+    finally:
+        backend.release.set()
+    stuck = [a for a in applied if not a.result.ok]
+    assert len(stuck) == 2 and all("no result within 1 s: the average was abandoned" in a.result.error for a in stuck)
+    assert waited < 2 * 2 * round_limit_s(0.2) + 5  # two waits of fragment 1, each at its bound
+    assert "fragment 1: averaging failed (no result within 1 s" in caplog.text
+    # its own progress applied each time: 4 steps to step 4, then 3 from the restart at step 5 to step 8
+    assert outer.global_params[1][0].item() == 20.0 - 4 * 0.5 - 3 * 0.5
 
 
 def _streaming_that_loses_an_average(peer_state_of=None):
