@@ -66,6 +66,9 @@ class DelegatingBackend(CommBackend):
     def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
         self.inner.report_progress(round_index, step, stats)
 
+    def report_phase(self, phase: str, since: float) -> None:
+        self.inner.report_phase(phase, since)
+
     def live_workers(self) -> dict:
         return self.inner.live_workers()
 

@@ -206,6 +206,10 @@ class SiteBackend(CommBackend):
         if self.transport is not None:
             self.transport.report_progress(round_index, step, stats)
 
+    def report_phase(self, phase: str, since: float) -> None:
+        if self.transport is not None:
+            self.transport.report_phase(phase, since)
+
     def live_workers(self) -> dict:
         return self.site.share(self.transport.live_workers() if self.site.leader else None)
 

@@ -1,10 +1,11 @@
 """``diloco status``: who is in a live run, read from its roster on the DHT.
 
 Every worker keeps a heartbeat record (``comm/roster.py``) with its round, inner steps, latest
-loss, tokens/s and validation loss. A short-lived peer reads them through any live peer's
-address and prints one line per worker, under a header with the run's round (the newest any
-worker finished) and that round's validation loss. ``--watch`` reprints the table every few
-seconds: in place on a terminal, as a new block when piped to a file.
+loss, tokens/s and validation loss, and what it is doing and for how long (``watchdog.py``:
+training, matchmaking, averaging, downloading state, checkpointing, ...). A short-lived peer
+reads them through any live peer's address and prints one line per worker, under a header with
+the run's round (the newest any worker finished) and that round's validation loss. ``--watch``
+reprints the table every few seconds: in place on a terminal, as a new block when piped to a file.
 
     diloco status --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... [--run-id ID] [--watch]
 """
@@ -17,6 +18,7 @@ from typing import TextIO
 
 from diloco.comm.base import CommConfig, CommError
 from diloco.comm.roster import HEARTBEAT_S, RosterEntry, nobody_answered
+from diloco.metrics import format_duration
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: only ever written to a terminal
 
@@ -31,16 +33,28 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
     header = f"run {run_id!r}: {len(live)} live worker{'s' * (len(live) != 1)}, round {newest}"
     if losses:
         header += f", val_loss {min(losses):.4f}"
-    lines = [header, f"{'worker':>6} {'round':>6} {'step':>7} {'tokens/s':>9} {'loss':>8} {'val_loss':>9}  last seen"]
+    lines = [
+        header,
+        f"{'worker':>6} {'round':>6} {'step':>7} {'tokens/s':>9} {'loss':>8} {'val_loss':>9}  {'phase':<26} last seen",
+    ]
     for index, entry in sorted(entries.items()):
         stats = entry.stats
         seen = f"{max(0.0, now - entry.written_at):.0f} s ago" if entry.written_at else "-"
         lines.append(
             f"{index:>6} {entry.round:>6} {entry.step:>7} {_number(stats.get('tokens_per_s'), '.0f'):>9}"
-            f" {_number(stats.get('loss'), '.4f'):>8} {_number(stats.get('val_loss'), '.4f'):>9}  {seen}"
-            + ("  (leaving)" if entry.leaving else "")
+            f" {_number(stats.get('loss'), '.4f'):>8} {_number(stats.get('val_loss'), '.4f'):>9}"
+            f"  {_phase(entry, now):<26} {seen}" + ("  (leaving)" if entry.leaving else "")
         )
     return "\n".join(lines)
+
+
+def _phase(entry: RosterEntry, now: float) -> str:
+    """What the worker is doing and for how long: ``matchmaking for 12 s``."""
+    if not entry.phase:
+        return "-"
+    return (
+        f"{entry.phase} for {format_duration(max(0.0, now - entry.phase_since))}" if entry.phase_since else entry.phase
+    )
 
 
 def _number(value, spec: str) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
 from diloco.comm import CommBackend, CommConfig, SyncResult, build_backend
-from diloco.comm.bounds import site_limit_s
+from diloco.comm.bounds import phase_bounds, site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
@@ -34,6 +34,7 @@ from diloco.outer import GradientAveraging, OuterStep
 from diloco.overlap import OverlappedOuter, fragments_for
 from diloco.placement import placement_for
 from diloco.rounds import RoundClock
+from diloco.watchdog import Watchdog
 from diloco.worker_log import RoundCost, Totals, WorkerLog, totals_state
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,12 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     )
     if overlapped is not None and state is not None and state.get("overlap"):
         overlapped.load_state_dict(state["overlap"])
+    # what the worker is doing, for diloco status; a warning when a phase outlasts its bound
+    watchdog = Watchdog(
+        phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
+        stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
+        on_phase=backend.report_phase,
+    )
     record_every = cfg.logging.eval_every if data_parallel else cfg.outer.sync_every
     clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
     synced_params = list(model.parameters()) if data_parallel else outer.global_params
@@ -174,15 +181,18 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             on_ready(backend.addresses)
         if not data_parallel and overlapped is None:
             behind = round_index
-            step, round_index = catch_up_with_run(
-                outer, backend, step, round_index, cfg=cfg, required=join, align_step=not clock.timed
-            )
+            with watchdog.phase("downloading state"):
+                step, round_index = catch_up_with_run(
+                    outer, backend, step, round_index, cfg=cfg, required=join, align_step=not clock.timed
+                )
             if round_index != behind and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
-                save_worker_state(step, round_index)  # took the run's final state: it is this worker's last
+                with watchdog.phase("checkpointing"):  # took the run's final state: it is this worker's last
+                    save_worker_state(step, round_index)
         samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
         clock.start_round()
         while clock.running(step, round_index):
             # ---- inner step -------------------------------------------------------------
+            watchdog.enter("training")
             started = time.perf_counter()
             lr = lr_at(cfg.inner, clock.schedule_step(step, round_index))
             batch_tensors = placement.my_slice(sampler.next_batch())
@@ -206,7 +216,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             samples_this_round += batch * ranks
             backend.report_progress(round_index, step, log.live)
             if overlapped is not None:
-                costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)
+                with watchdog.phase("averaging"):
+                    costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)
                 window.extend(costs)
                 unattributed_comm_s += unattributed
             log.step(step, round_index, loss, lr, due=step % cfg.logging.log_every == 0)
@@ -220,13 +231,14 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 window, unattributed_comm_s = [], 0.0
             else:
                 started = time.perf_counter()
-                result, taken_round = outer.sync(
-                    backend,
-                    weight=samples_this_round,
-                    round_index=round_index,
-                    deadline_s=cfg.comm.deadline_s,
-                    expected_peers=cfg.worker.count,
-                )
+                with watchdog.phase("averaging"):
+                    result, taken_round = outer.sync(
+                        backend,
+                        weight=samples_this_round,
+                        round_index=round_index,
+                        deadline_s=cfg.comm.deadline_s,
+                        expected_peers=cfg.worker.count,
+                    )
                 comm_s = _account(result, time.perf_counter() - started, totals, log).comm_s
                 recovered = taken_round is not None
                 if recovered and taken_round > round_index:  # the others are rounds ahead: skip to them
@@ -242,7 +254,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             param_hash = param_sha256(synced_params)
             # overlapped, a worker's model is the global params plus its own progress: not a cache key
             params_key = (param_hash, held_out_hash) if overlapped is None else None
-            val_loss = placement.evaluate(model, held_out, params_key)
+            with watchdog.phase("evaluating"):
+                val_loss = placement.evaluate(model, held_out, params_key)
             log.round(
                 round_index,
                 step,
@@ -255,15 +268,18 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
             every = cfg.checkpoint.every_rounds
             if every and (round_index % every == 0 or not clock.running(step, round_index)):
-                save_worker_state(step, round_index)
+                with watchdog.phase("checkpointing"):
+                    save_worker_state(step, round_index)
             check_stop(cfg.faults, cfg.worker.index, round_index)
 
+        watchdog.enter("finishing")
         backend.finish()
         # the last round ran at the last step, on these very params: its evaluation is the final one
         # (a run resumed after its end has no round left, so it evaluates here)
         final_loss = val_loss if val_loss is not None else evaluate(model, held_out)
         return log.end(step, round_index, totals, val_loss=final_loss, param_hash=param_sha256(synced_params))
     finally:
+        watchdog.stop()
         log.close()
         backend.leave()
         backend.shutdown()

@@ -141,6 +141,10 @@ class CommBackend(abc.ABC):
         """Rounds completed and inner steps done, for peers deciding where a newcomer starts, and
         (when given) the worker's latest figures for ``diloco status``. Optional."""
 
+    def report_phase(self, phase: str, since: float) -> None:  # noqa: B027 - optional
+        """What the worker is doing now (``watchdog.py``) and since when (``time.time()``), for ``diloco
+        status``. Optional."""
+
     def live_workers(self) -> dict:
         """The live workers' roster entries by index (transports that track who is alive)."""
         return {}

@@ -19,6 +19,9 @@ the end-of-run linger (``finish``)     ``comm.matchmaking_s``
 a site's collectives (torchrun)        ``site_limit_s``: a round, a state download and 30 s
 shutdown of the averagers and the DHT  5 s each, then killed
 =====================================  ==========================================================
+
+A phase of the worker that lasts longer than ``phase_bounds`` says gets a warning from the
+watchdog (``watchdog.py``), with the thread stacks written beside the worker's log.
 """
 
 from __future__ import annotations
@@ -34,6 +37,21 @@ def round_limit_s(deadline_s: float) -> float:
 def control_limit_s(request_timeout_s: float) -> float:
     """The longest a worker waits for one request to its own DHT or averager process."""
     return max(10.0, 3 * request_timeout_s)
+
+
+def phase_bounds(deadline_s: float, matchmaking_s: float) -> dict[str, float]:
+    """How long each phase of a worker (``watchdog.py``) may last before the watchdog warns: an inner
+    step, a round (then a state download), a download, a checkpoint, an evaluation, the end."""
+    round_s = round_limit_s(deadline_s) + deadline_s
+    return {
+        "training": deadline_s,
+        "averaging": round_s,
+        "matchmaking": round_s,
+        "downloading state": deadline_s + ROUND_MARGIN_S,
+        "checkpointing": deadline_s,
+        "evaluating": deadline_s,
+        "finishing": matchmaking_s + deadline_s,
+    }
 
 
 def site_limit_s(deadline_s: float) -> float:

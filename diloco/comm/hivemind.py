@@ -329,6 +329,7 @@ class HivemindBackend(CommBackend):
         At ``limit`` (monotonic time) it stops waiting whatever hivemind is doing."""
         started = time.monotonic()
         while True:
+            self.roster.stage("averaging" if control.began_allreduce else "matchmaking")
             try:
                 return control.result(timeout=max(0.0, min(_POLL_S, limit - time.monotonic())))
             except concurrent.futures.TimeoutError:
@@ -389,6 +390,8 @@ class HivemindBackend(CommBackend):
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
             failure = "" if gathered is not None else "no group found before the deadline"
+        finally:
+            self.roster.stage(None)
         sent, recv, failed, drops = averager.traffic.read()
         sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
         if failure:
@@ -428,6 +431,9 @@ class HivemindBackend(CommBackend):
 
     def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
         self.roster.progress(round_index, step, stats)
+
+    def report_phase(self, phase: str, since: float) -> None:
+        self.roster.phase(phase, since)
 
     def live_workers(self) -> dict[int, RosterEntry]:
         try:

@@ -33,6 +33,8 @@ class RosterEntry:
     written_at: float = 0.0  # DHT time of the record (hivemind.get_dht_time)
     stats: dict = field(default_factory=dict)  # what the worker last reported: loss, tokens_per_s, val_loss
     serves_state: bool = True  # False for a peer in client mode: it can fetch a state, never serve one
+    phase: str = ""  # what it is doing (watchdog.py): training, matchmaking, averaging, ...; "" = not said
+    phase_since: float = 0.0  # when that began (time.time() of the worker's clock)
 
 
 class Roster:
@@ -54,6 +56,8 @@ class Roster:
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
         self.serves_state = serves_state
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
+        self._phase: tuple[str, float] = ("", 0.0)
+        self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
         self._seen: set[int] = set()
         self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
         self._stop = threading.Event()
@@ -70,6 +74,15 @@ class Roster:
         self._round, self._step = round_index, step
         if stats is not None:
             self._stats = stats
+
+    def phase(self, name: str, since: float) -> None:
+        """What the worker is doing and since when, sent with the next heartbeat."""
+        self._phase = (name, since)
+
+    def stage(self, stage: str | None) -> None:
+        """Where a round in progress stands (matchmaking, averaging), or None when none is: it names
+        the worker's phase while the worker is in a round."""
+        self._stage = stage
 
     def leave(self) -> None:
         """Tell the others at once that this worker is gone, so that no round waits for it."""
@@ -90,7 +103,12 @@ class Roster:
         from hivemind.utils import get_dht_time
 
         now = get_dht_time()
+        phase, since = self._phase
+        if phase == "averaging" and self._stage is not None:
+            phase = self._stage
         value = {
+            "phase": phase,
+            "since": since,
             "round": self._round,
             "step": self._step,
             "leaving": self._leaving,
@@ -125,6 +143,8 @@ class Roster:
                         float(value.get("at", 0.0)),
                         stats if isinstance(stats, dict) else {},
                         bool(value.get("serves", True)),
+                        str(value.get("phase", "")),
+                        float(value.get("since", 0.0)),
                     )
         return entries
 

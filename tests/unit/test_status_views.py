@@ -13,12 +13,21 @@ from diloco.status import format_status
 
 def test_status_table_names_the_runs_round_and_loss_and_marks_leaving_workers():
     entries = {
-        0: RosterEntry(0, 5, 100, written_at=98.0, stats={"loss": 2.0, "tokens_per_s": 900.0, "val_loss": 2.1}),
+        0: RosterEntry(
+            0,
+            5,
+            100,
+            written_at=98.0,
+            stats={"loss": 2.0, "tokens_per_s": 900.0, "val_loss": 2.1},
+            phase="matchmaking",
+            phase_since=25.0,
+        ),
         2: RosterEntry(2, 4, 90, leaving=True, written_at=90.0, stats={"val_loss": 2.3}),
     }
     text = format_status("r", entries, now=100.0)
     assert text.splitlines()[0] == "run 'r': 1 live worker, round 5, val_loss 2.1000"
-    assert text.splitlines()[2].split() == ["0", "5", "100", "900", "2.0000", "2.1000", "2", "s", "ago"]
+    row = ["0", "5", "100", "900", "2.0000", "2.1000", "matchmaking", "for", "1:15", "2", "s", "ago"]
+    assert text.splitlines()[2].split() == row  # in matchmaking for 75 s
     assert text.splitlines()[3].endswith("10 s ago  (leaving)") and " - " in text.splitlines()[3]
     assert format_status("r", {}, now=0.0) == "run 'r': no live workers"
 
