@@ -32,6 +32,7 @@ import torch
 from diloco.comm.base import CommError
 from diloco.comm.run_key import RUN_KEY_ENV
 from diloco.config import Config
+from diloco.lifetime import die_with_parent
 from diloco.metrics import format_duration, format_summary, write_summary
 from diloco.testbed import Testbed
 
@@ -266,12 +267,7 @@ def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[
 def _die_with_launcher() -> None:
     """In each worker, before exec: SIGTERM it when the launcher dies, however the launcher dies
     (even kill -9), so that a worker never outlives the command that started it (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent(signal.SIGTERM)
 
 
 def _state(child: subprocess.Popen) -> str:

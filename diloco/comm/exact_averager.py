@@ -35,6 +35,7 @@ import ctypes
 import logging
 import math
 import multiprocessing as mp
+import signal
 from collections.abc import AsyncIterator, Sequence
 
 import torch
@@ -51,6 +52,7 @@ from hivemind.utils.mpfuture import MPFuture
 from diloco.comm.robust import Screening, declared_norm, screen
 from diloco.comm.run_key import keyed_schema_hash
 from diloco.compression import Codec, PayloadError
+from diloco.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -356,6 +358,11 @@ class ExactAverager(DecentralizedAverager):
         self.schema_hash = keyed_schema_hash(run_key, self.schema_hash)
         if start:
             self.run_in_background(await_ready=True)
+
+    def run(self):
+        # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)
+        die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
+        super().run()
 
     def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
         """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers

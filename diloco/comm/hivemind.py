@@ -50,13 +50,13 @@ def round_group_bits(round_index: int, attempt: int = 0) -> str:
 
 def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
     """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too)."""
-    import hivemind
+    from diloco.comm.owned_dht import OwnedDHT
 
     peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
     announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
     run_key = resolve_run_key(cfg.run_key)
     try:
-        return hivemind.DHT(
+        return OwnedDHT(
             initial_peers=peers,
             host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
             announce_maddrs=announce,

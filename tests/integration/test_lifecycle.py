@@ -1,4 +1,5 @@
-"""What a user sees around a run: Ctrl-C leaves no process behind, wandb offline writes a real run."""
+"""What a user sees around a run: Ctrl-C leaves no process behind, nor does kill -9, wandb offline
+writes a real run."""
 
 from __future__ import annotations
 
@@ -102,6 +103,61 @@ def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
         launcher.kill()  # kill -9: no chance to clean up
         launcher.communicate(timeout=10)
         _wait_for(lambda: not any(_alive(pid) for pid in spawned), 60, "the orphaned workers to exit")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _started(argv: list[str], marker: str):
+    """``python -m diloco.cli ARGV`` in a session of its own, once it has printed ``marker``; its
+    process group and every process below it are killed afterwards, whatever happened."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen: set[int] = set()
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while not any(marker in line for line in lines):
+            line = process.stdout.readline()  # the process prints as it starts; EOF if it died
+            if not line or time.monotonic() > deadline:
+                pytest.fail(f"diloco {argv[0]} did not print {marker!r}:\n{''.join(lines)[-3000:]}")
+            lines.append(line)
+        seen = _descendants(process.pid)
+        yield process, seen
+    finally:
+        for pid in [*seen, *_descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+@pytest.mark.parametrize("command", ["train", "bootstrap"])
+def test_a_process_killed_with_sigkill_leaves_no_child_behind_and_its_port_free(tmp_path, command):
+    # the OOM killer's way: kill -9 of the main process alone, not of its process group
+    port = _free_port()
+    if command == "train":
+        argv = ["train", *TINY, "inner.steps=100000", f"comm.port={port}", f"run.dir={tmp_path}"]
+        marker = "is up; join this run with"
+    else:
+        argv, marker = ["bootstrap", "--host", "127.0.0.1", "--port", str(port)], "bootstrap peer up"
+    with _started(argv, marker) as (process, children):
+        assert len(children) >= 2, children  # hivemind's DHT process and its p2pd (and averagers)
+        process.kill()
+        process.wait(timeout=10)
+        _wait_for(lambda: not any(_alive(pid) for pid in children), 20, "every child of the killed process to exit")
+    with _started(argv, marker):  # the same port again: nothing holds it
+        pass
 
 
 def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cli):

@@ -1,0 +1,26 @@
+"""hivemind's DHT peer, in a process that dies with the one that started it (``lifetime.py``).
+
+``hivemind.DHT`` runs its node in a child process, which starts p2pd below it. Here the child
+asks to be killed when its parent dies, and has its p2pd do the same, so that a worker or a
+bootstrap peer killed with SIGKILL leaves no process behind on its port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import hivemind
+
+from diloco.lifetime import asyncio_children_die_with_this_process, die_with_parent
+
+
+class OwnedDHT(hivemind.DHT):
+    def __init__(self, *args, **kwargs):
+        self._owner_pid = os.getpid()  # before hivemind starts the process (in its __init__)
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        die_with_parent(signal.SIGKILL, parent_pid=self._owner_pid)
+        asyncio_children_die_with_this_process(signal.SIGTERM)  # p2pd
+        super().run()
