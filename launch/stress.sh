@@ -2,7 +2,8 @@
 # The flake finder: run tests N times, one test at a time, beside one CPU-bound process per core
 # (a busy machine, as CI's can be), then print each test's pass rate and its slowest time. A test
 # that is not N of N is a bug: in the product when it is at fault, in the test when it waits on a
-# time instead of an event. Each pass's JUnit report and pytest output stay in the output folder.
+# time instead of an event. Each pass's JUnit report, pytest output and test folders (the runs'
+# worker logs) stay in the output folder.
 #
 #   bash launch/stress.sh 10                                   # the integration tests, 10 times
 #   bash launch/stress.sh 5 tests/integration/test_local_run.py
@@ -30,7 +31,8 @@ done
 echo "stress: ${targets[*]}, $passes passes beside $busy busy processes; reports in $out"
 for pass in $(seq 1 "$passes"); do
   started=$(date +%s)
-  .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$out/pass-$pass.xml" "${targets[@]}" \
+  .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$out/pass-$pass.xml" \
+    --basetemp="$out/tmp-$pass" "${targets[@]}" \
     > "$out/pass-$pass.log" 2>&1 || true
   echo "stress: pass $pass of $passes: $(tail -n 1 "$out/pass-$pass.log") ($(( $(date +%s) - started )) s)"
 done
