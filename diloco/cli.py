@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     testbed.add_argument("--up", type=float, help="each worker's upload rate, Mbit/s (default --rate)")
     testbed.add_argument("--down", type=float, help="each worker's download rate, Mbit/s (default --rate)")
     testbed.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+    testbed.add_argument(
+        "--nat", default="", help="workers behind a home router (NAT, nothing can dial in), e.g. 1,2 (default none)"
+    )
 
     bootstrap = commands.add_parser("bootstrap", help="run a DHT peer that workers can join through")
     bootstrap.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
@@ -291,7 +294,8 @@ def _cmd_testbed(args) -> int:
     if cfg.comm.backend != "hivemind":
         raise UsageError(f"the testbed runs real peers: comm.backend must be hivemind, not {cfg.comm.backend}")
     try:
-        testbed = Testbed(args.workers, up_mbit=up, down_mbit=down)
+        nat = _numbers(args.nat, int, "--nat") if args.nat else []
+        testbed = Testbed(args.workers, up_mbit=up, down_mbit=down, nat=nat)
     except TestbedError as error:
         raise UsageError(str(error)) from None
     with testbed:
@@ -301,14 +305,21 @@ def _cmd_testbed(args) -> int:
 def _cmd_bootstrap(args) -> int:
     import threading
 
+    from diloco.comm import reachability
     from diloco.comm.base import CommConfig
-    from diloco.comm.hivemind import start_dht, visible_addresses
+    from diloco.comm.hivemind import bounded_dht_call, start_dht, visible_addresses
 
     dht = start_dht(CommConfig(host=args.host, port=args.port), initial_peers=[])
     try:
         for address in visible_addresses(dht):
             print(f"bootstrap peer up: comm.initial_peers=['{address}']", flush=True)
-        threading.Event().wait()  # until Ctrl-C or SIGTERM
+        # until Ctrl-C or SIGTERM: dial back the workers that ask whether they are reachable
+        dht_call, answered, never = bounded_dht_call(dht, threading.Lock(), timeout_s=10.0), {}, threading.Event()
+        while not never.wait(1.0):
+            try:
+                reachability.answer(dht_call, own_peer_id=str(dht.peer_id), answered=answered)
+            except Exception:  # the DHT did not answer this time: the next second may
+                logging.getLogger(__name__).debug("dial-back round failed", exc_info=True)
     finally:
         dht.shutdown()
     return 0

@@ -85,6 +85,9 @@ class Config:
         return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
 
 
+CLIENT_MODES = ("auto", "true", "false")
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- YAML file <- ``KEY=VALUE`` overrides, validated. Raises ConfigError."""
     schema = OmegaConf.structured(Config)
@@ -341,6 +344,11 @@ def validate(cfg: Config) -> None:
         not bad_peers,
         f"comm.initial_peers: {bad_peers[0] if bad_peers else ''!r} is not a multiaddr "
         "(like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...)",
+    )
+    cfg.comm.client_mode = str(cfg.comm.client_mode).lower()  # yaml's true/false arrive as booleans
+    _check(
+        cfg.comm.client_mode in CLIENT_MODES,
+        f"comm.client_mode={cfg.comm.client_mode!r} is not one of {', '.join(CLIENT_MODES)}",
     )
     _check(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
     _check(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")

@@ -9,10 +9,16 @@ a bridge; the bootstrap peer listens on the bridge's address. Every link is shap
 worker's upload, the root end's egress its download, so both directions are limited
 separately and traffic between two workers crosses two shaped links, as between two sites.
 
-Needs root and iproute2 (``ip``, ``tc``); without them ``Testbed`` raises ``TestbedError`` (one
-line). Everything carries the creating process's id in its name; ``close()`` (also on error,
-Ctrl-C and SIGTERM, since the CLI turns those into exceptions) kills what runs in the namespaces
-and deletes them, their veths and the bridge, and ``remove_stale()`` clears what a testbed
+``nat`` puts chosen workers behind a home router of their own: a router namespace between the
+worker and the bridge that masquerades the worker's traffic (``iptables``) and drops every
+connection coming in from outside, as a home router without forwarded ports does. Such a worker
+listens on its private address (``address``); the others see it at its router's (``public_address``)
+and cannot dial it. Two NAT'd workers cannot dial each other.
+
+Needs root and iproute2 (``ip``, ``tc``), and ``iptables`` for NAT; without them ``Testbed``
+raises ``TestbedError`` (one line). Everything carries the creating process's id in its name;
+``close()`` (also on error, Ctrl-C and SIGTERM, since the CLI turns those into exceptions) kills
+what runs in the namespaces and deletes them, their veths and the bridge, and ``remove_stale()`` clears what a testbed
 killed with -9 left behind.
 """
 
@@ -47,13 +53,15 @@ class TestbedError(RuntimeError):
     __test__ = False  # not a pytest test class
 
 
-def testbed_unavailable() -> str | None:
-    """Why a testbed cannot be built on this machine, or None when it can."""
+def testbed_unavailable(*, nat: bool = False) -> str | None:
+    """Why a testbed (``nat``: with workers behind NAT) cannot be built on this machine, or None."""
     if os.geteuid() != 0:
         return "the network testbed needs root (network namespaces, veth pairs and tc); run it as root"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"the network testbed needs iproute2 ({' and '.join(missing)} not found); install iproute2"
+    if nat and shutil.which("iptables") is None:
+        return "a testbed with workers behind NAT needs iptables; install it (apt-get install iptables)"
     return None
 
 
@@ -75,9 +83,11 @@ class Testbed:
     ``up_mbit`` / ``down_mbit`` are each worker's link rate in Mbit/s (0 = not shaped).
     """
 
-    def __init__(self, workers: int, *, up_mbit: float, down_mbit: float):
-        if (reason := testbed_unavailable()) is not None:
+    def __init__(self, workers: int, *, up_mbit: float, down_mbit: float, nat: Sequence[int] = ()):
+        if (reason := testbed_unavailable(nat=bool(nat))) is not None:
             raise TestbedError(reason)
+        if any(not 0 <= i < workers for i in nat):
+            raise TestbedError(f"nat={list(nat)}: workers are numbered 0 to {workers - 1}")
         if not 1 <= workers <= 99:
             raise TestbedError(f"--workers={workers}: the testbed holds 1 to 99 workers")
         global _built
@@ -92,6 +102,8 @@ class Testbed:
         self.host = f"{self._prefix}.1"  # the root namespace's address on the bridge
         self._namespaces = [f"dln{tag}w{i}" for i in range(workers)]
         self._root_ends = [f"dlv{tag}x{i}" for i in range(workers)]
+        self.nat = sorted(set(nat))
+        self._routers = {i: f"dln{tag}r{i}" for i in self.nat}  # a NAT'd worker's home router
         self._closed = False
         try:
             self._build()
@@ -106,7 +118,11 @@ class Testbed:
         return f"up {rate(self.up_mbit)}, down {rate(self.down_mbit)}"
 
     def address(self, worker: int) -> str:
-        """The worker's address inside its namespace."""
+        """The worker's address inside its namespace (behind NAT: private, on its home network)."""
+        return f"192.168.{50 + worker}.2" if worker in self._routers else self.public_address(worker)
+
+    def public_address(self, worker: int) -> str:
+        """Where the others see the worker: its own address, or its home router's behind NAT."""
         return f"{self._prefix}.{10 + worker}"
 
     def namespace(self, worker: int) -> str:
@@ -122,17 +138,45 @@ class Testbed:
         _run("ip", "addr", "add", f"{self.host}/24", "dev", self._bridge)
         _run("ip", "link", "set", self._bridge, "up")
         for i, (namespace, root_end) in enumerate(zip(self._namespaces, self._root_ends)):
+            # the namespace on the bridge: the worker's own, or its home router's
+            outer = self._routers.get(i, namespace)
             inside = f"dlp{self._tag}x{i}"
             _run("ip", "netns", "add", namespace)
+            if outer != namespace:
+                _run("ip", "netns", "add", outer)
             _run("ip", "link", "add", root_end, "type", "veth", "peer", "name", inside)
-            _run("ip", "link", "set", inside, "netns", namespace)
+            _run("ip", "link", "set", inside, "netns", outer)
             _run("ip", "link", "set", root_end, "master", self._bridge, "up")
-            _run("ip", "-n", namespace, "addr", "add", f"{self.address(i)}/24", "dev", inside)
-            _run("ip", "-n", namespace, "link", "set", inside, "up")
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
-            _run("ip", "-n", namespace, "route", "add", "default", "via", self.host)
-            self._shape(["tc", "-n", namespace], inside, self.up_mbit)
+            _run("ip", "-n", outer, "addr", "add", f"{self.public_address(i)}/24", "dev", inside)
+            _run("ip", "-n", outer, "link", "set", inside, "up")
+            _run("ip", "-n", outer, "link", "set", "lo", "up")
+            _run("ip", "-n", outer, "route", "add", "default", "via", self.host)
+            self._shape(["tc", "-n", outer], inside, self.up_mbit)
             self._shape(["tc"], root_end, self.down_mbit)
+            if outer != namespace:
+                self._build_home(i, router=outer, wan=inside)
+
+    def _build_home(self, worker: int, *, router: str, wan: str) -> None:
+        """The worker's home network behind ``router``: masqueraded out through ``wan``, nothing in."""
+        namespace, lan, home = self._namespaces[worker], f"dlv{self._tag}l{worker}", f"dlp{self._tag}l{worker}"
+        gateway = f"192.168.{50 + worker}.1"
+        _run("ip", "-n", router, "link", "add", lan, "type", "veth", "peer", "name", home)
+        _run("ip", "-n", router, "link", "set", home, "netns", namespace)
+        _run("ip", "-n", router, "addr", "add", f"{gateway}/24", "dev", lan)
+        _run("ip", "-n", router, "link", "set", lan, "up")
+        _run("ip", "-n", namespace, "addr", "add", f"{self.address(worker)}/24", "dev", home)
+        _run("ip", "-n", namespace, "link", "set", home, "up")
+        _run("ip", "-n", namespace, "link", "set", "lo", "up")
+        _run("ip", "-n", namespace, "route", "add", "default", "via", gateway)
+        iptables = ["ip", "netns", "exec", router, "iptables"]
+        _run("ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        _run(*iptables, "-t", "nat", "-A", "POSTROUTING", "-o", wan, "-j", "MASQUERADE")
+        _run(
+            *iptables, "-A", "FORWARD", "-i", wan, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"
+        )
+        _run(*iptables, "-A", "FORWARD", "-i", wan, "-j", "DROP")  # no connection from outside gets in
+        _run(*iptables, "-A", "INPUT", "-i", wan, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(*iptables, "-A", "INPUT", "-i", wan, "-j", "DROP")
 
     @staticmethod
     def _shape(tc: list[str], device: str, mbit: float) -> None:
@@ -143,7 +187,8 @@ class Testbed:
 
     def set_rate(self, worker: int, *, up_mbit: float, down_mbit: float) -> None:
         """Reshape one worker's link (a slow volunteer among fast ones)."""
-        self._shape(["tc", "-n", self._namespaces[worker]], f"dlp{self._tag}x{worker}", up_mbit)
+        outer = self._routers.get(worker, self._namespaces[worker])
+        self._shape(["tc", "-n", outer], f"dlp{self._tag}x{worker}", up_mbit)
         self._shape(["tc"], self._root_ends[worker], down_mbit)
 
     def set_link(self, worker: int, up: bool) -> None:
@@ -155,13 +200,15 @@ class Testbed:
         if self._closed:
             return
         self._closed = True
-        for namespace in self._namespaces:
+        namespaces = [*self._namespaces, *self._routers.values()]
+        for namespace in namespaces:
             _kill_inside(namespace)
-        for namespace, root_end in zip(self._namespaces, self._root_ends):
+        for namespace in namespaces:
             _run("ip", "netns", "del", namespace, check=False)
+        for root_end in self._root_ends:
             _run("ip", "link", "del", root_end, check=False)  # deleting the namespace frees it, but lazily
         _run("ip", "link", "del", self._bridge, check=False)
-        _wait_gone({*self._namespaces, *self._root_ends, self._bridge})
+        _wait_gone({*namespaces, *self._root_ends, self._bridge})
 
     def __enter__(self) -> Testbed:
         return self

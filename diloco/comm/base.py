@@ -30,7 +30,7 @@ class CommConfig:
     host: str = "127.0.0.1"  # address to listen on (0.0.0.0 to accept peers from other machines)
     port: int = 0  # TCP port to listen on; 0 = any free port
     announce_host: str = ""  # address other peers should dial (public IP behind NAT); "" = the listen address
-    client_mode: bool = False  # behind NAT with no open port: dial out only (serves no state, reduces no part)
+    client_mode: str = "auto"  # true: dial out only (reduces no part, serves no state); auto: when not dialable
     use_relay: bool = True  # libp2p circuit relay: reach peers behind NAT through other peers
     use_auto_relay: bool = False  # behind NAT: look for a relay to become reachable through
     run_key: str = ""  # shared secret: only peers holding it join the run ("" = open; or $DILOCO_RUN_KEY)

@@ -70,6 +70,7 @@ class _TrafficCounters:
         self._recv = mp.Value(ctypes.c_int64, 0)
         self._failed_values = mp.Value(ctypes.c_int64, 0)
         self._own_drops = mp.Value(ctypes.c_int64, 0)
+        self._serving = mp.Value(ctypes.c_int64, 0)  # senders this peer is still streaming averaged parts to
 
     def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0) -> None:
         for counter, amount in (
@@ -81,6 +82,13 @@ class _TrafficCounters:
             if amount:
                 with counter.get_lock():
                     counter.value += amount
+
+    def serving(self, change: int = 0) -> int:
+        """Reply streams to senders still open (after adding ``change``). A peer whose own round is
+        over may still be sending a sender its averaged parts: it must not shut down before."""
+        with self._serving.get_lock():
+            self._serving.value += change
+            return self._serving.value
 
     def read(self) -> tuple[int, int, int, int]:
         """(bytes sent, bytes received, values whose reducer failed, rounds in which our own
@@ -257,9 +265,13 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, restored)
 
     async def rpc_aggregate_part(self, stream, context: P2PContext):
-        async for reply in super().rpc_aggregate_part(self._count_received(stream), context):
-            self.traffic.add(sent=reply.ByteSize())
-            yield reply
+        self.traffic.serving(+1)
+        try:
+            async for reply in super().rpc_aggregate_part(self._count_received(stream), context):
+                self.traffic.add(sent=reply.ByteSize())
+                yield reply
+        finally:
+            self.traffic.serving(-1)
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         loop = asyncio.get_event_loop()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from diloco.comm import reachability
 from diloco.comm.base import (
     CommBackend,
     CommConfig,
@@ -33,7 +34,7 @@ from diloco.comm.base import (
 )
 from diloco.comm.bounds import control_limit_s, round_limit_s
 from diloco.comm.robust import declared_norm, norm_of, screen
-from diloco.comm.roster import Roster, RosterEntry
+from diloco.comm.roster import HEARTBEAT_S, Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
 from diloco.compression import Codec
 
@@ -48,8 +49,9 @@ def round_group_bits(round_index: int, attempt: int = 0) -> str:
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
 
 
-def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
-    """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too)."""
+def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None, client_mode: bool | None = None):
+    """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too); ``client_mode``:
+    dial out only (default: ``comm.client_mode=true``)."""
     from diloco.comm.owned_dht import OwnedDHT
 
     peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
@@ -60,7 +62,7 @@ def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None):
             initial_peers=peers,
             host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
             announce_maddrs=announce,
-            client_mode=cfg.client_mode,
+            client_mode=cfg.client_mode == "true" if client_mode is None else client_mode,
             use_relay=cfg.use_relay,
             use_auto_relay=cfg.use_auto_relay,
             record_validators=[RunKeyValidator(run_key)] if run_key else [],
@@ -171,15 +173,20 @@ class HivemindBackend(CommBackend):
         self._averagers = []
         self._busy: list[threading.Lock] = []  # held while a fragment's average runs
         self._control_s = control_limit_s(cfg.request_timeout_s)
-        self._dht = start_dht(cfg)
+        self.client_mode = cfg.client_mode == "true"
+        self._dht = start_dht(cfg, client_mode=self.client_mode)
         self._dht_call = bounded_dht_call(self._dht, threading.Lock(), timeout_s=self._control_s)
+        if cfg.client_mode == "auto":
+            self._choose_mode()
+        self._dialbacks: dict[str, float] = {}  # requests answered: peer -> request time
         fragments = fragments or [range(len(templates))]
         self.roster = Roster(
             self._dht_call,
             run_id=cfg.run_id,
             worker_index=worker_index,
             planned=num_workers,
-            serves_state=not cfg.client_mode,
+            serves_state=not self.client_mode,
+            on_beat=None if self.client_mode else self._answer_dialbacks,
         )
         try:
             for fragment, indices in enumerate(fragments):
@@ -192,6 +199,35 @@ class HivemindBackend(CommBackend):
         self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
         self._was_alone = False
 
+    def _choose_mode(self) -> None:
+        """``comm.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
+        cannot, restart our peer in client mode. A worker that starts a run, or listens on loopback
+        only, is whatever it is: nobody else could tell."""
+        addresses = reachability.dialable_addresses(visible_addresses(self._dht))
+        if not self.cfg.initial_peers or not addresses:
+            return
+        timeout_s = 2 * HEARTBEAT_S + reachability.DIAL_TIMEOUT_S * len(addresses) + self._control_s
+        verdict = reachability.ask(self._dht_call, str(self._dht.peer_id), addresses, timeout_s=timeout_s)
+        where = ", ".join(f"{host}:{port}" for host, port in addresses)
+        if verdict is None:
+            logger.warning("no peer answered the reachability check within %.0f s: joining as reachable", timeout_s)
+        elif verdict:
+            logger.info("reachable at %s", where)
+        else:
+            logger.warning(
+                "not reachable from outside at %s: joining as a client: it sends its contribution, reduces no part, "
+                "serves no state (forward a port and set comm.announce_host to take a full part)",
+                where,
+            )
+            self._dht.shutdown()
+            self.client_mode = True
+            self._dht = start_dht(self.cfg, client_mode=True)
+            self._dht_call = bounded_dht_call(self._dht, threading.Lock(), timeout_s=self._control_s)
+
+    def _answer_dialbacks(self) -> None:
+        """Dial back the peers that asked whether they are reachable (on the heartbeat's thread)."""
+        reachability.answer(self._dht_call, own_peer_id=str(self._dht.peer_id), answered=self._dialbacks)
+
     def _start_averager(self, templates: Sequence[torch.Tensor], fragment: int):
         from diloco.comm.exact_averager import ExactAverager
 
@@ -201,7 +237,7 @@ class HivemindBackend(CommBackend):
             self._dht,
             codec=self.codec,
             run_key=resolve_run_key(cfg.run_key),
-            client_mode=cfg.client_mode,
+            client_mode=self.client_mode,
             max_norm_ratio=cfg.max_norm_ratio,
             clip_to_median=cfg.clip_to_median,
             start=True,
@@ -226,7 +262,8 @@ class HivemindBackend(CommBackend):
 
     @property
     def addresses(self) -> list[str]:
-        return visible_addresses(self._dht)
+        # a client cannot be dialled: a newcomer joins through the peers it joined through
+        return list(self.cfg.initial_peers) if self.client_mode else visible_addresses(self._dht)
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
@@ -444,6 +481,8 @@ class HivemindBackend(CommBackend):
 
     def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
         self._published = (round_index, rank)
+        if self.client_mode:  # nobody can dial us to download it (hivemind refuses to share in client mode)
+            return
         buffer = io.BytesIO()
         torch.save(state(), buffer)
         self._averager.share_state(
@@ -490,10 +529,15 @@ class HivemindBackend(CommBackend):
             return None
 
     def finish(self) -> None:
+        # our last round may be over while we still send a peer its averaged parts (we reduced them
+        # for it): wait for those replies to go out, at most a moment
+        deadline = time.monotonic() + self._control_s
+        while any(a.traffic.serving() for a in self._averagers) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
         # after the last round nobody would serve a peer that lost part of it: linger while a live
         # peer offers an older state or a worse one of that round (it may be fetching ours), at
         # most comm.matchmaking_s
-        if self._published is None:
+        if self._published is None or self.client_mode:  # a client serves no state: nobody waits on it
             return
         last_round, rank = self._published
         deadline = time.monotonic() + self.cfg.matchmaking_s

@@ -51,10 +51,12 @@ class Roster:
         planned: int,
         ttl_s: float = TTL_S,
         serves_state: bool = True,
+        on_beat=None,
     ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
         self.serves_state = serves_state
+        self._on_beat = on_beat  # also called once a heartbeat, on the heartbeat's thread
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
         self._phase: tuple[str, float] = ("", 0.0)
         self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
@@ -98,6 +100,11 @@ class Roster:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             self._publish()
+            if self._on_beat is not None:
+                try:
+                    self._on_beat()
+                except Exception:  # a chore of the heartbeat's must not stop it
+                    logger.debug("heartbeat chore failed", exc_info=True)
 
     def _publish(self) -> None:
         from hivemind.utils import get_dht_time

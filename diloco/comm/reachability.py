@@ -1,0 +1,112 @@
+"""Whether others can dial this worker: measured by a peer dialling back, not guessed.
+
+Most volunteers sit behind a home router: they can dial out, nobody can dial in. hivemind's
+butterfly all-reduce then loses the parts two such peers would exchange, unless they join as
+clients (``comm.client_mode``): a client sends its contribution, reduces no part and serves no
+state. With ``comm.client_mode=auto`` (the default) a joining worker finds out which it is, in the
+spirit of libp2p's AutoNAT:
+
+1. it starts its peer listening as configured and writes a dial-back request on the DHT (key
+   ``diloco_dialback``, one subkey per peer) with the addresses it announces;
+2. every live worker that is not a client, and every bootstrap peer (``diloco bootstrap``), looks
+   at the requests about once a heartbeat, opens a plain TCP connection to each address (a fresh
+   one: the libp2p connection the requester opened to it says nothing of inbound reachability)
+   and writes its verdict under ``diloco_dialback_verdict``;
+3. the requester takes the first verdict within ``timeout_s``: reachable, or not (it then restarts
+   its peer in client mode). No verdict in time (nobody answering yet): it stays as it is.
+
+The keys do not name the run, so a bootstrap peer answers for every run that uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+REQUESTS_KEY = "diloco_dialback"
+VERDICTS_KEY = "diloco_dialback_verdict"
+DIAL_TIMEOUT_S = 2.0  # one TCP connection attempt to an announced address
+_RECORD_TTL_S = 60.0
+_POLL_S = 0.5
+
+
+def dialable_addresses(maddrs: list[str]) -> list[tuple[str, int]]:
+    """(ip, port) of each ``/ip4/IP/tcp/PORT`` multiaddr a peer announces, loopback left out."""
+    found = []
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and not parts[2].startswith("127."):
+            found.append((parts[2], int(parts[4])))
+    return found
+
+
+def can_dial(host: str, port: int, timeout_s: float = DIAL_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def ask(dht_call: Callable, peer_id: str, addresses: list[tuple[str, int]], *, timeout_s: float) -> bool | None:
+    """Ask the run's peers to dial ``addresses`` back; their verdict (reachable or not), or None when
+    nobody answered within ``timeout_s``. ``dht_call`` as ``Roster``'s (bounded DHT requests)."""
+    from hivemind.utils import get_dht_time
+
+    request = {"addresses": [list(a) for a in addresses], "at": get_dht_time()}
+    deadline = time.monotonic() + timeout_s
+    dht_call(
+        lambda dht: dht.store(
+            REQUESTS_KEY, subkey=peer_id, value=request, expiration_time=get_dht_time() + _RECORD_TTL_S,
+            return_future=True,
+        )
+    )  # fmt: skip
+    while time.monotonic() < deadline:
+        try:
+            found = dht_call(lambda dht: dht.get(VERDICTS_KEY, latest=True, return_future=True))
+        except TimeoutError:
+            found = None
+        verdict = _subkey_value(found, peer_id)
+        if isinstance(verdict, dict) and verdict.get("at", 0) >= request["at"]:
+            return bool(verdict.get("reachable"))
+        time.sleep(_POLL_S)  # the others look once a heartbeat; bounded by the deadline
+    return None
+
+
+def answer(dht_call: Callable, *, own_peer_id: str, answered: dict[str, float]) -> int:
+    """Dial back every peer whose request is new since ``answered`` (peer -> request time, kept by
+    the caller between calls) and write the verdicts. Returns how many were answered."""
+    from hivemind.utils import get_dht_time
+
+    found = dht_call(lambda dht: dht.get(REQUESTS_KEY, latest=True, return_future=True))
+    if found is None or not isinstance(found.value, dict):
+        return 0
+    count = 0
+    for peer_id, item in found.value.items():
+        request = getattr(item, "value", None)
+        if peer_id == own_peer_id or not isinstance(request, dict) or answered.get(peer_id) == request.get("at"):
+            continue
+        answered[peer_id] = request.get("at")
+        addresses = [(str(a[0]), int(a[1])) for a in request.get("addresses", []) if len(a) == 2]
+        reachable = any(can_dial(host, port) for host, port in addresses)
+        verdict = {"reachable": reachable, "at": get_dht_time()}
+        dht_call(
+            lambda dht, peer_id=peer_id, verdict=verdict: dht.store(
+                VERDICTS_KEY, subkey=peer_id, value=verdict, expiration_time=get_dht_time() + _RECORD_TTL_S,
+                return_future=True,
+            )
+        )  # fmt: skip
+        count += 1
+    return count
+
+
+def _subkey_value(found, subkey: str):
+    if found is None or not isinstance(found.value, dict):
+        return None
+    item = found.value.get(subkey)
+    return getattr(item, "value", None)
