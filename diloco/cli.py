@@ -226,14 +226,17 @@ def _cmd_join(args) -> int:
     entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=cfg.comm.matchmaking_s).items() if not e.leaving}
     if not entries:
         raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers, cfg.comm.matchmaking_s))
-    slot = free_slot(entries, cfg.worker.shards)
+    # the run's plan and slots are the run's, whatever the joiner's own file says
+    planned = max((e.planned for e in entries.values()), default=0) or cfg.worker.count
+    slots = max((e.slots for e in entries.values()), default=0) or cfg.worker.shards
+    slot = free_slot(entries, slots)
     if slot is None:
         raise UsageError(
-            f"run {cfg.comm.run_id!r} is full: its {cfg.worker.shards} data shards are all held by live workers "
-            f"(a run takes volunteers up to worker.slots)"
+            f"run {cfg.comm.run_id!r} is full: its {slots} data shards are all held by live workers "
+            f"(a run takes volunteers up to its worker.slots)"
         )
     print(f"joining run {cfg.comm.run_id!r} as worker {slot} ({len(entries)} live)", flush=True)
-    args.overrides = [*overrides, f"worker.index={slot}"]
+    args.overrides = [*overrides, f"worker.count={planned}", f"worker.slots={slots}", f"worker.index={slot}"]
     args.config = config_path
     return _cmd_train(args, join=True)
 

@@ -83,6 +83,8 @@ class Testbed:
     ``up_mbit`` / ``down_mbit`` are each worker's link rate in Mbit/s (0 = not shaped).
     """
 
+    __test__ = False  # not a pytest test class
+
     def __init__(self, workers: int, *, up_mbit: float, down_mbit: float, nat: Sequence[int] = ()):
         if (reason := testbed_unavailable(nat=bool(nat))) is not None:
             raise TestbedError(reason)

@@ -114,6 +114,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             comm,
             templates=outer.global_params,
             num_workers=cfg.worker.count,
+            slots=cfg.worker.shards,
             worker_index=cfg.worker.index,
             device=device,
             codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),

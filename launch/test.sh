@@ -14,6 +14,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
+# the NAT tests build home routers in network namespaces with iptables: as root, install it if missing
+if [ "$(id -u)" = 0 ] && ! command -v iptables >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "test: installing iptables for the NAT tests"
+  apt-get install -y -q iptables >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iptables >/dev/null 2>&1; } \
+    || echo "test: could not install iptables; the NAT tests will be skipped"
+fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 exec .venv/bin/python -m pytest -q -n "${TEST_JOBS:-0}" --dist loadgroup --durations=25 "$@"

@@ -33,10 +33,12 @@ def build_backend(
     device: torch.device | None = None,
     codec: Codec | None = None,
     fragments: Sequence[Sequence[int]] | None = None,
+    slots: int = 0,
 ) -> CommBackend:
     """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``, sending
     them compressed by ``codec`` (default: fp32 as it is). ``fragments`` (lists of indices into
-    ``templates``) are the groups of tensors averaged separately (default: all of them at once)."""
+    ``templates``) are the groups of tensors averaged separately (default: all of them at once).
+    ``slots``: the run's data shards, the most workers it can hold (default ``num_workers``)."""
     codec = codec or NoCompression()
     if cfg.backend == "torchdist":
         from diloco.comm.torchdist import TorchDistBackend
@@ -58,5 +60,6 @@ def build_backend(
             codec=codec,
             fragments=fragments,
             worker_index=worker_index,
+            slots=slots,
         )
     raise ValueError(f"comm.backend={cfg.backend!r} is not one of {', '.join(BACKENDS)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import io
 import logging
 import threading
@@ -102,8 +103,9 @@ def _offer(priority: float) -> tuple[int, StateRank]:
 def roster_reader(cfg: CommConfig):
     """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.initial_peers``:
     yields a function returning the live workers' entries by index (``diloco status`` calls it
-    again and again). A peer without the run's key reads nothing."""
-    dht = start_dht(cfg)
+    again and again). A peer without the run's key reads nothing. It only reads: a client on any free
+    port, which works behind NAT too."""
+    dht = start_dht(dataclasses.replace(cfg, port=0), client_mode=True)
     try:
         dht_call = bounded_dht_call(dht, threading.Lock(), timeout_s=control_limit_s(cfg.request_timeout_s))
         yield Roster(dht_call, run_id=cfg.run_id, worker_index=-1, planned=0).entries
@@ -166,6 +168,7 @@ class HivemindBackend(CommBackend):
         codec: Codec,
         fragments: Sequence[Sequence[int]] | None = None,
         worker_index: int = 0,
+        slots: int = 0,
     ):
         self.cfg, self.codec = cfg, codec
         self.num_workers = num_workers
@@ -185,6 +188,7 @@ class HivemindBackend(CommBackend):
             run_id=cfg.run_id,
             worker_index=worker_index,
             planned=num_workers,
+            slots=slots,
             serves_state=not self.client_mode,
             on_beat=None if self.client_mode else self._answer_dialbacks,
         )
@@ -198,6 +202,7 @@ class HivemindBackend(CommBackend):
             raise
         self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
         self._was_alone = False
+        self._said_unreachable_run = False
 
     def _choose_mode(self) -> None:
         """``comm.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
@@ -283,6 +288,14 @@ class HivemindBackend(CommBackend):
     def _average(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
+        if self.client_mode and self._live_others() == 0:  # clients cannot average among themselves
+            if not self._said_unreachable_run:
+                self._said_unreachable_run = True
+                logger.warning(
+                    "no worker of the run that can be dialled is live: clients alone cannot average; "
+                    "forward a port and set comm.announce_host, or start one worker on a public address"
+                )
+            return SyncResult(False, 1, weight, error="no worker of the run that can be dialled is live")
         averager = self._averagers[fragment]
         expected = self.expected_peers()
         deadline = time.monotonic() + deadline_s
@@ -501,6 +514,8 @@ class HivemindBackend(CommBackend):
         while time.monotonic() < deadline:
             offers = self._state_offers()
             others = self._live_others()
+            if not offers and others == 0:  # nobody live can serve a state (clients only, or alone)
+                return None
             if any(wanted(r, rank) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
                 found = self._download_state(max(1.0, deadline - time.monotonic()))
@@ -511,7 +526,7 @@ class HivemindBackend(CommBackend):
                     if wanted(offered_round, rank) and tensors:
                         state = torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
                         return PeerState(offered_round, rank, state)
-            elif offers and len(offers) >= others and all(r >= round_index for r, _ in offers):
+            elif offers and len(offers) >= (others or 0) and all(r >= round_index for r, _ in offers):
                 # every live peer has finished this round, and none ranks above us. A peer still in
                 # its outer step has not offered this round yet: wait for it rather than take the
                 # others' offers (a dropped peer's, say) for the whole run
@@ -546,17 +561,16 @@ class HivemindBackend(CommBackend):
         ):
             time.sleep(0.5)
 
-    def _live_others(self) -> int:
+    def _live_others(self) -> int | None:
         """Live workers besides us that serve their state (not in client mode), from their roster
-        records: the offers to wait for (a planned worker never seen is not waited for)."""
+        records: the offers to wait for (a planned worker never seen is not waited for). None when
+        the DHT did not answer."""
         try:
             entries = self.roster.entries()
-            return sum(
-                1 for i, e in entries.items() if i != self.roster.worker_index and not e.leaving and e.serves_state
-            )
-        except Exception:  # the DHT did not answer: wait for nobody in particular
+        except Exception:
             logger.debug("roster read failed", exc_info=True)
-            return 0
+            return None
+        return sum(1 for i, e in entries.items() if i != self.roster.worker_index and not e.leaving and e.serves_state)
 
     def _state_offers(self) -> list[tuple[int, StateRank]]:
         """(round, rank) of the state each other live peer offers, from the priorities it declares on the DHT."""

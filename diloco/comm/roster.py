@@ -35,6 +35,8 @@ class RosterEntry:
     serves_state: bool = True  # False for a peer in client mode: it can fetch a state, never serve one
     phase: str = ""  # what it is doing (watchdog.py): training, matchmaking, averaging, ...; "" = not said
     phase_since: float = 0.0  # when that began (time.time() of the worker's clock)
+    planned: int = 0  # the run's worker.count, as this worker runs it (0 = not said)
+    slots: int = 0  # the run's data shards: the most workers it can hold (0 = not said)
 
 
 class Roster:
@@ -49,12 +51,14 @@ class Roster:
         run_id: str,
         worker_index: int,
         planned: int,
+        slots: int = 0,
         ttl_s: float = TTL_S,
         serves_state: bool = True,
         on_beat=None,
     ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
+        self.slots = slots or planned
         self.serves_state = serves_state
         self._on_beat = on_beat  # also called once a heartbeat, on the heartbeat's thread
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
@@ -122,6 +126,8 @@ class Roster:
             "at": now,
             "stats": self._stats,
             "serves": self.serves_state,
+            "planned": self.planned,
+            "slots": self.slots,
         }
         expiration = now + self.ttl_s
         try:
@@ -152,6 +158,8 @@ class Roster:
                         bool(value.get("serves", True)),
                         str(value.get("phase", "")),
                         float(value.get("since", 0.0)),
+                        int(value.get("planned", 0)),
+                        int(value.get("slots", 0)),
                     )
         return entries
 

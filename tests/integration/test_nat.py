@@ -1,0 +1,88 @@
+"""Volunteers behind home routers, in real network namespaces: masquerading NAT, no connection in
+(``Testbed(nat=...)``), with the default config. Root and iptables only (``launch/test.sh`` installs
+iptables when it runs as root, as CI does); skipped elsewhere with the testbed's reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diloco import testbed as nets
+from diloco.bench.faults import Cluster
+from diloco.comm.bounds import round_limit_s
+from diloco.testbed import Testbed, leftovers
+from tests.conftest import TINY, read_records
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.xdist_group("testbed"),  # see test_testbed.py
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(nets.testbed_unavailable(nat=True) is not None, reason=str(nets.testbed_unavailable(nat=True))),
+]
+
+CLIENT = "not reachable from outside at 192.168."
+FAST = [*TINY, "comm.matchmaking_s=8", "comm.deadline_s=20"]
+
+
+def _rounds(run_dir, worker: int) -> list[dict]:
+    return [r for r in read_records(run_dir, worker) if r["event"] == "round"]
+
+
+def test_two_workers_behind_nat_average_every_round_with_a_public_one(diloco_cli, tmp_path):
+    # before client mode was chosen by measurement, each NAT'd worker lost its parts every round
+    run_dir = tmp_path / "run"
+    before = set(leftovers())
+    done = diloco_cli(
+        "testbed", "--workers", "3", "--nat", "1,2", "--rate", "20", "--run-dir", str(run_dir),
+        *FAST, "inner.steps=30", "outer.sync_every=10",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(3)]
+    assert "reachable at 10.231." in logs[0] and CLIENT not in logs[0], logs[0][-2000:]
+    for log in logs[1:]:
+        assert CLIENT in log and "joining as a client" in log, log[-2000:]
+        assert "join this run with: comm.initial_peers=['/ip4/10.231." in log  # a dialable address, not its own
+    for worker in range(3):
+        rounds = _rounds(run_dir, worker)
+        assert [r["round"] for r in rounds] == [1, 2, 3]
+        assert all(r["ok"] and r["peers"] == 3 for r in rounds), rounds
+    assert json.loads((run_dir / "summary.json").read_text())["params_agree"]
+    assert set(leftovers()) <= before
+
+
+def test_a_worker_behind_nat_joining_mid_run_takes_the_runs_state(tmp_path):
+    run_dir = tmp_path / "run"
+    # slowed to about 30 s of steps, so that the run is still going when the joiner is up (~15 s)
+    overrides = [*FAST, "inner.steps=200", "outer.sync_every=10", "worker.count=2", "worker.slots=3",
+                 "faults.step_delay_s=0.15"]  # fmt: skip
+    with Testbed(3, up_mbit=0, down_mbit=0, nat=[2]) as testbed, Cluster(overrides, run_dir, slots=3,
+                                                                          testbed=testbed) as cluster:  # fmt: skip
+        cluster.start(0)
+        cluster.start(1)
+        cluster.wait_for_step(0, 20, timeout_s=180)
+        # the joiner's own settings say a run of one: the run's slots (3) are what count
+        joiner = cluster.join(["worker.count=1", "worker.slots=0"], slot=2, log_name="worker-2.log")
+        cluster.processes[2] = joiner
+        codes = cluster.wait_all(timeout_s=240)
+    assert codes == {0: 0, 1: 0, 2: 0}, codes
+    log = (run_dir / "worker-2.log").read_text()
+    assert "as worker 2 (2 live)" in log and CLIENT in log and "took the state after round" in log, log[-3000:]
+    ends = [next(r for r in read_records(run_dir, w) if r["event"] == "end") for w in range(3)]
+    assert len({end["param_sha256"] for end in ends}) == 1, ends
+    assert any(r["ok"] and r["peers"] == 3 for r in _rounds(run_dir, 2))  # it averaged with both, as a client
+
+
+def test_a_run_no_worker_of_which_can_be_dialled_says_so_and_waits_no_longer_than_its_bounds(diloco_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "testbed", "--workers", "2", "--nat", "0,1", "--run-dir", str(run_dir),
+        *FAST, "inner.steps=20", "outer.sync_every=10",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    for worker in range(2):
+        log = (run_dir / f"worker-{worker}.log").read_text()
+        assert CLIENT in log, log[-2000:]
+        assert "no worker of the run that can be dialled is live" in log, log[-2000:]
+        assert "forward a port and set comm.announce_host, or start one worker on a public address" in log
+        assert all(r["comm_s"] <= round_limit_s(20.0) for r in _rounds(run_dir, worker))
