@@ -122,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
     faults.add_argument("--join-round", type=int, default=5)
     faults.add_argument("--rate", type=float, help="testbed link rate, Mbit/s (default 20 as root, else loopback)")
     faults.add_argument("--out", default="runs/bench-faults", help="output folder")
+    nat = bench.add_parser("nat", help="rounds and utilization with 0-3 of 4 workers behind NAT (testbed, root)")
+    nat.add_argument("--nat", default="0,1,2,3", help="how many of the 4 workers are behind NAT, per arm")
+    nat.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
+    nat.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
+    nat.add_argument("--out", default="runs/bench-nat", help="output folder")
     utilization = bench.add_parser(
         "utilization", help="compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)"
     )
@@ -377,6 +382,12 @@ def _cmd_bench(args) -> int:
             outage_s=args.outage,
             join_round=args.join_round,
             rate_mbit=args.rate,
+        )
+    if args.bench == "nat":
+        from diloco.bench.nat import run_nat_benchmark
+
+        return run_nat_benchmark(
+            arms=_numbers(args.nat, int, "--nat"), rate=args.rate, steps=args.steps, out=Path(args.out)
         )
     if args.bench == "utilization":
         from diloco.bench.utilization import run_utilization_benchmark

@@ -69,6 +69,9 @@ class DelegatingBackend(CommBackend):
     def report_phase(self, phase: str, since: float) -> None:
         self.inner.report_phase(phase, since)
 
+    def announce_run(self, identity: dict) -> None:
+        self.inner.announce_run(identity)
+
     def live_workers(self) -> dict:
         return self.inner.live_workers()
 
@@ -121,7 +124,7 @@ class ScaledPayloadBackend(DelegatingBackend):
         result = self.inner.all_reduce_mean(
             scaled, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
-        if result.ok:
+        if result.averaged:
             for tensor, mean in zip(tensors, scaled):
                 tensor.copy_(mean)
         return result

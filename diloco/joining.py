@@ -11,7 +11,7 @@ import logging
 
 from diloco.comm.base import CommBackend, CommError, StateRank
 from diloco.comm.roster import nobody_answered
-from diloco.config import Config
+from diloco.config import Config, ConfigError
 from diloco.outer import OuterStep
 
 logger = logging.getLogger(__name__)
@@ -19,6 +19,27 @@ logger = logging.getLogger(__name__)
 
 class JoinError(CommError):
     """``diloco join`` found no live run to join (wrong address, wrong run key, or the run is over)."""
+
+
+def run_identity(cfg: Config) -> dict:
+    """The settings every worker of a run must share, as ``KEY: value``: those that fix the shapes of
+    the state a newcomer downloads (the model's)."""
+    return {f"model.{key}": value for key, value in vars(cfg.model).items()}
+
+
+def check_same_run(cfg: Config, others: dict) -> None:
+    """Raise ``ConfigError`` (one line) when a live worker runs the run with other shared settings
+    than ``cfg``: each key that differs, with both values."""
+    mine = run_identity(cfg)
+    for entry in others.values():
+        theirs = getattr(entry, "run", None) or {}
+        differ = [key for key in mine if key in theirs and theirs[key] != mine[key]]
+        if differ:
+            listed = ", ".join(f"{key}={mine[key]!r} here, {theirs[key]!r} in the run" for key in differ)
+            raise ConfigError(
+                f"this worker's config differs from that of run {cfg.comm.run_id!r}: {listed}; "
+                f"join with the run's settings (its config.yaml)"
+            )
 
 
 def catch_up_with_run(
@@ -39,6 +60,7 @@ def catch_up_with_run(
     others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
     if required and not others:
         raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers))
+    check_same_run(cfg, others)  # before any download: a state of other shapes cannot be loaded
     if not any(e.round > round_index for e in others.values()):
         return step, round_index
     found = backend.fetch_state(

@@ -133,21 +133,23 @@ class OuterStep:
         if self.error_feedback is not None:
             pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
         result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
-        if not result.ok:  # the backend left our own pseudo-gradient in place
+        if result.partial:  # the group's common mean, honest about how few it covers in places
+            logger.warning("round %d: %s", round_index + 1, result.error)
+        elif not result.ok:  # the backend left our own pseudo-gradient in place
             logger.warning("round %d: averaging failed (%s)", round_index + 1, result.error)
             if self.error_feedback is not None:
                 self.error_feedback.forget()  # what it had carried over is applied now, in full
         self.apply(pseudo_gradients)
         # a worker whose contribution the group dropped ranks its state below every other (peers 0)
-        peers = result.peers if result.ok else min(result.peers, 1)
+        peers = result.peers if result.averaged else min(result.peers, 1)
         # what is left of the round's deadline, but never less than a short download
         remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
         return result, self.catch_up(
             backend,
             round_index=round_index,
-            failed=not result.ok,
+            failed=not result.averaged,
             peers=peers,
-            group=result.group if result.ok else 0,
+            group=result.group if result.averaged else 0,
             expected_peers=expected_peers,
             timeout_s=remaining,
             newer=True,

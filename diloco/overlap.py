@@ -177,7 +177,7 @@ class OverlappedOuter:
             if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
-            self.drifted = self.drifted or not result.ok
+            self.drifted = self.drifted or not result.averaged
             recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
             applied.append(Applied(result, wait_s, recovered))
         return applied
@@ -189,8 +189,8 @@ class OverlappedOuter:
         taken = self.outer.catch_up(
             self.backend,
             round_index=flight.round_index,
-            failed=not result.ok,
-            peers=result.peers if result.ok else min(result.peers, 1),
+            failed=not result.averaged,
+            peers=result.peers if result.averaged else min(result.peers, 1),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
         )
@@ -232,7 +232,9 @@ class OverlappedOuter:
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""
-        if not result.ok:  # the transport left our own pseudo-gradients in place: they are applied in full
+        if result.partial:
+            logger.warning("fragment %d: %s", flight.fragment, result.error)
+        elif not result.ok:  # the transport left our own pseudo-gradients in place: they are applied in full
             logger.warning("fragment %d: averaging failed (%s)", flight.fragment, result.error)
             if self.outer.error_feedback is not None:
                 self.outer.error_feedback.forget(self.fragments[flight.fragment])
@@ -285,7 +287,7 @@ class OverlappedOuter:
         """Stale mean + (w/W)(own fresh - own stale): our own share of the average, brought up to date.
         For the last step's own average (``fresh`` None) the share applied eagerly is taken back out,
         so that over the run each own pseudo-gradient counts once (the first one is applied alone)."""
-        share = flight.weight / result.total_weight if result.ok and result.total_weight > 0 else 1.0
+        share = flight.weight / result.total_weight if result.averaged and result.total_weight > 0 else 1.0
         gradient = []
         for k, mean in enumerate(flight.averaged):
             own_now = fresh[k] if fresh is not None else torch.zeros_like(mean)

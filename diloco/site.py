@@ -210,6 +210,10 @@ class SiteBackend(CommBackend):
         if self.transport is not None:
             self.transport.report_phase(phase, since)
 
+    def announce_run(self, identity: dict) -> None:
+        if self.transport is not None:
+            self.transport.announce_run(identity)
+
     def live_workers(self) -> dict:
         return self.site.share(self.transport.live_workers() if self.site.leader else None)
 

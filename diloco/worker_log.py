@@ -138,6 +138,7 @@ class WorkerLog:
             "val_loss": val_loss,
             "peers": result.peers,
             "ok": result.ok,
+            "partial": result.partial,
             "recovered": recovered,
             "bytes_sent": result.bytes_sent,
             "bytes_recv": result.bytes_recv,

@@ -60,6 +60,14 @@ class SyncResult:
     error: str = ""  # why the round failed or was partial, for the log
     group: int = 0  # workers in the round's group, dropped ones included (0 = not known)
     simulated_s: float | None = None  # a simulated transport's modelled round time; None = measure it
+    # the tensors hold the group's common mean, but some part of it was averaged over fewer
+    # contributions than the group's (``peers``: the fewest): not ok, and nothing for a peer to fix
+    partial: bool = False
+
+    @property
+    def averaged(self) -> bool:
+        """The tensors hold the mean every worker of the group holds (whole, or ``partial``)."""
+        return self.ok or self.partial
 
 
 @dataclass(frozen=True, order=True)
@@ -144,6 +152,10 @@ class CommBackend(abc.ABC):
     def report_phase(self, phase: str, since: float) -> None:  # noqa: B027 - optional
         """What the worker is doing now (``watchdog.py``) and since when (``time.time()``), for ``diloco
         status``. Optional."""
+
+    def announce_run(self, identity: dict) -> None:  # noqa: B027 - optional
+        """The settings every worker of the run must share (``joining.run_identity``), published so
+        that a newcomer can check its own before it downloads anything. Optional."""
 
     def live_workers(self) -> dict:
         """The live workers' roster entries by index (transports that track who is alive)."""

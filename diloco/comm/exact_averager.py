@@ -57,6 +57,9 @@ from diloco.lifetime import die_with_parent
 logger = logging.getLogger(__name__)
 
 
+_NOT_SEEN = 1 << 40
+
+
 class _TrafficCounters:
     """Running totals shared between the averager's process and the worker's.
 
@@ -71,6 +74,7 @@ class _TrafficCounters:
         self._failed_values = mp.Value(ctypes.c_int64, 0)
         self._own_drops = mp.Value(ctypes.c_int64, 0)
         self._serving = mp.Value(ctypes.c_int64, 0)  # senders this peer is still streaming averaged parts to
+        self._least = mp.Value(ctypes.c_int64, _NOT_SEEN)  # the fewest contributions in a part of this round
 
     def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0) -> None:
         for counter, amount in (
@@ -82,6 +86,18 @@ class _TrafficCounters:
             if amount:
                 with counter.get_lock():
                     counter.value += amount
+
+    def note_contributions(self, count: int) -> None:
+        """A part of this round's mean (ours or a reducer's) was averaged over ``count`` contributions."""
+        with self._least.get_lock():
+            self._least.value = min(self._least.value, count)
+
+    def take_least_contributions(self) -> int | None:
+        """The fewest contributions any part of the round since the last call was averaged over (None:
+        no part said), and start counting afresh."""
+        with self._least.get_lock():
+            least, self._least.value = self._least.value, _NOT_SEEN
+        return None if least == _NOT_SEEN else least
 
     def serving(self, change: int = 0) -> int:
         """Reply streams to senders still open (after adding ``change``). A peer whose own round is
@@ -117,6 +133,15 @@ class SenderlessEndingReducer(TensorPartReducer):
     fires, and the round waits for the all-reduce's whole timeout (``comm.deadline_s``) while the
     others have long gone on. A worker whose own contribution every peer dropped waits for exactly
     that event before its round can end (``_communicate_with_peer``)."""
+
+    def __init__(self, part_shapes, num_senders: int):
+        self.contributions: dict[int, int] = {}  # part -> how many senders its average is over
+        super().__init__(part_shapes, num_senders)
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.contributions[self.current_part_index] = self.current_part_accumulated_from
+        super().check_current_part_finished()
 
     def on_sender_failed(self, sender_index: int):
         super().on_sender_failed(sender_index)
@@ -185,6 +210,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             if message.code != averaging_pb2.AVERAGED_PART:
                 yield message  # hivemind's runner reports it
                 continue
+            if message.weight > 0:  # the reducer says over how many contributions it averaged the part
+                self.traffic.note_contributions(int(message.weight))
             try:
                 numel = numels[part_index] if part_index < len(numels) else -1
                 part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
@@ -256,6 +283,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, sent, weight=self.weight
             )
+            self.traffic.note_contributions(self.tensor_part_reducer.contributions.get(part_index, 0))
             try:
                 _, restored = await self._reply(part_index, averaged)
             except PayloadError as error:
@@ -298,8 +326,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break  # the sender was dropped from this round; stop serving it
                 payload, _ = await self._reply(parts_done, averaged)
+                # over how many contributions this part was averaged, for the senders' round records
+                contributions = float(reducer.contributions.get(parts_done, 0))
                 parts_done += 1
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=_bytes_part(payload))
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=_bytes_part(payload), weight=contributions
+                )
         finally:
             if parts_done != reducer.num_parts:
                 await self._ban_sender(sender)

@@ -425,6 +425,7 @@ class HivemindBackend(CommBackend):
     ) -> SyncResult:
         group_bits = round_group_bits(round_index, attempt)
         sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
+        averager.traffic.take_least_contributions()  # what an earlier round left
         # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
         norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
         try:
@@ -470,6 +471,12 @@ class HivemindBackend(CommBackend):
             return SyncResult(False, 1, weight, sent, recv, error=str(error), group=len(gathered))
         kept = screening.scales  # the peers whose contribution is in the mean
         total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
+        least = averager.traffic.take_least_contributions()
+        if least is not None and least < len(kept):
+            # a reducer averaged a part without some sender (it could not reach it, or it came late):
+            # every worker holds the same mean, but that part is of fewer workers: not ok on any of them
+            error = f"part of the vector was averaged over only {least} of {len(kept)} contributions"
+            return SyncResult(False, least, total_weight, sent, recv, error=error, group=len(gathered), partial=True)
         return SyncResult(True, len(kept), total_weight, sent, recv, group=len(gathered))
 
     def expected_peers(self) -> int:
@@ -484,6 +491,9 @@ class HivemindBackend(CommBackend):
 
     def report_phase(self, phase: str, since: float) -> None:
         self.roster.phase(phase, since)
+
+    def announce_run(self, identity: dict) -> None:
+        self.roster.run = dict(identity)
 
     def live_workers(self) -> dict[int, RosterEntry]:
         try:

@@ -37,6 +37,7 @@ class RosterEntry:
     phase_since: float = 0.0  # when that began (time.time() of the worker's clock)
     planned: int = 0  # the run's worker.count, as this worker runs it (0 = not said)
     slots: int = 0  # the run's data shards: the most workers it can hold (0 = not said)
+    run: dict = field(default_factory=dict)  # the settings every worker must share (joining.run_identity)
 
 
 class Roster:
@@ -64,6 +65,7 @@ class Roster:
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
         self._phase: tuple[str, float] = ("", 0.0)
         self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
+        self.run: dict = {}  # the settings every worker of the run must share, once announced
         self._seen: set[int] = set()
         self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
         self._stop = threading.Event()
@@ -128,6 +130,7 @@ class Roster:
             "serves": self.serves_state,
             "planned": self.planned,
             "slots": self.slots,
+            "run": self.run,
         }
         expiration = now + self.ttl_s
         try:
@@ -160,6 +163,7 @@ class Roster:
                         float(value.get("since", 0.0)),
                         int(value.get("planned", 0)),
                         int(value.get("slots", 0)),
+                        value.get("run") if isinstance(value.get("run"), dict) else {},
                     )
         return entries
 

@@ -47,3 +47,16 @@ def test_a_reducer_with_a_sender_left_still_waits_for_it():
         return reducer.finished.is_set()
 
     assert asyncio.run(one_left())
+
+
+@pytest.mark.timeout(30)
+def test_the_reducer_counts_the_contributions_of_each_part():
+    # what the senders' round records report: a part averaged without some sender is of fewer workers
+    async def one_fails_after_the_first_part() -> dict[int, int]:
+        reducer = SenderlessEndingReducer([torch.Size([4])] * 2, 3)
+        await asyncio.gather(*(reducer.accumulate_part(s, 0, torch.ones(4)) for s in range(3)))
+        reducer.on_sender_failed(2)
+        await asyncio.gather(*(reducer.accumulate_part(s, 1, torch.ones(4)) for s in range(2)))
+        return reducer.contributions
+
+    assert asyncio.run(one_fails_after_the_first_part()) == {0: 3, 1: 2}

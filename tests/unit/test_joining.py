@@ -3,10 +3,12 @@ begins (the transport is scripted; the real one is exercised in tests/integratio
 
 from __future__ import annotations
 
+import pytest
+
 from diloco.comm.base import PeerState, StateRank
 from diloco.comm.roster import RosterEntry
-from diloco.config import load_config
-from diloco.joining import catch_up_with_run
+from diloco.config import ConfigError, load_config
+from diloco.joining import catch_up_with_run, run_identity
 
 
 class _Outer:
@@ -52,3 +54,17 @@ def test_a_restart_that_finds_the_runs_final_state_has_nothing_left_to_train():
     backend, outer = _Backend(round=10, step=200, served=9), _Outer()
     assert _catch_up(backend, outer, step=40, round_index=2) == (200, 10)
     assert outer.loaded == {"round": 9} and backend.progress == [(10, 200)]
+
+
+def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_before_any_download():
+    cfg = load_config(None, ["worker.count=3", "worker.index=2", "model.n_embd=64"])
+    backend, outer = _Backend(round=5, step=110, served=4), _Outer()
+    run = run_identity(load_config(None, ["model.n_embd=128"]))
+    backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
+    with pytest.raises(ConfigError) as error:
+        catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True)
+    assert str(error.value) == (
+        "this worker's config differs from that of run 'diloco': model.n_embd=64 here, 128 in the run; "
+        "join with the run's settings (its config.yaml)"
+    )
+    assert outer.loaded is None  # nothing was downloaded
