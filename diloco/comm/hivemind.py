@@ -35,7 +35,7 @@ from diloco.comm.base import (
 )
 from diloco.comm.bounds import control_limit_s, round_limit_s
 from diloco.comm.robust import declared_norm, norm_of, screen
-from diloco.comm.roster import HEARTBEAT_S, Roster, RosterEntry
+from diloco.comm.roster import HEARTBEAT_S, PartialRead, Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
 from diloco.compression import Codec
 
@@ -288,14 +288,20 @@ class HivemindBackend(CommBackend):
     def _average(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
-        if self.client_mode and self._live_others() == 0:  # clients cannot average among themselves
-            if not self._said_unreachable_run:
-                self._said_unreachable_run = True
-                logger.warning(
-                    "no worker of the run that can be dialled is live: clients alone cannot average; "
-                    "forward a port and set comm.announce_host, or start one worker on a public address"
-                )
-            return SyncResult(False, 1, weight, error="no worker of the run that can be dialled is live")
+        result = self._average_in_group(
+            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+        if not result.averaged and self.client_mode and not self._said_unreachable_run and self._live_others() == 0:
+            self._said_unreachable_run = True  # clients cannot average among themselves
+            logger.warning(
+                "no worker of the run that can be dialled is live: clients alone cannot average; "
+                "forward a port and set comm.announce_host, or start one worker on a public address"
+            )
+        return result
+
+    def _average_in_group(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
+    ) -> SyncResult:
         averager = self._averagers[fragment]
         expected = self.expected_peers()
         deadline = time.monotonic() + deadline_s
@@ -359,7 +365,7 @@ class HivemindBackend(CommBackend):
     def _others_left(self) -> bool:
         try:
             return self.roster.others_left()
-        except TimeoutError:  # the DHT did not answer: no reason to think them gone
+        except (TimeoutError, PartialRead):  # the DHT did not tell: no reason to think them gone
             return False
 
     def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
@@ -576,8 +582,8 @@ class HivemindBackend(CommBackend):
         records: the offers to wait for (a planned worker never seen is not waited for). None when
         the DHT did not answer."""
         try:
-            entries = self.roster.entries()
-        except Exception:
+            entries = self.roster.own_entries()
+        except Exception:  # the DHT did not answer, or found only part of the records
             logger.debug("roster read failed", exc_info=True)
             return None
         return sum(1 for i, e in entries.items() if i != self.roster.worker_index and not e.leaving and e.serves_state)

@@ -40,6 +40,10 @@ class RosterEntry:
     run: dict = field(default_factory=dict)  # the settings every worker must share (joining.run_identity)
 
 
+class PartialRead(RuntimeError):
+    """A roster read that cannot be trusted to show who is live."""
+
+
 class Roster:
     """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)``, a DHT
     request made with ``return_future=True``, and waits a bounded time for its answer
@@ -142,6 +146,13 @@ class Roster:
         except Exception:  # a missed heartbeat is not an error; the next one may go through
             logger.debug("roster heartbeat failed", exc_info=True)
 
+    def own_entries(self) -> dict[int, RosterEntry]:
+        """``entries()``, checked to hold this worker's own record; ``PartialRead`` when it does not."""
+        entries = self.entries()
+        if self.worker_index >= 0 and self.worker_index not in entries:
+            raise PartialRead("the roster read did not find this worker's own record")
+        return entries
+
     def entries(self) -> dict[int, RosterEntry]:
         """The workers whose records are fresh, by index (this worker included)."""
         found = self._dht_call(lambda dht: dht.get(self.key, latest=True, return_future=True))
@@ -184,8 +195,9 @@ class Roster:
 
     def _refresh(self) -> tuple[set[int], set[int]]:
         """Read the roster: the live workers (this one included) and those leaving now; remember who
-        was seen and who left."""
-        entries = self.entries()
+        was seen and who left. A read without this worker's own record (a DHT lookup that found only
+        part of the records: seen from peers in client mode) says nothing: ``PartialRead``."""
+        entries = self.own_entries()
         live = {i for i, entry in entries.items() if not entry.leaving} | {self.worker_index}
         leaving = {i for i, entry in entries.items() if entry.leaving}
         self._seen |= live

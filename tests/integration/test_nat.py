@@ -100,7 +100,7 @@ def test_a_run_no_worker_of_which_can_be_dialled_says_so_and_waits_no_longer_tha
     run_dir = tmp_path / "run"
     done = diloco_cli(
         "testbed", "--workers", "2", "--nat", "0,1", "--run-dir", str(run_dir),
-        *FAST, "inner.steps=20", "outer.sync_every=10",
+        *FAST, "inner.steps=20", "outer.sync_every=10",  # the last round: the first done leaves, the other is alone
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     for worker in range(2):

@@ -11,7 +11,7 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 
 from diloco.comm.hivemind import bounded_dht_call
-from diloco.comm.roster import Roster, free_slot
+from diloco.comm.roster import PartialRead, Roster, free_slot
 from diloco.comm.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
 
 
@@ -77,6 +77,20 @@ def test_a_worker_is_alone_once_every_other_left_cleanly_not_when_one_vanished()
     assert not me.others_left()  # one came (back): groups again
     del dht.records[2]  # its heartbeat expired without a word: crashed, or our own link is cut
     assert not me.others_left()
+
+
+def test_a_read_without_this_workers_own_record_says_nothing_of_who_is_gone():
+    # a lookup from a peer in client mode may find only part of the records: were it trusted, the
+    # others would look gone, and a client would give up rounds it could have averaged
+    dht = _FakeDHT()
+    me, other = _roster(dht, 0, planned=2), _roster(dht, 1, planned=2)
+    me._publish(), other._publish()
+    assert me.expected() == 2
+    del dht.records[0]
+    with pytest.raises(PartialRead):
+        me.expected()
+    with pytest.raises(PartialRead):
+        me.others_left()
 
 
 @pytest.mark.timeout(30)

@@ -56,12 +56,12 @@ def test_when_every_live_peer_offers_this_round_and_none_ranks_higher_nobody_is_
 
 
 def test_only_live_peers_that_serve_state_are_waited_for():
-    from diloco.comm.roster import RosterEntry
+    from diloco.comm.roster import PartialRead, RosterEntry
 
     class _Roster:
         worker_index = 0
 
-        def entries(self):
+        def own_entries(self):
             return {
                 0: RosterEntry(0, 3, 60),  # this worker
                 1: RosterEntry(1, 3, 60),
@@ -72,3 +72,12 @@ def test_only_live_peers_that_serve_state_are_waited_for():
     backend = HivemindBackend.__new__(HivemindBackend)
     backend.roster = _Roster()
     assert backend._live_others() == 1
+
+    class _PartialRoster:
+        worker_index = 0
+
+        def own_entries(self):  # a lookup that did not find this worker's own record
+            raise PartialRead("the roster read did not find this worker's own record")
+
+    backend.roster = _PartialRoster()
+    assert backend._live_others() is None  # unknown, not nobody: a client does not give up on its round
