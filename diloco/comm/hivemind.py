@@ -572,10 +572,24 @@ class HivemindBackend(CommBackend):
             return
         last_round, rank = self._published
         deadline = time.monotonic() + self.cfg.matchmaking_s
-        while time.monotonic() < deadline and any(
-            r < last_round or (r == last_round and o < rank) for r, o in self._state_offers()
+        while time.monotonic() < deadline and (
+            any(r < last_round or (r == last_round and o < rank) for r, o in self._state_offers())
+            or self._clients_behind()
         ):
             time.sleep(0.5)
+
+    def _clients_behind(self) -> bool:
+        """Whether a live client has not finished the rounds we have: it offers no state, so only its
+        roster record tells, and after a lost part it can take a state only from a peer like us."""
+        try:
+            entries = self.roster.own_entries()
+        except Exception:  # the DHT did not tell: wait for nobody in particular
+            return False
+        done = self.roster.rounds_done
+        return any(
+            i != self.roster.worker_index and not e.leaving and not e.serves_state and e.round < done
+            for i, e in entries.items()
+        )
 
     def _live_others(self) -> int | None:
         """Live workers besides us that serve their state (not in client mode), from their roster

@@ -87,6 +87,11 @@ class Roster:
         if stats is not None:
             self._stats = stats
 
+    @property
+    def rounds_done(self) -> int:
+        """The rounds this worker has completed, as it last reported (``progress``)."""
+        return self._round
+
     def phase(self, name: str, since: float) -> None:
         """What the worker is doing and since when, sent with the next heartbeat."""
         self._phase = (name, since)

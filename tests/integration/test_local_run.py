@@ -47,7 +47,8 @@ def test_workers_train_and_hold_identical_params_after_every_round(tmp_path, dil
     every = [r for w in range(workers) for r in read_records(run_dir, w) if r["event"] == "round"]
     # a worker whose part hivemind lost (its reducers drop inputs under load: seen in CI) takes the
     # others' state instead, so every record averaged or recovered, and the whole group averaged
-    assert all(r["ok"] or r["recovered"] for r in every), every
+    # (or, when a reducer averaged a part without a sender, the round says so: partial, same params)
+    assert all(r["ok"] or r["recovered"] or r["partial"] for r in every), every
     assert any(r["ok"] and r["peers"] == workers for r in every), every
     # it learns past the bytes' unigram entropy (3.32 nats; ln 256 = 5.55 at init): 3.01 after round 4.
     # Not asserted falling round by round: Nesterov momentum over only four rounds, as the inner lr
@@ -147,8 +148,8 @@ def test_a_worker_sending_a_blown_up_pseudo_gradient_is_dropped_by_every_peer(tm
         assert len(drops) == 2, log[-3000:]
     assert logs[2].count("dropped our own contribution: its norm") == 2, logs[2][-3000:]
     rounds = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(3)]
-    for honest in rounds[:2]:
-        assert all(r["ok"] and r["peers"] == 2 for r in honest), honest  # the mean of the two honest ones
+    for honest in rounds[:2]:  # the mean of the two honest ones (a part hivemind lost: partial, or recovered)
+        assert all((r["ok"] and r["peers"] == 2) or r["partial"] or r["recovered"] for r in honest), honest
     assert all(not r["ok"] and r["recovered"] for r in rounds[2]), rounds[2]  # it took their state
     ends = [[r for r in read_records(run_dir, w) if r["event"] == "end"][0] for w in range(3)]
     assert len({end["param_sha256"] for end in ends}) == 1, ends
