@@ -23,8 +23,9 @@ class JoinError(CommError):
 
 def run_identity(cfg: Config) -> dict:
     """The settings every worker of a run must share, as ``KEY: value``: those that fix the shapes of
-    the state a newcomer downloads (the model's)."""
-    return {f"model.{key}": value for key, value in vars(cfg.model).items()}
+    the state a newcomer downloads (the model's; not where its weights sit, nor its dropout)."""
+    local = ("hf_weights", "dropout")
+    return {f"model.{key}": value for key, value in vars(cfg.model).items() if key not in local}
 
 
 def check_same_run(cfg: Config, others: dict) -> None:

@@ -254,6 +254,8 @@ class ShardedSiteBackend(SiteBackend):
         return replace(
             result,  # this rank's traffic, for its records
             ok=all(r.ok for r in results),
+            # every shard holds its group's common mean, some partial: the site's round is partial
+            partial=not all(r.ok for r in results) and all(r.averaged for r in results),
             peers=min(r.peers for r in results),
             group=min(r.group for r in results),
             error=next((r.error for r in results if r.error), ""),

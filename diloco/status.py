@@ -12,6 +12,7 @@ reprints the table every few seconds: in place on a terminal, as a new block whe
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import TextIO
@@ -84,6 +85,7 @@ def show_status(cfg: CommConfig, *, watch: bool, timeout_s: float, out: TextIO =
                 if not watch:
                     return 0
                 time.sleep(HEARTBEAT_S)  # the records change once a heartbeat
-                entries = read()
+                with contextlib.suppress(TimeoutError):  # a read the DHT did not answer: show the last again
+                    entries = read()
         except KeyboardInterrupt:
             return 0

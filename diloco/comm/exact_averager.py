@@ -75,6 +75,7 @@ class _TrafficCounters:
         self._own_drops = mp.Value(ctypes.c_int64, 0)
         self._serving = mp.Value(ctypes.c_int64, 0)  # senders this peer is still streaming averaged parts to
         self._least = mp.Value(ctypes.c_int64, _NOT_SEEN)  # the fewest contributions in a part of this round
+        self._most = mp.Value(ctypes.c_int64, 0)  # the most
 
     def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0) -> None:
         for counter, amount in (
@@ -91,13 +92,15 @@ class _TrafficCounters:
         """A part of this round's mean (ours or a reducer's) was averaged over ``count`` contributions."""
         with self._least.get_lock():
             self._least.value = min(self._least.value, count)
+            self._most.value = max(self._most.value, count)
 
-    def take_least_contributions(self) -> int | None:
-        """The fewest contributions any part of the round since the last call was averaged over (None:
-        no part said), and start counting afresh."""
+    def take_contributions(self) -> tuple[int, int] | None:
+        """The fewest and the most contributions the parts of the round since the last call were
+        averaged over (None: no part said), and start counting afresh."""
         with self._least.get_lock():
-            least, self._least.value = self._least.value, _NOT_SEEN
-        return None if least == _NOT_SEEN else least
+            least, most = self._least.value, self._most.value
+            self._least.value, self._most.value = _NOT_SEEN, 0
+        return None if least == _NOT_SEEN else (least, most)
 
     def serving(self, change: int = 0) -> int:
         """Reply streams to senders still open (after adding ``change``). A peer whose own round is
@@ -162,6 +165,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        self.tensor_part_reducer.finished.set()  # hivemind's own, replaced: never used, nothing to report
         self.tensor_part_reducer = SenderlessEndingReducer(
             self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
         )

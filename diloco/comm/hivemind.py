@@ -35,7 +35,7 @@ from diloco.comm.base import (
 )
 from diloco.comm.bounds import control_limit_s, round_limit_s
 from diloco.comm.robust import declared_norm, norm_of, screen
-from diloco.comm.roster import HEARTBEAT_S, PartialRead, Roster, RosterEntry
+from diloco.comm.roster import HEARTBEAT_S, Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
 from diloco.compression import Codec
 
@@ -124,7 +124,10 @@ def first_entries(read: Callable[[], dict[int, RosterEntry]], timeout_s: float) 
     """``read()`` again until it finds workers or ``timeout_s`` has passed."""
     deadline = time.monotonic() + timeout_s
     while True:
-        entries = read()
+        try:
+            entries = read()
+        except TimeoutError:  # one read the DHT did not answer in time: ask again while time is left
+            entries = {}
         if entries or time.monotonic() > deadline:
             return entries
         time.sleep(0.5)  # the DHT may need a moment to find the record's holders
@@ -212,7 +215,11 @@ class HivemindBackend(CommBackend):
         if not self.cfg.initial_peers or not addresses:
             return
         timeout_s = 2 * HEARTBEAT_S + reachability.DIAL_TIMEOUT_S * len(addresses) + self._control_s
-        verdict = reachability.ask(self._dht_call, str(self._dht.peer_id), addresses, timeout_s=timeout_s)
+        try:
+            verdict = reachability.ask(self._dht_call, str(self._dht.peer_id), addresses, timeout_s=timeout_s)
+        except Exception:  # the DHT did not take the request: as if nobody answered
+            logger.debug("reachability request failed", exc_info=True)
+            verdict = None
         where = ", ".join(f"{host}:{port}" for host, port in addresses)
         if verdict is None:
             logger.warning("no peer answered the reachability check within %.0f s: joining as reachable", timeout_s)
@@ -322,7 +329,7 @@ class HivemindBackend(CommBackend):
             return self._average_alone(tensors, weight, round_index=round_index)
         remaining = deadline - time.monotonic()
         if (
-            not result.ok
+            not result.averaged  # a partial round holds the group's common mean already: nothing to redo
             and result.peers
             and result.bytes_sent
             and self._published is not None  # the others' state offers tell whether they failed too
@@ -365,7 +372,8 @@ class HivemindBackend(CommBackend):
     def _others_left(self) -> bool:
         try:
             return self.roster.others_left()
-        except (TimeoutError, PartialRead):  # the DHT did not tell: no reason to think them gone
+        except Exception:  # the DHT did not tell (no answer, part of the records, a dead daemon)
+            logger.debug("roster read failed", exc_info=True)
             return False
 
     def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
@@ -431,7 +439,7 @@ class HivemindBackend(CommBackend):
     ) -> SyncResult:
         group_bits = round_group_bits(round_index, attempt)
         sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
-        averager.traffic.take_least_contributions()  # what an earlier round left
+        averager.traffic.take_contributions()  # what an earlier round left
         # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
         norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
         try:
@@ -477,13 +485,16 @@ class HivemindBackend(CommBackend):
             return SyncResult(False, 1, weight, sent, recv, error=str(error), group=len(gathered))
         kept = screening.scales  # the peers whose contribution is in the mean
         total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
-        least = averager.traffic.take_least_contributions()
-        if least is not None and least < len(kept):
+        counted = averager.traffic.take_contributions()
+        least, most = counted if counted is not None else (len(kept), len(kept))
+        if least < most:
             # a reducer averaged a part without some sender (it could not reach it, or it came late):
             # every worker holds the same mean, but that part is of fewer workers: not ok on any of them
-            error = f"part of the vector was averaged over only {least} of {len(kept)} contributions"
+            error = f"part of the vector was averaged over only {least} of {most} contributions"
             return SyncResult(False, least, total_weight, sent, recv, error=error, group=len(gathered), partial=True)
-        return SyncResult(True, len(kept), total_weight, sent, recv, group=len(gathered))
+        # every part over the same contributions: fewer than kept when every reducer refused one it
+        # could not decode (the sender then knows: its own reducer refused it too)
+        return SyncResult(True, min(least, len(kept)), total_weight, sent, recv, group=len(gathered))
 
     def expected_peers(self) -> int:
         try:

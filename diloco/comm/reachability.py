@@ -72,7 +72,7 @@ def ask(dht_call: Callable, peer_id: str, addresses: list[tuple[str, int]], *, t
         except TimeoutError:
             found = None
         verdict = _subkey_value(found, peer_id)
-        if isinstance(verdict, dict) and verdict.get("at", 0) >= request["at"]:
+        if isinstance(verdict, dict) and verdict.get("request_at") == request["at"]:  # ours, not an old one
             return bool(verdict.get("reachable"))
         time.sleep(_POLL_S)  # the others look once a heartbeat; bounded by the deadline
     return None
@@ -94,7 +94,7 @@ def answer(dht_call: Callable, *, own_peer_id: str, answered: dict[str, float]) 
         answered[peer_id] = request.get("at")
         addresses = [(str(a[0]), int(a[1])) for a in request.get("addresses", []) if len(a) == 2]
         reachable = any(can_dial(host, port) for host, port in addresses)
-        verdict = {"reachable": reachable, "at": get_dht_time()}
+        verdict = {"reachable": reachable, "request_at": request.get("at")}
         dht_call(
             lambda dht, peer_id=peer_id, verdict=verdict: dht.store(
                 VERDICTS_KEY, subkey=peer_id, value=verdict, expiration_time=get_dht_time() + _RECORD_TTL_S,
