@@ -24,7 +24,7 @@ from pathlib import Path
 from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
-LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured, M=1 and 4 (README)
+LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured (docs/benchmarks.md)
 ARMS = [
     Arm("ddp", 4, 0),
     Arm("m1-h50", 1, 50),

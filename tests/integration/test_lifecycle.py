@@ -54,29 +54,30 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)  # polling a condition with a deadline, not sleeping as synchronisation
 
 
-@contextlib.contextmanager
-def _training_launcher(run_dir):
-    """A ``diloco local`` run of 2 workers that would train for hours, started once both workers
-    have written a step record; every process it spawned is killed afterwards, whatever happened."""
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "local",
-            "--workers",
-            "2",
-            "--run-dir",
-            str(run_dir),
-            *TINY,
-            "inner.steps=100000",
-            "outer.sync_every=20",
-        ],
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    """``python -m diloco.cli ARGV`` in a session of its own, its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
+
+
+def _kill_tree(process: subprocess.Popen, seen: set[int]) -> None:
+    """SIGKILL ``process``, the processes ``seen`` below it earlier, and those below it now."""
+    for pid in [process.pid, *seen, *_descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _training_launcher(run_dir):
+    """A ``diloco local`` run of 2 workers that would train for hours, started once both workers
+    have written a step record; every process it spawned is killed afterwards, whatever happened."""
+    launcher = _spawn(["local", "--workers", "2", "--run-dir", str(run_dir), *TINY, "inner.steps=100000",
+                       "outer.sync_every=20"])  # fmt: skip
     spawned: set[int] = set()
     try:
         _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
@@ -84,9 +85,7 @@ def _training_launcher(run_dir):
         assert len(spawned) >= 4  # 2 workers, each with hivemind helpers and a p2pd daemon
         yield launcher, spawned
     finally:
-        for pid in [launcher.pid, *spawned, *_descendants(launcher.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_tree(launcher, spawned)
 
 
 def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
@@ -115,13 +114,7 @@ def _free_port() -> int:
 def _started(argv: list[str], marker: str):
     """``python -m diloco.cli ARGV`` in a session of its own, once it has printed ``marker``; its
     process group and every process below it are killed afterwards, whatever happened."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    process = _spawn(argv)
     seen: set[int] = set()
     try:
         lines = []
@@ -134,9 +127,7 @@ def _started(argv: list[str], marker: str):
         seen = _descendants(process.pid)
         yield process, seen
     finally:
-        for pid in [*seen, *_descendants(process.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_tree(process, seen)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
