@@ -153,6 +153,7 @@ class OuterStep:
             expected_peers=expected_peers,
             timeout_s=remaining,
             newer=True,
+            drifted=result.drifted,
         )
 
     def catch_up(
@@ -166,6 +167,7 @@ class OuterStep:
         group: int = 0,
         newer: bool = False,
         failed: bool = False,
+        drifted: bool = False,
     ) -> int | None:
         """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
         if fewer than expected took part, take the state of a peer that ranks higher (a bigger
@@ -178,6 +180,8 @@ class OuterStep:
         itself below every peer (peers 0) until it takes a state, since averaging pseudo-gradients
         in one group does not bring global params that differ back together. (The winner of a
         split round also finds nobody better, but its round did not fail: it is in step.)
+        A round taken alone while workers that vanished may train on (``drifted``) leaves the worker
+        unsynced too: when they are back, one side takes the other's state.
         Returns the round of the state taken (the local params then restart from it), or None."""
         live = backend.expected_peers()
         expected = expected_peers if live is None else live
@@ -189,7 +193,8 @@ class OuterStep:
         rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
         backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
         if not demoted and (peers >= expected or expected - max(peers, group) < peers):
-            self.unsynced = False
+            # alone with nobody live to sync with: what it was stays so until someone is back
+            self.unsynced = drifted or (self.unsynced and expected <= 1)
             return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
         self.unsynced = found is None and (failed or demoted)

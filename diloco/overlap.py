@@ -177,7 +177,7 @@ class OverlappedOuter:
             if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
-            self.drifted = self.drifted or not result.averaged
+            self.drifted = self.drifted or not result.averaged or result.drifted
             recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
             applied.append(Applied(result, wait_s, recovered))
         return applied
@@ -193,6 +193,7 @@ class OverlappedOuter:
             peers=result.peers if result.averaged else min(result.peers, 1),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
+            drifted=result.drifted,
         )
         if taken is not None:
             self.drifted = False

@@ -63,6 +63,10 @@ class SyncResult:
     # the tensors hold the group's common mean, but some part of it was averaged over fewer
     # contributions than the group's (``peers``: the fewest): not ok, and nothing for a peer to fix
     partial: bool = False
+    # an outer step taken alone while workers that vanished without leaving may be training on,
+    # cut off: the params may part from theirs, so the worker ranks its state below theirs
+    # (unsynced, outer.py) until it takes one
+    drifted: bool = False
 
     @property
     def averaged(self) -> bool:

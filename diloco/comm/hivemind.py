@@ -359,19 +359,22 @@ class HivemindBackend(CommBackend):
 
     def _alone(self) -> bool:
         """Whether no other worker is left to average with: a run planned for one, or one whose other
-        workers all left (the roster). Logs when that changes."""
-        alone = self.num_workers <= 1 or self._others_left()
+        workers all left or stopped their heartbeats for good (the roster). Logs when that changes."""
+        alone = self.num_workers <= 1 or self._others_gone()
         if alone != self._was_alone and self.num_workers > 1:
             if alone:
-                logger.warning("every other worker has left the run: outer steps are taken alone until one is back")
+                logger.warning(
+                    "no other worker of the run is live (they left, or their heartbeats stopped): "
+                    "outer steps are taken alone until one is back"
+                )
             else:
                 logger.warning("another worker is in the run again: rounds average in groups again")
         self._was_alone = alone
         return alone
 
-    def _others_left(self) -> bool:
+    def _others_gone(self) -> bool:
         try:
-            return self.roster.others_left()
+            return self.roster.others_gone()
         except Exception:  # the DHT did not tell (no answer, part of the records, a dead daemon)
             logger.debug("roster read failed", exc_info=True)
             return False
@@ -384,7 +387,8 @@ class HivemindBackend(CommBackend):
             return SyncResult(False, 1, weight, error="our own contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
-        return SyncResult(ok=True, peers=1, total_weight=weight)
+        drifted = self.num_workers > 1 and bool(self.roster.vanished)
+        return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted)
 
     def _await_step(self, control, round_index: int, *, limit: float):
         """The step's result. A worker still looking for a group when a peer already offers the
@@ -405,9 +409,9 @@ class HivemindBackend(CommBackend):
             if not control.began_allreduce and self._others_averaged(round_index):
                 control.cancel()
                 raise TimeoutError("the others averaged this round without us")
-            if not control.began_allreduce and self._others_left():
+            if not control.began_allreduce and self._others_gone():
                 control.cancel()
-                raise TimeoutError("every other worker has left the run")
+                raise TimeoutError("no other worker of the run is live")
 
     def _averaged_by_others(self, round_index: int) -> bool:
         """Whether a peer offers a state of this round averaged in a group, within a moment: then the

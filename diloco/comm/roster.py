@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Roster:
         ttl_s: float = TTL_S,
         serves_state: bool = True,
         on_beat=None,
+        clock=None,
     ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
@@ -72,6 +74,11 @@ class Roster:
         self.run: dict = {}  # the settings every worker of the run must share, once announced
         self._seen: set[int] = set()
         self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
+        self._clock = clock or time.monotonic
+        self._last_seen: dict[int, float] = {}  # when each other worker's record was last read, by our clock
+        # the other workers that were gone without leaving at the last others_gone(): they may
+        # still be training, cut off from us (or we from them)
+        self.vanished: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -190,13 +197,20 @@ class Roster:
         planned = [i for i in range(self.planned) if i not in gone]
         return len(planned) + len([i for i in live if i >= self.planned])
 
-    def others_left(self) -> bool:
-        """Whether every other worker this one has seen left the run cleanly and none is live now: the
-        run went on without us (we are late) or is over for the others. Not so for workers that
-        vanished without leaving: they may be back, or it is our own link that is cut."""
+    def others_gone(self) -> bool:
+        """Whether no other worker this one has seen is in the run any more, and none is live now:
+        each left cleanly, or its record has been missing from the roster for ``ttl_s`` more seconds
+        after it expired (killed, crashed, cut off for good: about ``2 * ttl_s`` since its last
+        heartbeat, so that a heartbeat late under load is not taken for a crash). Rounds are then
+        taken alone at once; a worker that comes back is live again and rounds average in groups."""
         live, _ = self._refresh()
         others_seen = self._seen - {self.worker_index}
-        return bool(others_seen) and live == {self.worker_index} and others_seen <= self._left
+        if not others_seen or live != {self.worker_index}:
+            return False
+        now = self._clock()
+        vanished = others_seen - self._left
+        self.vanished = vanished
+        return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in vanished)
 
     def _refresh(self) -> tuple[set[int], set[int]]:
         """Read the roster: the live workers (this one included) and those leaving now; remember who
@@ -207,6 +221,9 @@ class Roster:
         leaving = {i for i, entry in entries.items() if entry.leaving}
         self._seen |= live
         self._left |= leaving
+        self._left -= live  # one that left and is back (the same index, restarted) is live again
+        now = self._clock()
+        self._last_seen.update((i, now) for i in live if i != self.worker_index)
         return live, leaving
 
 

@@ -6,9 +6,11 @@ tests/integration/test_compression_wire.py, a 100 x sender in tests/integration/
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from diloco.bench.faults import FaultRun, run_scenario
+from diloco.bench.faults import Cluster, FaultRun, run_scenario
 from diloco.testbed import testbed_unavailable
 from tests.conftest import TINY, read_records
 
@@ -55,6 +57,23 @@ def test_a_worker_killed_mid_round_restarts_and_takes_the_runs_state(tmp_path):
 def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
     # cut off in round 3 (at step 50), back for rounds 4 and 5: the rounds after those add nothing
     _check_run(run_scenario("cut", _plan(steps=100), tmp_path), steps=100)
+
+
+def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_its_deadlines(tmp_path):
+    # a deadline past the test's timeout: a survivor that waited for the dead worker in every round
+    # (it used to, comm.deadline_s each) could not finish in time
+    overrides = [*TINY, "worker.count=2", "inner.steps=120", "outer.sync_every=20", "comm.deadline_s=600"]
+    run_dir = tmp_path / "shrink"
+    with Cluster([*overrides, "comm.run_id=shrink", "logging.log_every=10"], run_dir, slots=2) as cluster:
+        for i in range(2):
+            cluster.start(i)
+        cluster.wait_for_step(1, 30, timeout_s=120)
+        cluster.signal(1, signal.SIGKILL)
+        cluster.processes[1].wait()
+        assert cluster.processes[0].wait(timeout=200) == 0
+    rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
+    assert len(rounds) == 6 and rounds[-1]["peers"] == 1 and rounds[-1]["ok"], rounds
+    assert "no other worker of the run is live" in (run_dir / "worker-0.log").read_text()
 
 
 def test_a_newcomer_joins_a_live_run_and_averages_with_others_from_its_first_round(tmp_path):

@@ -48,7 +48,7 @@ def _backend(**attributes) -> HivemindBackend:
     backend.cfg = CommConfig(request_timeout_s=0.2, deadline_s=1.0)
     backend.roster = SimpleNamespace(stage=lambda stage: None)
     backend._others_averaged = lambda round_index: False
-    backend._others_left = lambda: False
+    backend._others_gone = lambda: False
     for name, value in attributes.items():
         setattr(backend, name, value)
     return backend
@@ -66,8 +66,8 @@ def test_a_round_that_hivemind_never_ends_stops_at_its_limit(began_allreduce):
 
 def test_a_round_stops_looking_for_a_group_once_every_other_worker_has_left():
     control = _StuckControl(began_allreduce=False)
-    with pytest.raises(TimeoutError, match="every other worker has left the run"):
-        _backend(_others_left=lambda: True)._await_step(control, 0, limit=time.monotonic() + 30)
+    with pytest.raises(TimeoutError, match="no other worker of the run is live"):
+        _backend(_others_gone=lambda: True)._await_step(control, 0, limit=time.monotonic() + 30)
     assert control.cancelled
 
 

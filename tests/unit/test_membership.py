@@ -66,17 +66,32 @@ def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_w
     assert me.expected() == 2 and dht.records[3]["leaving"]
 
 
-def test_a_worker_is_alone_once_every_other_left_cleanly_not_when_one_vanished():
+def test_a_worker_is_alone_once_every_other_left_cleanly(tmp_path):
     dht = _FakeDHT()
     me, other, third = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3), _roster(dht, 2, planned=3)
     me._publish(), other._publish()
-    assert not me.others_left()
+    assert not me.others_gone()
     other.leave()
-    assert me.others_left()  # the only other worker seen has finished: nobody to wait for
+    assert me.others_gone() and not me.vanished  # the only other worker seen has finished: nobody to wait for
     third._publish()
-    assert not me.others_left()  # one came (back): groups again
-    del dht.records[2]  # its heartbeat expired without a word: crashed, or our own link is cut
-    assert not me.others_left()
+    assert not me.others_gone()  # one came (back): groups again
+
+
+def test_a_worker_whose_heartbeats_stopped_is_gone_a_ttl_after_its_record_expired():
+    now = [100.0]
+    dht = _FakeDHT()
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
+    me = Roster(call, run_id="r", worker_index=0, planned=2, clock=lambda: now[0])
+    other = _roster(dht, 1, planned=2)
+    me._publish(), other._publish()
+    assert not me.others_gone()
+    del dht.records[1]  # its heartbeat expired without a word: killed, crashed or cut off
+    now[0] += me.ttl_s - 1
+    assert not me.others_gone()  # a heartbeat late under load is not a crash yet
+    now[0] += 1
+    assert me.others_gone() and me.vanished == {1}  # alone at once from now on, and it may have drifted
+    other._publish()
+    assert not me.others_gone()  # it is back: groups again
 
 
 def test_a_read_without_this_workers_own_record_says_nothing_of_who_is_gone():
@@ -90,7 +105,7 @@ def test_a_read_without_this_workers_own_record_says_nothing_of_who_is_gone():
     with pytest.raises(PartialRead):
         me.expected()
     with pytest.raises(PartialRead):
-        me.others_left()
+        me.others_gone()
 
 
 @pytest.mark.timeout(30)

@@ -236,3 +236,32 @@ def test_the_winner_of_a_split_round_finds_nobody_better_and_stays_in_step():
     assert taken is None and not outer.unsynced and backend.asked == [(0, 2)]
     outer.sync(backend, weight=1.0, round_index=1, deadline_s=1.0, expected_peers=4)
     assert backend.asked == [(0, 2)]  # everyone averaged in round 1: no download
+
+
+def test_rounds_taken_alone_while_a_worker_vanished_leave_the_worker_to_take_a_state_when_it_is_back():
+    """Its other worker stopped its heartbeats (killed, or cut off, and then maybe training alone
+    too): the rounds taken alone meanwhile may part the params from its. When it is back and both
+    average in one group, the one whose rounds drifted ranks itself below and takes a state."""
+
+    class _AloneThenBack(_FailingBackend):
+        live = 1
+
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            if self.live == 1:
+                return SyncResult(ok=True, peers=1, total_weight=weight, drifted=True)
+            return SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
+
+        def expected_peers(self):
+            return self.live
+
+    peer = OuterStep([torch.nn.Parameter(torch.tensor([3.0]))], OuterConfig())
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    backend = _AloneThenBack(peer_state=peer.state_dict())
+    for round_index in (0, 1):
+        _, taken = outer.sync(backend, weight=1.0, round_index=round_index, deadline_s=1.0, expected_peers=2)
+        assert taken is None and outer.unsynced  # nobody live to take a state from
+    assert backend.asked == []
+    backend.live = 2
+    _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=2)
+    assert taken == 2 and not outer.unsynced and backend.asked == [(2, 0)]
+    torch.testing.assert_close(outer.global_params[0], torch.tensor([3.0]))
