@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     faults.add_argument("--out", default="runs/bench-faults", help="output folder")
     nat = bench.add_parser("nat", help="rounds and utilization with 0-3 of 4 workers behind NAT (testbed, root)")
     nat.add_argument("--nat", default="0,1,2,3", help="how many of the 4 workers are behind NAT, per arm")
+    nat.add_argument("--workers", type=int, default=4, help="workers per arm (default 4)")
     nat.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
     nat.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
     nat.add_argument("--out", default="runs/bench-nat", help="output folder")
@@ -387,7 +388,11 @@ def _cmd_bench(args) -> int:
         from diloco.bench.nat import run_nat_benchmark
 
         return run_nat_benchmark(
-            arms=_numbers(args.nat, int, "--nat"), rate=args.rate, steps=args.steps, out=Path(args.out)
+            arms=_numbers(args.nat, int, "--nat"),
+            workers=args.workers,
+            rate=args.rate,
+            steps=args.steps,
+            out=Path(args.out),
         )
     if args.bench == "utilization":
         from diloco.bench.utilization import run_utilization_benchmark

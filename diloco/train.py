@@ -253,7 +253,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             round_index, samples_this_round = round_index + 1, 0
             backend.report_progress(round_index, step, log.live)
             clock.start_round()
-            param_hash = param_sha256(synced_params)
+            with watchdog.phase("hashing"):
+                param_hash = param_sha256(synced_params)
             # overlapped, a worker's model is the global params plus its own progress: not a cache key
             params_key = (param_hash, held_out_hash) if overlapped is None else None
             with watchdog.phase("evaluating"):
@@ -266,6 +267,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 recovered=recovered,
                 val_loss=val_loss,
                 param_hash=param_hash,
+                phases_s=watchdog.take_spent(),  # the previous round's checkpoint is in it
             )
 
             every = cfg.checkpoint.every_rounds
@@ -279,7 +281,14 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         # the last round ran at the last step, on these very params: its evaluation is the final one
         # (a run resumed after its end has no round left, so it evaluates here)
         final_loss = val_loss if val_loss is not None else evaluate(model, held_out)
-        return log.end(step, round_index, totals, val_loss=final_loss, param_hash=param_sha256(synced_params))
+        return log.end(
+            step,
+            round_index,
+            totals,
+            val_loss=final_loss,
+            param_hash=param_sha256(synced_params),
+            param_count=sum(p.numel() for p in synced_params),
+        )
     finally:
         watchdog.stop()
         log.close()

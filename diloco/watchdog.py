@@ -8,6 +8,9 @@ that has lasted longer than its bound gets one warning line naming it and for ho
 twice and four times the bound), and every thread's stack is written to ``stacks-worker-N.txt``
 in the run directory, which tells where a stuck worker is stuck.
 
+The watchdog also adds up the seconds spent in each phase: ``take_spent()`` hands over the sums
+since it was last called (a round record carries them as ``phases_s``).
+
 Each wait inside a phase has a bound of its own (``comm/bounds.py``) and ends by itself: the
 watchdog only makes a slow phase visible, it never interrupts one.
 """
@@ -25,7 +28,16 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("training", "averaging", "matchmaking", "downloading state", "checkpointing", "evaluating", "finishing")
+PHASES = (
+    "training",
+    "averaging",
+    "matchmaking",
+    "downloading state",
+    "hashing",
+    "evaluating",
+    "checkpointing",
+    "finishing",
+)
 
 
 class Watchdog:
@@ -47,15 +59,20 @@ class Watchdog:
         self._on_phase, self._on_stall = on_phase, on_stall or self._warn
         self._lock = threading.Lock()
         self._phase, self._since, self._started = "starting", time.time(), time.monotonic()
+        self._counted_from = self._started  # the current phase's time before it is in _spent
         self._warned = 0  # warnings given for the current phase (at 1, 2 and 4 x its bound)
+        self._spent: dict[str, float] = {}  # seconds per phase since take_spent(), the current one excluded
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="diloco-watchdog", daemon=True)
         self._thread.start()
 
     def enter(self, phase: str) -> None:
         """The worker is now in ``phase`` (entering the same phase again restarts its clock)."""
+        now = time.monotonic()
         with self._lock:
-            self._phase, self._since, self._started, self._warned = phase, time.time(), time.monotonic(), 0
+            self._spent[self._phase] = self._spent.get(self._phase, 0.0) + now - self._counted_from
+            self._phase, self._since, self._started, self._warned = phase, time.time(), now, 0
+            self._counted_from = now
             since = self._since
         if self._on_phase is not None:
             self._on_phase(phase, since)
@@ -73,6 +90,15 @@ class Watchdog:
         """The phase and how many seconds it has lasted."""
         with self._lock:
             return self._phase, time.monotonic() - self._started
+
+    def take_spent(self) -> dict[str, float]:
+        """Seconds spent in each phase since the last call (the phase in progress up to now), by name."""
+        now = time.monotonic()
+        with self._lock:
+            spent, self._spent = self._spent, {}
+            spent[self._phase] = spent.get(self._phase, 0.0) + now - self._counted_from
+            self._counted_from = now  # what is left of the current phase counts towards the next call
+        return spent
 
     def stop(self) -> None:
         self._stop.set()

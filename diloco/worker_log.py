@@ -8,6 +8,7 @@ Record fields (see BENCHMARKS.md): ``step`` records every ``logging.log_every`` 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -130,6 +131,7 @@ class WorkerLog:
         recovered: bool,
         val_loss: float,
         param_hash: str,
+        phases_s: dict[str, float] | None = None,
     ) -> None:
         record = {
             "event": "round",
@@ -146,6 +148,8 @@ class WorkerLog:
             "param_sha256": param_hash,
             "tokens": step * self.tokens_per_step,
         }
+        if phases_s:  # seconds in each phase since the last record (watchdog.py): where the round went
+            record["phases_s"] = {name: round(seconds, 4) for name, seconds in phases_s.items()}
         if result.error:
             record["error"] = result.error
         self._emit(record, step)
@@ -161,7 +165,9 @@ class WorkerLog:
         )
         self.restart_window()
 
-    def end(self, step: int, rounds: int, totals: Totals, *, val_loss: float, param_hash: str) -> dict:
+    def end(
+        self, step: int, rounds: int, totals: Totals, *, val_loss: float, param_hash: str, param_count: int = 0
+    ) -> dict:
         record = {
             "event": "end",
             "worker": self.worker_index,
@@ -175,6 +181,8 @@ class WorkerLog:
             "compute_s": round(totals.compute_s, 3),
             "comm_wait_s": round(totals.comm_wait_s, 3),
             "wall_s": round(self.elapsed_s(), 3),
+            "param_count": param_count,
+            "peak_rss_bytes": peak_rss_bytes(),
             "param_sha256": param_hash,
         }
         self._emit(record, step)
@@ -183,6 +191,13 @@ class WorkerLog:
     def close(self) -> None:
         self.jsonl.close()
         self.wandb.finish()
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far (its high-water mark), in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def totals_state(totals: Totals, log: WorkerLog) -> dict:

@@ -1,7 +1,7 @@
 """``diloco bench nat``: what workers behind NAT cost a run, side by side with an all-public one.
 
-Runs in the network testbed (``diloco/testbed.py``, root and iptables): 4 real workers, each in its
-network namespace on a link shaped to ``--rate`` Mbit/s both ways, with 0, 1, 2 and then 3 of them
+Runs in the network testbed (``diloco/testbed.py``, root and iptables): 4 real workers (``--workers``),
+each in its network namespace on a link shaped to ``--rate`` Mbit/s both ways, with 0, 1, 2 and then 3 of them
 behind a home router of their own (masquerading NAT, nothing can dial in), all on the default
 config, so each NAT'd worker finds out it cannot be dialled and joins as a client. Per arm: the
 median round time (rounds after the first, which also waits for the workers to start), its ratio
@@ -10,6 +10,7 @@ to the all-public arm's, the rounds every worker averaged over all 4, compute ut
 
     diloco bench nat                          # 0, 1, 2, 3 of 4 behind NAT at 20 Mbit/s (~5 min on 2 cores)
     diloco bench nat --nat 0,2 --rate 5       # some arms, another rate
+    diloco bench nat --workers 3 --nat 0,2    # 2 of 3 behind NAT against none
 
 Prints the table and writes ``results.json`` under ``--out``.
 """
@@ -21,7 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-WORKERS, SYNC_EVERY = 4, 20
+SYNC_EVERY = 20
 
 
 def _overrides(steps: int, behind_nat: int, run_dir: Path) -> list[str]:
@@ -45,30 +46,30 @@ def _overrides(steps: int, behind_nat: int, run_dir: Path) -> list[str]:
     ]
 
 
-def run_arm(behind_nat: int, *, rate: float, steps: int, out: Path) -> dict:
-    """One 4-worker run with the last ``behind_nat`` workers behind NAT; the row of the table."""
+def run_arm(behind_nat: int, *, workers: int, rate: float, steps: int, out: Path) -> dict:
+    """One run of ``workers`` with the last ``behind_nat`` workers behind NAT; the row of the table."""
     from diloco.config import load_config
     from diloco.local import run_local
     from diloco.testbed import Testbed
 
-    run_dir = out / f"nat-{behind_nat}-of-{WORKERS}"
+    run_dir = out / f"nat-{behind_nat}-of-{workers}"
     overrides = _overrides(steps, behind_nat, run_dir)
-    cfg = load_config(None, [*overrides, f"worker.count={WORKERS}"])
+    cfg = load_config(None, [*overrides, f"worker.count={workers}"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    nat = list(range(WORKERS - behind_nat, WORKERS))
+    nat = list(range(workers - behind_nat, workers))
     with (
-        Testbed(WORKERS, up_mbit=rate, down_mbit=rate, nat=nat) as testbed,
+        Testbed(workers, up_mbit=rate, down_mbit=rate, nat=nat) as testbed,
         open(run_dir / "launcher.log", "w") as log,
         contextlib.redirect_stdout(log),
     ):
-        code = run_local(cfg, None, overrides, workers=WORKERS, testbed=testbed)
+        code = run_local(cfg, None, overrides, workers=workers, testbed=testbed)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [
-        [json.loads(line) for line in (run_dir / f"worker-{w}.jsonl").read_text().splitlines()] for w in range(WORKERS)
+        [json.loads(line) for line in (run_dir / f"worker-{w}.jsonl").read_text().splitlines()] for w in range(workers)
     ]
     rounds = [[r for r in worker if r["event"] == "round"] for worker in records]
     later = [r["comm_s"] for worker in rounds for r in worker if r["round"] > 1]
-    full = sum(all(r["ok"] and r["peers"] == WORKERS for r in by_round) for by_round in zip(*rounds))
+    full = sum(all(r["ok"] and r["peers"] == workers for r in by_round) for by_round in zip(*rounds))
     return {
         "behind_nat": behind_nat,
         "exit_code": code,
@@ -81,10 +82,10 @@ def run_arm(behind_nat: int, *, rate: float, steps: int, out: Path) -> dict:
     }
 
 
-def format_table(rows: list[dict], rate: float) -> str:
+def format_table(rows: list[dict], rate: float, workers: int) -> str:
     base = next((r["median_round_s"] for r in rows if r["behind_nat"] == 0), None)
     lines = [
-        f"{WORKERS} workers at {rate:g} Mbit/s, H={SYNC_EVERY}, default config (NAT'd workers join as clients)",
+        f"{workers} workers at {rate:g} Mbit/s, H={SYNC_EVERY}, default config (NAT'd workers join as clients)",
         "",
         "| behind NAT | median round | / all public | rounds averaged by all | utilization | params agree |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -92,24 +93,27 @@ def format_table(rows: list[dict], rate: float) -> str:
     for r in rows:
         ratio = f"{r['median_round_s'] / base:.2f}" if base else "-"
         lines.append(
-            f"| {r['behind_nat']} of {WORKERS} | {r['median_round_s']:.2f} s | {ratio} | "
+            f"| {r['behind_nat']} of {workers} | {r['median_round_s']:.2f} s | {ratio} | "
             f"{r['rounds_averaged_by_all']} of {r['rounds']} | {r['compute_utilization']:.3f} | "
             f"{'yes' if r['params_agree'] else 'NO'} |"
         )
     return "\n".join(lines)
 
 
-def run_nat_benchmark(*, arms: list[int], rate: float, steps: int, out: Path) -> int:
+def run_nat_benchmark(*, arms: list[int], workers: int, rate: float, steps: int, out: Path) -> int:
     from diloco.testbed import testbed_unavailable
 
     if (reason := testbed_unavailable(nat=True)) is not None:
         print(f"bench nat: {reason}")
         return 2
+    if workers < 2 or any(not 0 <= n <= workers for n in arms):
+        print(f"bench nat: --nat counts workers behind NAT, 0 to --workers ({workers}, at least 2); got {arms}")
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for behind_nat in arms:
-        print(f"bench nat: {behind_nat} of {WORKERS} workers behind NAT ...", flush=True)
-        rows.append(run_arm(behind_nat, rate=rate, steps=steps, out=out))
+        print(f"bench nat: {behind_nat} of {workers} workers behind NAT ...", flush=True)
+        rows.append(run_arm(behind_nat, workers=workers, rate=rate, steps=steps, out=out))
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(format_table(rows, rate))
+    print(format_table(rows, rate, workers))
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1

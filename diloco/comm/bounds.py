@@ -41,7 +41,7 @@ def control_limit_s(request_timeout_s: float) -> float:
 
 def phase_bounds(deadline_s: float, matchmaking_s: float) -> dict[str, float]:
     """How long each phase of a worker (``watchdog.py``) may last before the watchdog warns: an inner
-    step, a round (then a state download), a download, a checkpoint, an evaluation, the end."""
+    step, a round (then a state download), a download, a hash of the params, a checkpoint, an evaluation, the end."""
     round_s = round_limit_s(deadline_s) + deadline_s
     return {
         "training": deadline_s,
@@ -49,6 +49,7 @@ def phase_bounds(deadline_s: float, matchmaking_s: float) -> dict[str, float]:
         "matchmaking": round_s,
         "downloading state": deadline_s + ROUND_MARGIN_S,
         "checkpointing": deadline_s,
+        "hashing": deadline_s,
         "evaluating": deadline_s,
         "finishing": matchmaking_s + deadline_s,
     }

@@ -50,3 +50,30 @@ def test_every_phase_has_a_bound_and_a_round_outlasts_its_own_limit():
     bounds = phase_bounds(deadline_s=60.0, matchmaking_s=15.0)
     assert set(bounds) == set(PHASES)
     assert bounds["averaging"] > round_limit_s(60.0) and bounds["training"] == 60.0
+
+
+def test_the_watchdog_adds_up_the_seconds_of_each_phase_until_asked():
+    clock = [0.0]
+    watchdog = Watchdog({}, poll_s=60.0)
+    try:
+        import diloco.watchdog as module
+
+        real = module.time.monotonic
+        module.time.monotonic = lambda: clock[0]
+        try:
+            watchdog.enter("training")
+            clock[0] = 2.0
+            watchdog.enter("averaging")
+            clock[0] = 5.0
+            watchdog.enter("training")
+            clock[0] = 6.0
+            spent = watchdog.take_spent()
+            clock[0] = 6.5
+            assert watchdog.current() == ("training", 1.5)  # asking does not restart the phase's clock
+            later = watchdog.take_spent()
+        finally:
+            module.time.monotonic = real
+    finally:
+        watchdog.stop()
+    assert spent["training"] == 3.0 and spent["averaging"] == 3.0
+    assert later == {"training": 0.5}
