@@ -1,18 +1,23 @@
-"""Atomic save / load of everything a worker needs to resume.
+"""Atomic save / load of everything a worker needs to resume, written off the training loop.
 
-A worker calls ``save_checkpoint(run_dir / "checkpoints", i, round, state)`` after an outer round and
-``load_latest_checkpoint(run_dir / "checkpoints", i)`` at start-up. The state is an opaque dict (model and
-optimizer state dicts, ``capture_rng_state()``, sampler position, round, ...).
+A worker hands its state to a ``CheckpointWriter`` after an outer round and goes on training:
+the writer copies the state's tensors (to host memory: a snapshot, so later steps cannot change
+what is written) and writes that snapshot from a thread of its own. It never runs two writes at
+once: a save that comes while the previous one is still writing waits for it. At start-up the
+worker calls ``load_latest_checkpoint(run_dir / "checkpoints", i)``. The state is an opaque dict
+(model and optimizer state dicts, ``capture_rng_state()``, sampler position, round, ...).
 
 Layout: ``<directory>/worker-<i>/round-<r:06d>.pt``. Each file is
 
     MAGIC (8 bytes) | payload length (8 bytes, little-endian) | sha256 of payload (32 bytes) | payload
 
-where the payload is ``torch.save(state)``. A file is written to a temp file in the same folder, fsynced,
-renamed over its final name (atomic on POSIX) and the folder fsynced, so a crash leaves either the old set
-of checkpoints or the new one, never a half file under a final name. Loading checks length and digest, so
-a truncated or bit-flipped file is skipped with a warning and the previous checkpoint is used instead.
-Leftover temp files (names starting with ``.``) are ignored.
+where the payload is ``torch.save(state)``, streamed into a temp file in the same folder while its
+digest is computed; the header is filled in after, then the file is fsynced, renamed over its final
+name (atomic on POSIX) and the folder fsynced. So a crash at any moment (``kill -9`` in the middle
+of a write included) leaves either the old set of checkpoints or the new one, never a half file
+under a final name. Loading checks length and digest, so a truncated or bit-flipped file is skipped
+with a warning and the previous checkpoint is used instead. Leftover temp files (names starting
+with ``.``) are ignored.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import random
 import re
 import struct
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,13 +83,37 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class _HashingWriter:
+    """A binary file that also hashes and counts what is written to it."""
+
+    def __init__(self, file, on_write: Callable[[int], None] | None = None):
+        self.file, self.digest, self.length, self._on_write = file, hashlib.sha256(), 0, on_write
+
+    def write(self, data) -> int:
+        written = self.file.write(data)
+        self.digest.update(memoryview(data)[:written])
+        self.length += written
+        if self._on_write is not None:
+            self._on_write(self.length)
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_checkpoint(
-    directory: Path, worker_index: int, round_index: int, state: dict[str, Any], *, keep: int = 2
+    directory: Path,
+    worker_index: int,
+    round_index: int,
+    state: dict[str, Any],
+    *,
+    keep: int = 2,
+    on_write: Callable[[int], None] | None = None,
 ) -> Path:
     """Write ``state`` atomically as this worker's checkpoint for ``round_index``; keep the newest ``keep``.
 
-    Serializes to memory first (one extra copy of the state in RAM) so the digest is known before
-    anything touches the disk.
+    The payload is streamed to the temp file (no serialized copy of the state in memory);
+    ``on_write(bytes_so_far)`` is called after each piece (tests use it to crash mid-write).
     """
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
@@ -91,16 +123,14 @@ def save_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"round-{round_index:06d}.pt"
 
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getbuffer()
-    header = _HEADER.pack(MAGIC, len(payload), hashlib.sha256(payload).digest())
-
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{final.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
+            f.write(b"\0" * _HEADER.size)  # filled in once the payload's length and digest are known
+            payload = _HashingWriter(f, on_write)
+            torch.save(state, payload)
+            f.seek(0)
+            f.write(_HEADER.pack(MAGIC, payload.length, payload.digest.digest()))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, final)
@@ -108,12 +138,73 @@ def save_checkpoint(
         Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_dir(folder)
-    logger.debug("saved checkpoint %s (%d bytes)", final, len(payload))
+    logger.debug("saved checkpoint %s (%d bytes)", final, payload.length)
 
     for _, old in list_checkpoints(directory, worker_index)[:-keep]:
         old.unlink(missing_ok=True)
         logger.debug("pruned checkpoint %s", old)
     return final
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of ``state`` that later changes to the live one cannot reach: every tensor copied to
+    host memory (from a GPU too), dicts, lists and tuples rebuilt, everything else shared (the
+    caller hands over values it does not change afterwards: numbers, strings, fresh RNG states)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: snapshot(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [snapshot(value) for value in state]
+    if type(state) is tuple:
+        return tuple(snapshot(value) for value in state)
+    return state
+
+
+class CheckpointWriter:
+    """This worker's checkpoints, written in the background: ``save`` takes a snapshot of the
+    state and returns; a thread writes it (``save_checkpoint``). One write at a time: ``save``
+    waits for the previous write first. A write that failed (a full disk) raises its error from
+    the next ``save`` or from ``close``, which waits for the last write: the newest checkpoint is
+    on disk when ``close`` returns."""
+
+    def __init__(
+        self, directory: Path, worker_index: int, *, keep: int = 2, on_write: Callable[[int], None] | None = None
+    ):
+        self.directory, self.worker_index, self.keep = Path(directory), worker_index, keep
+        self._on_write = on_write  # save_checkpoint's
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_write_s = 0.0  # how long the last finished write took, in its thread
+
+    def save(self, round_index: int, state: dict[str, Any]) -> None:
+        self.wait()
+        copied = snapshot(state)
+        self._thread = threading.Thread(
+            target=self._write, args=(round_index, copied), name="diloco-checkpoint", daemon=False
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write in progress (if any) is on disk; raises the error of one that failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    close = wait
+
+    def _write(self, round_index: int, state: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            save_checkpoint(
+                self.directory, self.worker_index, round_index, state, keep=self.keep, on_write=self._on_write
+            )
+        except BaseException as exc:  # handed to the training thread at its next save or at close
+            self._error = exc
+        self.last_write_s = time.perf_counter() - started
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

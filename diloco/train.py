@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from diloco.checkpoint import capture_rng_state, load_latest_checkpoint, restore_rng_state, save_checkpoint
+from diloco.checkpoint import CheckpointWriter, capture_rng_state, load_latest_checkpoint, restore_rng_state
 from diloco.comm import CommBackend, CommConfig, SyncResult, build_backend
 from diloco.comm.bounds import phase_bounds, site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
@@ -162,6 +162,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
     average_gradients = placement.site_gradient_hook(model) or gradient_averaging
 
+    checkpoint_writer = CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep)
+
     def save_worker_state(step: int, round_index: int) -> None:
         worker_state = {
             "model": model.state_dict(),
@@ -176,7 +178,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             "totals": totals_state(totals, log),
         }
         worker_state = placement.checkpoint_state(worker_state)  # a sharded site's rank: its own shards
-        save_checkpoint(checkpoints, cfg.worker.index, round_index, worker_state, keep=cfg.checkpoint.keep)
+        checkpoint_writer.save(round_index, worker_state)  # a snapshot, written in the background
 
     try:
         if on_ready is not None:
@@ -278,6 +280,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
 
         watchdog.enter("finishing")
         backend.finish()
+        with watchdog.phase("checkpointing", then="finishing"):
+            checkpoint_writer.close()  # the last checkpoint, written while the others finished, is on disk
         # the last round ran at the last step, on these very params: its evaluation is the final one
         # (a run resumed after its end has no round left, so it evaluates here)
         final_loss = val_loss if val_loss is not None else evaluate(model, held_out)
@@ -290,6 +294,10 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             param_count=sum(p.numel() for p in synced_params),
         )
     finally:
+        try:
+            checkpoint_writer.wait()  # a write in progress ends whole (a crash mid-write loses only it)
+        except Exception:
+            logger.exception("the last checkpoint could not be written")
         watchdog.stop()
         log.close()
         backend.leave()

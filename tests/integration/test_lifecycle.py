@@ -1,5 +1,5 @@
 """What a user sees around a run: Ctrl-C leaves no process behind, nor does kill -9, wandb offline
-writes a real run."""
+writes a real run, a checkpoint write cut by kill -9 leaves the previous checkpoint to resume from."""
 
 from __future__ import annotations
 
@@ -188,3 +188,51 @@ def test_unreachable_peer_is_one_clear_line(tmp_path, diloco_cli):
     )
     assert done.returncode == 2 and "Traceback" not in done.stdout
     assert "diloco: error: could not reach any of comm.initial_peers" in done.stdout
+
+
+_WRITE_THEN_HANG = """
+import sys, threading, time
+from pathlib import Path
+import torch
+from diloco.checkpoint import CheckpointWriter
+
+folder, marker = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+state = {"round": 0, "model": {"w": torch.randn(1 << 20)}}
+
+def hang_mid_write(written):
+    if writer_round[0] == 1 and written > (1 << 21):  # half of round 1's payload is in the temp file
+        marker.touch()
+        threading.Event().wait()
+
+writer_round = [0]
+writer = CheckpointWriter(folder, 0, on_write=hang_mid_write)
+writer.save(0, state)
+writer.wait()
+writer_round[0] = 1
+state["model"]["w"].add_(1.0)
+writer.save(1, {"round": 1, "model": state["model"]})
+threading.Event().wait()
+"""
+
+
+def test_a_worker_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_previous_one(tmp_path):
+    import torch
+
+    from diloco.checkpoint import list_checkpoints, load_latest_checkpoint
+
+    marker = tmp_path / "writing"
+    process = subprocess.Popen([sys.executable, "-c", _WRITE_THEN_HANG, str(tmp_path), str(marker)])
+    try:
+        _wait_for(lambda: marker.exists() or process.poll() is not None, 120, "the second write to begin")
+        assert process.poll() is None, "the writer exited before its second write"
+        temp = [p for p in (tmp_path / "worker-0").iterdir() if p.name.startswith(".")]
+        assert temp and temp[0].stat().st_size > (1 << 21)  # killed with half a file written
+        process.kill()
+        process.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    assert [r for r, _ in list_checkpoints(tmp_path, 0)] == [0]
+    torch.manual_seed(0)
+    assert torch.equal(load_latest_checkpoint(tmp_path, 0)["model"]["w"], torch.randn(1 << 20))

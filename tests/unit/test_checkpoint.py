@@ -4,6 +4,7 @@ and a whole run stopped and resumed bit-exact."""
 import json
 import logging
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -159,3 +160,57 @@ def test_a_stopped_run_resumes_bit_exact(tmp_path):
     assert straight["failed_workers"] == resumed["failed_workers"] == []
     assert got["event"] == want["event"] == "end"
     assert got["param_sha256"] == want["param_sha256"] and got["val_loss"] == want["val_loss"]
+
+
+def test_the_writer_writes_a_snapshot_that_later_steps_cannot_change(tmp_path):
+    from diloco.checkpoint import CheckpointWriter
+
+    weights = torch.zeros(1000)
+    started, release = threading.Event(), threading.Event()
+
+    def held(written: int) -> None:  # the write waits, mid-way, until the test lets it go on
+        started.set()
+        release.wait(timeout=30)
+
+    writer = CheckpointWriter(tmp_path, 0, on_write=held)
+    writer.save(1, {"round": 1, "model": {"w": weights}, "order": [weights, (weights, 3)]})
+    assert started.wait(timeout=30)
+    weights.add_(1.0)  # training goes on while the write is in progress
+    release.set()
+    writer.close()
+    loaded = load_latest_checkpoint(tmp_path, 0)
+    assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
+    assert torch.equal(loaded["order"][1][0], torch.zeros(1000)) and loaded["order"][1][1] == 3
+
+
+def test_the_writer_runs_one_write_at_a_time_and_hands_a_failed_ones_error_to_the_next_save(tmp_path):
+    from diloco.checkpoint import CheckpointWriter
+
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    def counted(written: int) -> None:
+        with lock:
+            most[0] = max(most[0], active[0])
+
+    writer = CheckpointWriter(tmp_path, 0, keep=5, on_write=counted)
+    original = writer._write
+
+    def tracked(round_index, state):
+        with lock:
+            active[0] += 1
+        try:
+            original(round_index, state)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    writer._write = tracked
+    for round_index in range(4):
+        writer.save(round_index, {"round": round_index, "t": torch.randn(10_000)})
+    writer.close()
+    assert most[0] == 1 and [r for r, _ in list_checkpoints(tmp_path, 0)] == [0, 1, 2, 3]
+    writer.save(4, {"round": 4, "unpicklable": threading.Lock()})  # fails in its thread
+    with pytest.raises(TypeError):
+        writer.save(5, {"round": 5})
+    assert load_latest_checkpoint(tmp_path, 0)["round"] == 3
