@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from diloco.transfer import state_to_cpu
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DILOCK01"
@@ -146,21 +148,6 @@ def save_checkpoint(
     return final
 
 
-def snapshot(state: Any) -> Any:
-    """A copy of ``state`` that later changes to the live one cannot reach: every tensor copied to
-    host memory (from a GPU too), dicts, lists and tuples rebuilt, everything else shared (the
-    caller hands over values it does not change afterwards: numbers, strings, fresh RNG states)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {key: snapshot(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [snapshot(value) for value in state]
-    if type(state) is tuple:
-        return tuple(snapshot(value) for value in state)
-    return state
-
-
 class CheckpointWriter:
     """This worker's checkpoints, written in the background: ``save`` takes a snapshot of the
     state and returns; a thread writes it (``save_checkpoint``). One write at a time: ``save``
@@ -179,7 +166,7 @@ class CheckpointWriter:
 
     def save(self, round_index: int, state: dict[str, Any]) -> None:
         self.wait()
-        copied = snapshot(state)
+        copied = state_to_cpu(state, copy=True)  # what later steps change is not in it
         self._thread = threading.Thread(
             target=self._write, args=(round_index, copied), name="diloco-checkpoint", daemon=False
         )

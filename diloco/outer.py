@@ -223,10 +223,11 @@ class OuterStep:
         return fingerprint_of(digest.digest())
 
     def state_dict(self) -> dict:
-        """On the CPU whatever ``outer.global_device`` is: checkpoints and peers' downloads load anywhere."""
+        """A snapshot (tensors copied: the next outer step does not change it), on the CPU whatever
+        ``outer.global_device`` is: checkpoints and peers' downloads load anywhere."""
         return {
             "global_params": [p.detach().to("cpu", copy=True) for p in self.global_params],
-            "optimizer": state_to_cpu(self.optimizer.state_dict()),
+            "optimizer": state_to_cpu(self.optimizer.state_dict(), copy=True),
         }
 
     @torch.no_grad()

@@ -80,13 +80,15 @@ class CopyFence:
             self._event = None
 
 
-def state_to_cpu(state):
+def state_to_cpu(state, *, copy: bool = False):
     """A (nested) state dict with every tensor on the CPU: checkpoints and the state served to peers
-    then load on any machine, whatever device the outer step ran on."""
+    then load on any machine, whatever device the outer step ran on. With ``copy``, a snapshot:
+    every tensor copied, so that later changes to the live state cannot reach it (containers are
+    rebuilt, other values shared: numbers, strings, fresh RNG states)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
+        return state.detach().to("cpu", copy=copy)
     if isinstance(state, dict):
-        return {key: state_to_cpu(value) for key, value in state.items()}
+        return {key: state_to_cpu(value, copy=copy) for key, value in state.items()}
     if isinstance(state, list | tuple):
-        return type(state)(state_to_cpu(value) for value in state)
+        return type(state)(state_to_cpu(value, copy=copy) for value in state)
     return state

@@ -133,8 +133,9 @@ class CommBackend(abc.ABC):
 
     def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (ranked by ``rank``) to peers that
-        missed the round or join late; ``state()`` builds it (only transports that serve state
-        call it, so the others cost nothing on the outer step's path)."""
+        missed the round or join late; ``state()`` builds it, a snapshot the transport may keep
+        and serialize only when a peer asks (only transports that serve state call it, so the
+        others cost nothing on the outer step's path)."""
 
     def fetch_state(
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False

@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import io
 import logging
 import math
 import multiprocessing as mp
@@ -400,7 +401,7 @@ class ExactAverager(DecentralizedAverager):
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
         self.max_norm_ratio, self.clip_to_median = max_norm_ratio, clip_to_median
-        self._shared_state: tuple[dict, torch.Tensor] | None = None
+        self._shared_state: tuple[dict, dict] | None = None
         super().__init__(averaged_tensors, dht, part_size_bytes=aligned_part_size_bytes(codec), start=False, **kwargs)
         # a join request must present the leader's schema hash: keyed, only run-key holders can
         self.schema_hash = keyed_schema_hash(run_key, self.schema_hash)
@@ -449,19 +450,22 @@ class ExactAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(error)
 
-    def share_state(self, metadata: dict, payload: bytes, *, priority: float) -> None:
-        """Serve ``payload`` (with ``metadata``) to peers that download state; peers try the
-        highest ``priority`` first. Replaces the previous snapshot atomically."""
-        self._shared_state = (metadata, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    def share_state(self, metadata: dict, state: dict, *, priority: float) -> None:
+        """Serve ``state`` (with ``metadata``) to peers that download state; peers try the highest
+        ``priority`` first. ``state`` is a snapshot the caller no longer changes (its tensors are
+        not the live ones the next outer step changes); it is serialized only when a peer asks.
+        Replaces the previous one atomically."""
+        self._shared_state = (metadata, state)
         self.state_sharing_priority = priority
 
     def get_current_state(self):
-        # called in this (the host) process when a peer downloads our state; a snapshot taken at
-        # the end of a round, never live tensors that the next outer step may be changing
+        # called in this (the host) process, on a thread of hivemind's, when a peer downloads our state
         if self._shared_state is None:
             return {}, [], None
-        metadata, payload = self._shared_state
-        return metadata, [payload], None
+        metadata, state = self._shared_state
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return metadata, [torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)], None
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs

@@ -527,11 +527,9 @@ class HivemindBackend(CommBackend):
         self._published = (round_index, rank)
         if self.client_mode:  # nobody can dial us to download it (hivemind refuses to share in client mode)
             return
-        buffer = io.BytesIO()
-        torch.save(state(), buffer)
-        self._averager.share_state(
+        self._averager.share_state(  # serialized only when a peer asks for it
             {"round": round_index, "peers": rank.peers, "fingerprint": rank.fingerprint},
-            buffer.getvalue(),
+            state(),
             priority=_priority(round_index, rank),
         )
 
