@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     nat.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
     nat.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
     nat.add_argument("--out", default="runs/bench-nat", help="output folder")
+    scale = bench.add_parser("scale", help="a round's cost at real model sizes against stock hivemind and gloo")
+    scale.add_argument("--sizes", default="baby,10m,85m", help="baby, 10m, 85m, llama-150m (default baby,10m,85m)")
+    scale.add_argument("--steps", type=int, default=8, help="inner steps per worker (default 8)")
+    scale.add_argument("--sync-every", type=int, default=2, help="H (default 2)")
+    scale.add_argument("--compare-rounds", type=int, default=3, help="rounds of each baseline, the first a warm-up")
+    scale.add_argument("--out", default="runs/bench-scale", help="output folder")
     utilization = bench.add_parser(
         "utilization", help="compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)"
     )
@@ -392,6 +398,16 @@ def _cmd_bench(args) -> int:
             workers=args.workers,
             rate=args.rate,
             steps=args.steps,
+            out=Path(args.out),
+        )
+    if args.bench == "scale":
+        from diloco.bench.scale import run_scale_benchmark
+
+        return run_scale_benchmark(
+            sizes=[size for size in args.sizes.split(",") if size],
+            steps=args.steps,
+            sync_every=args.sync_every,
+            compare_rounds=args.compare_rounds,
             out=Path(args.out),
         )
     if args.bench == "utilization":

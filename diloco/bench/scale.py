@@ -1,0 +1,305 @@
+"""``diloco bench scale``: what a round costs at real model sizes, 2 workers on loopback, side by
+side with stock hivemind and torch.distributed gloo averaging the same payload.
+
+Per size: ``diloco local`` runs 2 workers on ``configs/tiny.yaml`` with that model (batch 2,
+``--steps`` inner steps, a round every ``--sync-every``, a checkpoint every round). From the
+workers' round records, over the rounds after the first (which also waits for the start-up):
+the median of ``comm_s`` (our round sync), of each phase of ``phases_s`` (checkpointing,
+evaluating, hashing, ...) and of the rest (a round's seconds between round records outside the
+named phases: matchmaking, downloading state, ...); the start-up (launch to a worker's first
+step record) and each worker's peak resident memory over its parameters' fp32 bytes. Right
+after, 2 processes (``diloco.bench.payload_peer``) average the same payload (param_count fp32
+values) ``--compare-rounds`` times through stock ``hivemind.averaging.DecentralizedAverager``,
+then through torch.distributed gloo ``all_reduce``: the median of the rounds after the first.
+
+    diloco bench scale                                   # baby, 10m, 85m (minutes on 2 cores)
+    diloco bench scale --sizes baby --steps 8            # the smallest: 25-40 s measured on 2 cores
+    diloco bench scale --sizes 10m,llama-150m            # llama-150m needs pip install -e .[hf]
+
+Sizes: baby (tiny.yaml's model), 10m (6 x 384), 85m (12 x 768), both context 128, and
+llama-150m (``model.kind=hf``). Prints the table and writes ``results.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+WORKERS = 2
+SIZES = {
+    "baby": [],
+    "10m": ["model.n_layer=6", "model.n_head=6", "model.n_embd=384", "model.block_size=128"],
+    "85m": ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=128"],
+    "llama-150m": ["model.kind=hf", "model.hf_config=llama-150m", "model.block_size=128"],
+}
+NEEDS_TRANSFORMERS = {"llama-150m"}
+NAMED_PHASES = ("training", "averaging", "hashing", "evaluating", "checkpointing")
+BASELINES = ("hivemind", "gloo")
+FIRST_STEP = '"event": "step"'  # how a step record's line reads (json.dumps' separators)
+
+
+def size_error(sizes: list[str]) -> str | None:
+    """The one line that says why ``sizes`` cannot run here, or None."""
+    from diloco.hf_extra import is_installed
+
+    for size in sizes:
+        if size not in SIZES:
+            return f"bench scale: unknown size {size!r}: {', '.join(SIZES)}"
+        if size in NEEDS_TRANSFORMERS and not is_installed("transformers"):
+            return f"bench scale: {size} needs transformers, which is not installed: pip install -e .[hf]"
+    return None
+
+
+def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path) -> list[str]:
+    from diloco.bench.arms import default_data
+
+    return [
+        *SIZES[size],
+        f"data.path={default_data(None)}",
+        "inner.batch_size=2",
+        f"inner.steps={steps}",
+        f"outer.sync_every={sync_every}",
+        "inner.warmup_steps=1",
+        "checkpoint.every_rounds=1",
+        "comm.deadline_s=900",
+        "comm.matchmaking_s=30",
+        "logging.eval_batches=2",
+        "logging.log_every=1",  # a step record from the first step on: the start-up's end
+        "worker.threads=1",
+        f"comm.run_id=scale_{size.replace('-', '_')}",
+        f"run.dir={run_dir}",
+        f"run.name=scale-{size}",
+    ]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def round_costs(records: list[list[dict]]) -> dict:
+    """Medians over every worker's rounds after the first: ``comm_s``, each phase, the rest; and
+    each worker's peak RSS over its parameters' fp32 bytes. ``records``: each worker's records."""
+    later = [r for worker in records for r in worker if r.get("event") == "round" and r["round"] > 1]
+    spent = [r.get("phases_s", {}) for r in later]
+    names = sorted({name for phases in spent for name in phases})
+    phases = {name: _median([round_phases.get(name, 0.0) for round_phases in spent]) for name in names}
+    rest = [sum(p.values()) - sum(p.get(name, 0.0) for name in NAMED_PHASES) for p in spent]
+    ends = [next(r for r in reversed(worker) if r.get("event") == "end") for worker in records]
+    param_count = ends[0]["param_count"]
+    return {
+        "param_count": param_count,
+        "rounds_measured": len(later) // max(1, len(records)),
+        "sync_s": _median([r["comm_s"] for r in later]),
+        "phases_s": phases,
+        "rest_s": _median(rest),
+        "rounds_ok": all(r["ok"] and r["peers"] == len(records) for r in later),
+        "peak_rss_per_param_byte": [end["peak_rss_bytes"] / (4 * end["param_count"]) for end in ends],
+        "wall_s": [end["wall_s"] for end in ends],
+        "compute_s": [end["compute_s"] for end in ends],
+    }
+
+
+class FirstStepClock:
+    """Seconds from launch to each worker's first step record, by a thread that polls the JSONL files."""
+
+    def __init__(self, run_dir: Path, workers: int, poll_s: float = 0.25):
+        self.paths = [run_dir / f"worker-{i}.jsonl" for i in range(workers)]
+        self.seconds: list[float | None] = [None] * workers
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="bench-scale-first-step", daemon=True)
+
+    def __enter__(self) -> FirstStepClock:
+        self.launched = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * self.poll_s)
+
+    def _poll(self) -> None:
+        while None in self.seconds and not self._stop.wait(self.poll_s):
+            for i, path in enumerate(self.paths):
+                if self.seconds[i] is None and path.exists() and FIRST_STEP in path.read_text():
+                    self.seconds[i] = time.monotonic() - self.launched
+
+
+@contextlib.contextmanager
+def stdout_to(path: Path):
+    """File descriptor 1 into ``path`` for the block: the launcher's progress lines write to the
+    ``sys.stdout`` it held when imported, which ``contextlib.redirect_stdout`` does not reach."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(path, "w") as log:
+            os.dup2(log.fileno(), 1)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                os.dup2(saved, 1)
+    finally:
+        os.close(saved)
+
+
+def run_training(size: str, *, steps: int, sync_every: int, out: Path) -> dict:
+    """2 workers of ``size`` to the end; their round costs, or why there are none."""
+    from diloco.config import load_config
+    from diloco.local import run_local
+    from diloco.metrics import _read_records
+
+    run_dir = out / size
+    shutil.rmtree(run_dir, ignore_errors=True)  # workers append to their records
+    run_dir.mkdir(parents=True)
+    overrides = training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir)
+    cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
+    with stdout_to(run_dir / "launcher.log"), FirstStepClock(run_dir, WORKERS) as clock:
+        code = run_local(cfg, str(CONFIG), overrides, workers=WORKERS)
+    result = {"exit_code": code, "run_dir": str(run_dir), "startup_s": clock.seconds}
+    if code != 0:
+        return {**result, "error": f"training exited {code}; see {run_dir}/worker-*.log"}
+    records = [_read_records(run_dir / f"worker-{i}.jsonl") for i in range(WORKERS)]
+    return {**result, **round_costs(records)}
+
+
+def payload_timeout_s(values: int) -> float:
+    """The bound of each wait of a baseline peer: generous for 2 shared cores (2 s per MB)."""
+    return 120.0 + 2.0 * values * 4 / 1e6
+
+
+def _start_peer(kind: str, rank: int, *, values: int, rounds: int, rendezvous: Path, log: Path):
+    from diloco.lifetime import die_with_parent
+
+    command = [
+        sys.executable, "-m", "diloco.bench.payload_peer", "--kind", kind, "--rank", str(rank),
+        "--values", str(values), "--rounds", str(rounds), "--rendezvous", str(rendezvous),
+        "--timeout-s", str(payload_timeout_s(values)),
+    ]  # fmt: skip
+    with open(log, "w") as stderr:
+        return subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,  # its DHT and p2pd too: stop_all kills the whole session
+            preexec_fn=partial(die_with_parent, signal.SIGTERM) if sys.platform == "linux" else None,
+        )
+
+
+def run_baseline(kind: str, *, values: int, rounds: int, out: Path) -> dict:
+    """2 payload peers average ``values`` fp32 values ``rounds`` times through ``kind``; the median
+    round (seconds, both peers, rounds after the first), or why there is none."""
+    from diloco.local import stop_all
+
+    rendezvous = out / f"{kind}-rendezvous"
+    shutil.rmtree(rendezvous, ignore_errors=True)
+    rendezvous.mkdir(parents=True)
+    bound_s = payload_timeout_s(values) * (rounds + 2)
+    deadline = time.monotonic() + bound_s
+    peers = []
+    try:
+        for rank in range(WORKERS):
+            log = out / f"{kind}-peer-{rank}.log"
+            peers.append(_start_peer(kind, rank, values=values, rounds=rounds, rendezvous=rendezvous, log=log))
+        outputs = [peer.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for peer in peers]
+    except subprocess.TimeoutExpired:
+        return {"kind": kind, "error": f"no result within {bound_s:.0f} s; see {out}/{kind}-peer-*.log"}
+    finally:
+        stop_all(peers)
+    reports = [json.loads(text.strip().splitlines()[-1]) for text in outputs if text.strip()]
+    if len(reports) != WORKERS or not all(all(report["ok"]) for report in reports):
+        return {"kind": kind, "error": f"a peer failed; see {out}/{kind}-peer-*.log", "reports": reports}
+    return {
+        "kind": kind,
+        "median_s": statistics.median(s for report in reports for s in report["round_s"][1:]),
+        "round_s": [report["round_s"] for report in reports],
+    }
+
+
+def measure_size(size: str, *, steps: int, sync_every: int, compare_rounds: int, out: Path) -> dict:
+    """The row of ``size``: our training run's round costs, then both baselines on its payload."""
+    print(f"bench scale: {size}: {WORKERS} workers, {steps} steps, a round every {sync_every} ...", flush=True)
+    row = {"size": size, **run_training(size, steps=steps, sync_every=sync_every, out=out)}
+    if "error" in row:
+        return row
+    for kind in BASELINES:
+        print(f"bench scale: {size}: the same payload through {kind} ...", flush=True)
+        row[kind] = run_baseline(kind, values=row["param_count"], rounds=compare_rounds, out=out / size)
+    return row
+
+
+def row_finished(row: dict) -> bool:
+    return "error" not in row and all("error" not in row[kind] for kind in BASELINES)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}" if ours is not None and theirs else "-"
+
+
+def format_table(rows: list[dict], *, steps: int, sync_every: int) -> str:
+    lines = [
+        f"{WORKERS} workers on loopback, batch 2, {steps} inner steps, a round every {sync_every}; "
+        "medians of the rounds after the first (seconds)",
+        "",
+        "| size | params (M) | fp32 MB | sync (ours) | stock hivemind | gloo | ours/stock | ours/gloo "
+        "| checkpoint | evaluation | hashing | rest | peak RSS / param bytes | start-up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        if "param_count" not in row:
+            lines.append(f"| {row['size']} | {row.get('error', 'no result')} |")
+            continue
+        params, phases = row["param_count"], row["phases_s"]
+        ours = row["sync_s"]
+        stock, gloo = (row.get(kind, {}).get("median_s") for kind in BASELINES)
+        startup = [s for s in row["startup_s"] if s is not None]
+        lines.append(
+            f"| {row['size']} | {params / 1e6:.2f} | {params * 4 / 1e6:.1f} | {_seconds(ours)} | "
+            f"{_seconds(stock)} | {_seconds(gloo)} | {_ratio(ours, stock)} | {_ratio(ours, gloo)} | "
+            f"{_seconds(phases.get('checkpointing'))} | {_seconds(phases.get('evaluating'))} | "
+            f"{_seconds(phases.get('hashing'))} | {_seconds(row['rest_s'])} | "
+            f"{max(row['peak_rss_per_param_byte']):.1f} | {_seconds(max(startup, default=None))} |"
+        )
+    failures = [
+        f"{row['size']} {kind}: {row[kind]['error']}"
+        for row in rows
+        for kind in BASELINES
+        if "error" in row.get(kind, {})
+    ]
+    return "\n".join([*lines, *failures])
+
+
+def run_scale_benchmark(*, sizes: list[str], steps: int, sync_every: int, compare_rounds: int, out: Path) -> int:
+    if (error := size_error(sizes)) is not None:
+        print(error, file=sys.stderr)
+        return 2
+    if steps < 2 * sync_every or sync_every < 1 or compare_rounds < 2:
+        print(
+            f"bench scale: need 2 rounds at least to measure one after the first: --steps {steps} "
+            f"--sync-every {sync_every} --compare-rounds {compare_rounds}",
+            file=sys.stderr,
+        )
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in sizes:
+        rows.append(measure_size(size, steps=steps, sync_every=sync_every, compare_rounds=compare_rounds, out=out))
+        (out / "results.json").write_text(json.dumps(rows, indent=2))
+    print(format_table(rows, steps=steps, sync_every=sync_every))
+    return 0 if all(row_finished(row) for row in rows) else 1
