@@ -41,13 +41,12 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException, TensorPartReducer
-from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.mpfuture import MPFuture
 
 from diloco.comm.robust import Screening, declared_norm, screen
@@ -116,18 +115,6 @@ class _TrafficCounters:
         return self._sent.value, self._recv.value, self._failed_values.value, self._own_drops.value
 
 
-class _ReducerStub:
-    """Wraps the stub of a peer that reduces parts for us: its replies are counted as received
-    bytes, checked, and decoded into the fp32 parts hivemind's runner expects."""
-
-    def __init__(self, stub, runner: ExactAllReduceRunner, peer: PeerID):
-        self._stub, self._runner, self._peer = stub, runner, peer
-
-    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]):
-        replies = await self._stub.rpc_aggregate_part(requests)
-        return self._runner._decode_replies(self._runner._count_received(replies), self._peer)
-
-
 class SenderlessEndingReducer(TensorPartReducer):
     """hivemind's reducer of our share, which also ends once no sender is left to wait for.
 
@@ -194,9 +181,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _check_declared_norm(self, sender: PeerID, part: torch.Tensor) -> None:
         """Raise PayloadError once the parts of ``sender`` received here are longer than the norm it
         declared for its whole vector (10% for rounding, and a tiny absolute slack)."""
-        squares = (
-            self._received_squares.get(sender, 0.0) + float(torch.linalg.vector_norm(part, dtype=torch.float64)) ** 2
-        )
+        squares = self._received_squares.get(sender, 0.0) + float(torch.linalg.vector_norm(part)) ** 2
         self._received_squares[sender] = squares
         declared = self.norms.get(sender, math.nan)
         if not math.sqrt(squares) <= 1.1 * declared + 1e-6:
@@ -207,32 +192,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.traffic.add(recv=message.ByteSize())
             yield message
 
-    async def _decode_replies(self, messages: AsyncIterator[averaging_pb2.AveragingData], peer: PeerID):
-        numels = [part.numel() for part in self._input_parts(self.ordered_peer_ids.index(peer))]
-        loop = asyncio.get_event_loop()
-        part_index = 0
-        async for message in messages:
-            if message.code != averaging_pb2.AVERAGED_PART:
-                yield message  # hivemind's runner reports it
-                continue
-            if message.weight > 0:  # the reducer says over how many contributions it averaged the part
-                self.traffic.note_contributions(int(message.weight))
-            try:
-                numel = numels[part_index] if part_index < len(numels) else -1
-                part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
-            except PayloadError as error:
-                logger.warning("reducer %s sent an unusable averaged part: %s", peer, error)
-                raise
-            part_index += 1
-            yield averaging_pb2.AveragingData(
-                code=averaging_pb2.AVERAGED_PART, tensor_part=serialize_torch_tensor(part)
-            )
-
     def _input_parts(self, peer_index: int) -> list[torch.Tensor]:
         return [part for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index]]
-
-    def _get_peer_stub(self, peer: PeerID):
-        return _ReducerStub(super()._get_peer_stub(peer), self, peer)
 
     async def _generate_input_for_peer(self, peer_index: int):
         self.tensor_part_container._inputs_consumed_by_peer[peer_index] = True
@@ -268,14 +229,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_failed_reducer(peer_index)
             return
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            return await self._exchange_with_reducer(peer_id)
         # our own share: reduce it locally and keep what the others get (the stock runner keeps a delta)
         sender_index = self.sender_peer_ids.index(peer_id)
         scale = self.screening.scales.get(peer_id, 1.0)
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
             try:  # our part as the others would decode it
-                sent = await loop.run_in_executor(None, self.codec.roundtrip, part)
+                sent = await loop.run_in_executor(None, _as_sent, self.codec, part)
                 if scale != 1.0:
                     sent = sent * scale
             except PayloadError as error:  # as a peer would, the reducer drops what it cannot read
@@ -296,6 +257,41 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.tensor_part_container.register_failed_reducer(peer_index)
                 return
             self.tensor_part_container.register_processed_part(peer_index, part_index, restored)
+
+    async def _exchange_with_reducer(self, peer_id: PeerID):
+        """Send our parts of ``peer_id``'s share and copy in the averaged parts it replies, each
+        checked and decoded once, straight into hivemind's container (as its runner does)."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        numels = [part.numel() for part in self._input_parts(peer_index)]
+        expected_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
+        loop = asyncio.get_event_loop()
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            async for message in aiter_with_timeout(self._count_received(stream), self.reducer_timeout):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                if message.weight > 0:  # the reducer says over how many contributions it averaged the part
+                    self.traffic.note_contributions(int(message.weight))
+                numel = numels[part_index] if part_index < len(numels) else -1
+                try:
+                    part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+                except PayloadError as error:
+                    logger.warning("reducer %s sent an unusable averaged part: %s", peer_id, error)
+                    raise
+                self.tensor_part_container.register_processed_part(peer_index, part_index, part)
+                part_index += 1
+            if part_index != expected_parts:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
+        except BaseException as error:
+            if isinstance(error, Exception):
+                logger.debug("caught %r when communicating with %s", error, peer_id, exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     async def rpc_aggregate_part(self, stream, context: P2PContext):
         self.traffic.serving(+1)
@@ -351,7 +347,20 @@ def _bytes_part(payload: bytes) -> runtime_pb2.Tensor:
 
 def _compress_reply(codec: Codec, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
     payload = codec.compress(averaged)
+    if codec.lossless:  # what the senders decode is these very values: no need to decode them here
+        if not bool(torch.isfinite(averaged).all()):
+            raise PayloadError("payload decodes to non-finite values (NaN or inf)")
+        return payload, averaged
     return payload, codec.decompress(payload, averaged.numel())
+
+
+def _as_sent(codec: Codec, part: torch.Tensor) -> torch.Tensor:
+    """Our own part as a reducer would decode it (``codec.roundtrip``; a lossless codec's is the part)."""
+    if codec.lossless:
+        if not bool(torch.isfinite(part).all()):
+            raise PayloadError("payload decodes to non-finite values (NaN or inf)")
+        return part
+    return codec.roundtrip(part)
 
 
 def _decode_part(codec: Codec, serialized: runtime_pb2.Tensor, numel: int) -> torch.Tensor:
@@ -362,21 +371,31 @@ def _decode_part(codec: Codec, serialized: runtime_pb2.Tensor, numel: int) -> to
     return codec.decompress(serialized.buffer, numel)
 
 
-# hivemind cuts each reducer's share into parts (512 KiB of fp32 by default) and a reducer answers
-# part k only once every sender's part k is in: on slow links the last part's replies are a tail
-# nothing overlaps. Parts of about 64 KiB on the wire measured better (testbed, 4 peers at 20 Mbit/s,
-# fp32, all-reduce efficiency: 10 MB 0.753 -> 0.802, 40 MB 0.722 -> 0.784; 32 KiB no better, 2 MiB
-# 0.61). Sized on the wire, so a compressed part is no smaller and its framing stays negligible.
-PART_WIRE_BYTES = 64 * 1024
+# hivemind cuts each reducer's share into parts and a reducer answers part k only once every
+# sender's part k is in: on slow links the last part's replies are a tail nothing overlaps, so
+# small parts pay there (testbed, 4 peers at 20 Mbit/s, fp32, all-reduce efficiency: 10 MB 0.753
+# at 512 KiB parts -> 0.802 at 64 KiB, 40 MB 0.722 -> 0.784; 2 MiB 0.61). Every part also costs a
+# fixed amount of work (messages, executor hops), which dominates on fast links with large
+# payloads (85M fp32 values, 2 peers on loopback: 11.5 s a round at 64 KiB parts, 6.1 s at
+# 512 KiB, 4.6 s at 2 MiB). So a payload is cut into about ``PARTS_PER_PAYLOAD`` parts, each
+# between ``MIN_PART_WIRE_BYTES`` and ``MAX_PART_WIRE_BYTES`` on the wire: its tail is then at most
+# a few percent of the round whatever the link. Sized on the wire, so a compressed part is no
+# smaller and its framing stays negligible.
+MIN_PART_WIRE_BYTES = 64 * 1024
+MAX_PART_WIRE_BYTES = 4 * 1024 * 1024
+PARTS_PER_PAYLOAD = 128
 
 
-def aligned_part_size_bytes(codec: Codec) -> int:
+def aligned_part_size_bytes(codec: Codec, total_values: int = 0) -> int:
     """hivemind's part size, in fp32 bytes (it cuts parts of size / 4 values from each tensor's
-    start): about ``PART_WIRE_BYTES`` once compressed, a multiple of the codec's block so that no
-    block straddles two parts."""
+    start) for a payload of ``total_values``: about 1/``PARTS_PER_PAYLOAD`` of it once compressed,
+    within the bounds above, a multiple of the codec's block so that no block straddles two parts."""
     sample = 1 << 20
     wire_bytes_per_value = codec.payload_bytes(sample) / sample
-    values = max(1, round(PART_WIRE_BYTES / wire_bytes_per_value) // codec.align) * codec.align
+    wire_bytes = min(
+        MAX_PART_WIRE_BYTES, max(MIN_PART_WIRE_BYTES, total_values * wire_bytes_per_value / PARTS_PER_PAYLOAD)
+    )
+    values = max(1, round(wire_bytes / wire_bytes_per_value) // codec.align) * codec.align
     return 4 * values
 
 
@@ -402,7 +421,13 @@ class ExactAverager(DecentralizedAverager):
         self.traffic, self.codec = _TrafficCounters(), codec
         self.max_norm_ratio, self.clip_to_median = max_norm_ratio, clip_to_median
         self._shared_state: tuple[dict, dict] | None = None
-        super().__init__(averaged_tensors, dht, part_size_bytes=aligned_part_size_bytes(codec), start=False, **kwargs)
+        super().__init__(
+            averaged_tensors,
+            dht,
+            part_size_bytes=aligned_part_size_bytes(codec, sum(t.numel() for t in averaged_tensors)),
+            start=False,
+            **kwargs,
+        )
         # a join request must present the leader's schema hash: keyed, only run-key holders can
         self.schema_hash = keyed_schema_hash(run_key, self.schema_hash)
         if start:

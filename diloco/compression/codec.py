@@ -49,8 +49,8 @@ class Codec(abc.ABC):
         """Exact size of the body for ``numel`` values."""
 
     @abc.abstractmethod
-    def _encode(self, flat: torch.Tensor) -> bytes:
-        """The body for a flat fp32 CPU tensor."""
+    def _encode(self, flat: torch.Tensor) -> bytes | memoryview:
+        """The body for a flat fp32 CPU tensor (bytes, or a view of bytes that ``compress`` copies)."""
 
     @abc.abstractmethod
     def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
@@ -135,8 +135,8 @@ class NoCompression(Codec):
     def body_bytes(self, numel: int) -> int:
         return 4 * numel
 
-    def _encode(self, flat: torch.Tensor) -> bytes:
-        return flat.numpy().tobytes()
+    def _encode(self, flat: torch.Tensor) -> memoryview:
+        return memoryview(flat.numpy()).cast("B")  # copied once, into the payload
 
     def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
         return frombuffer(body, torch.float32)
