@@ -5,13 +5,16 @@
 #
 #   bash examples/hf_tiny_llama.sh                    # a few minutes on 2 cores
 #   bash examples/hf_tiny_llama.sh inner.steps=50     # KEY=VALUE overrides pass through
+#   TEXT=other.txt bash examples/hf_tiny_llama.sh     # another text file (a path from the repository root)
+#
+# The text defaults to data/tinyshakespeare.txt; docs/benchmarks.md says how to download it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${DILOCO:-}" ] || { bash launch/setup.sh; DILOCO=.venv/bin/diloco; }
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/example-hf-tiny-llama}
-TEXT=${TEXT:-../shared/data/tinyshakespeare.txt}
-[ -f "$TEXT" ] || { echo "no $TEXT: set TEXT=some/text/file.txt" >&2; exit 2; }
+TEXT=${TEXT:-data/tinyshakespeare.txt}
+[ -f "$TEXT" ] || { echo "no $TEXT: download it (docs/benchmarks.md) or set TEXT=some/text/file.txt" >&2; exit 2; }
 mkdir -p "$OUT"
 
 echo "== a byte-level BPE tokenizer of ${VOCAB:-512} ids, trained on $TEXT"
