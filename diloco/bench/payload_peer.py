@@ -75,7 +75,7 @@ def hivemind_round_times(rank: int, tensor: torch.Tensor, rounds: int, rendezvou
 def gloo_round_times(rank: int, tensor: torch.Tensor, rounds: int, rendezvous: Path, timeout_s: float):
     import torch.distributed as dist
 
-    store = f"file://{rendezvous / 'gloo-store'}"
+    store = f"file://{(rendezvous / 'gloo-store').resolve()}"  # a relative path would read as a host
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2, timeout=timedelta(seconds=timeout_s))
     try:
         times = []
