@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     overhead.add_argument("--repeats", type=int, default=7)
     quality = bench.add_parser("quality", help="DiLoCo against data-parallel training at equal tokens")
     quality.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    quality.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    quality.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
     quality.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
     quality.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
     quality.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     faults = bench.add_parser("faults", help="crash, cut link, slow link, join, bad and wrong-key peers, 4 workers")
     faults.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
     faults.add_argument("--scenarios", default="crash,cut,slow,join,bad,wrong_key", help="comma-separated")
-    faults.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    faults.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
     faults.add_argument("--workers", type=int, default=4)
     faults.add_argument("--steps", type=int, default=300, help="inner steps per worker")
     faults.add_argument("--sync-every", type=int, default=20, help="H")
@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     utilization = bench.add_parser(
         "utilization", help="compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)"
     )
-    utilization.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    utilization.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
     utilization.add_argument("--steps", type=int, default=200, help="inner steps per training run (default 200)")
     utilization.add_argument("--rates", default="20,5", help="link rates of the training runs, Mbit/s (default 20,5)")
     utilization.add_argument("--codecs", default="none,int8", help="codecs of the training runs (default none,int8)")
@@ -160,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     gpu.add_argument("--out", default="runs/bench-gpu", help="output folder (gpu.json)")
     compression = bench.add_parser("compression", help="each compression codec against dense DiLoCo (M=4, H=50)")
     compression.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    compression.add_argument("--data", help="text file (default ../shared/data/tinyshakespeare.txt, else embedded)")
+    compression.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
     compression.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
     compression.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
     compression.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
@@ -276,8 +276,11 @@ def _cmd_status(args) -> int:
 def _local_run_config(args):
     """``diloco local`` / ``testbed``'s config, checked here (with its data) rather than in M workers:
     (cfg, config path, the overrides every worker gets)."""
+    import torch
+
     from diloco.config import load_config
     from diloco.data import load_corpus
+    from diloco.memory import check_model_fits
 
     if args.workers < 1:
         raise UsageError(f"--workers={args.workers} must be at least 1")
@@ -285,7 +288,10 @@ def _local_run_config(args):
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
     cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])
-    load_corpus(cfg.data)
+    corpus = load_corpus(cfg.data)
+    on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()  # the workers all on one machine
+    device = torch.device("cuda" if on_gpu else "cpu")
+    check_model_fits(cfg.model, vocab_size=corpus.vocab_size, device=device, workers_here=args.workers)
     return cfg, config_path, overrides
 
 

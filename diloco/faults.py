@@ -13,12 +13,12 @@ Faults wrap the real parts; nothing else in the code knows about them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
+from diloco.comm.base import CommBackend, PeerState, StateRank, StateReader, SyncResult
 from diloco.compression import Codec
 
 BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", "scaled")
@@ -52,7 +52,7 @@ class DelegatingBackend(CommBackend):
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
 
-    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
         self.inner.publish_state(round_index, rank, state)
 
     def fetch_state(

@@ -1,7 +1,7 @@
 """Metrics sinks, so the training loop never branches on "is logging on".
 
 - ``JsonlWriter``: one JSON object per line in ``<run_dir>/worker-<i>.jsonl``, flushed per line. This is
-  the record that benchmarks and plots read (see BENCHMARKS.md).
+  the record that benchmarks and plots read (its files: README.md, "Quick start").
 - ``build_wandb_logger``: a ``WandbLogger`` for ``logging.wandb=offline|online``, else a ``NullLogger``
   with the same methods.
 - ``summarize_run`` / ``write_summary`` / ``format_summary``: build ``summary.json`` from the workers'
@@ -169,7 +169,7 @@ def _rounded(value: float | None, digits: int) -> float | None:
 
 
 def summarize_run(run_dir: Path) -> dict[str, Any]:
-    """Build the summary.json dict (fields of BENCHMARKS.md) from every ``worker-*.jsonl`` in ``run_dir``.
+    """Build the summary.json dict (its fields: README.md) from every ``worker-*.jsonl`` in ``run_dir``.
 
     A worker counts as finished when its file holds an ``"event": "end"`` record (the last one is used);
     per-worker quantities are means over finished workers, ``tokens`` is their sum.

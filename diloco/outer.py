@@ -20,17 +20,22 @@ gradients of every inner step over the same transport, counted the same way.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from diloco.comm.base import CommBackend, StateRank, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.transfer import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +91,9 @@ class OuterStep:
         # the optimizer's state sits beside the global params and never crosses the bus: not pinned
         self.optimizer = build_outer_optimizer(cfg, self.global_params)
         self._copy_back = CopyFence()  # the queued copies of the global params into the model
+        # held while the global state changes, and while a peer's download reads it (offered_state)
+        self._state_lock = threading.Lock()
+        self._state_version = 0  # how many times the global state changed: an offer is of one version
         # the last catch-up needed a peer's state and got none: our global params may differ from
         # those of the group we average with next, which would keep them apart for good
         self.unsynced = False
@@ -108,13 +116,22 @@ class OuterStep:
         The copies into the model are queued, not awaited: the next inner step runs after them on
         the same stream, and the next write to the global params waits for them (``CopyFence``)."""
         self._copy_back.wait()
-        for param, grad in zip(self.global_params, to_device(averaged, self.global_params)):
-            param.grad = grad
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.changing():
+            for param, grad in zip(self.global_params, to_device(averaged, self.global_params)):
+                param.grad = grad
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         for local, param in zip(self.local_params, self.global_params):
             local.copy_(param, non_blocking=True)
         self._copy_back.mark(self.local_params[0].device)
+
+    @contextlib.contextmanager
+    def changing(self):
+        """Around every change of the global params or the outer optimizer's state: a peer's
+        download never reads half of one, and what was offered before it is withdrawn."""
+        with self._state_lock:
+            self._state_version += 1
+            yield
 
     def sync(
         self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
@@ -191,7 +208,7 @@ class OuterStep:
         # the fingerprint only tells apart groups of one size, which a round that everyone
         # averaged in cannot have: hashing every global param each round is skipped then
         rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
-        backend.publish_state(round_index, rank, self.state_dict)  # called only by transports that serve state
+        backend.publish_state(round_index, rank, self.offered_state())  # called only by transports that serve state
         if not demoted and (peers >= expected or expected - max(peers, group) < peers):
             # alone with nobody live to sync with: what it was stays so until someone is back
             self.unsynced = drifted or (self.unsynced and expected <= 1)
@@ -204,7 +221,7 @@ class OuterStep:
             )
             return None
         self.load_state_dict(found.state)
-        backend.publish_state(found.round, found.rank, self.state_dict)  # no longer behind: peers may go
+        backend.publish_state(found.round, found.rank, self.offered_state())  # no longer behind: peers may go
         logger.warning(
             "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
             round_index + 1,
@@ -222,20 +239,35 @@ class OuterStep:
             digest.update(param.detach().cpu().numpy().tobytes())
         return fingerprint_of(digest.digest())
 
-    def state_dict(self) -> dict:
+    def state_dict(self, *, copy: bool = True) -> dict:
         """A snapshot (tensors copied: the next outer step does not change it), on the CPU whatever
-        ``outer.global_device`` is: checkpoints and peers' downloads load anywhere."""
+        ``outer.global_device`` is: checkpoints and peers' downloads load anywhere. With ``copy``
+        false, on the CPU, the live tensors: for a caller that copies them itself (``CheckpointWriter``)
+        or reads them at once."""
         return {
-            "global_params": [p.detach().to("cpu", copy=True) for p in self.global_params],
-            "optimizer": state_to_cpu(self.optimizer.state_dict(), copy=True),
+            "global_params": [p.detach().to("cpu", copy=copy) for p in self.global_params],
+            "optimizer": state_to_cpu(self.optimizer.state_dict(), copy=copy),
         }
+
+    def offered_state(self) -> Callable[[Callable[[dict], T]], T | None]:
+        """The global state as it is now, for a peer that may ask for it later: ``read(use)`` calls
+        ``use`` with the live state (nothing copied on the CPU) under the lock that outer steps
+        take, or returns None once an outer step has changed it since (the offer is then stale)."""
+        version = self._state_version
+
+        def read(use: Callable[[dict], T]) -> T | None:
+            with self._state_lock:
+                return use(self.state_dict(copy=False)) if self._state_version == version else None
+
+        return read
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self._copy_back.wait()
-        for param, saved in zip(self.global_params, state["global_params"], strict=True):
-            param.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.changing():
+            for param, saved in zip(self.global_params, state["global_params"], strict=True):
+                param.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
         for local, param in zip(self.local_params, self.global_params):
             local.copy_(param)
 

@@ -205,7 +205,7 @@ class OverlappedOuter:
         first then waits (``CommBackend.finish``) while ours is older, in case we need its state.
         Ranked lowest (peers 0): it only says that we are still here, and no peer takes it for a
         fragment's average made without it (that needs an offer averaged in a group)."""
-        self.backend.publish_state(round_index, StateRank(0), self.outer.state_dict)
+        self.backend.publish_state(round_index, StateRank(0), self.outer.offered_state())
 
     def _catch_up_at_the_end(self, applied: list[Applied]) -> list[Applied]:
         """After a run's last averages (several fragments): a worker whose average failed at some
@@ -257,10 +257,11 @@ class OverlappedOuter:
     ) -> None:
         """Outer step of one fragment's global params; its local params restart from them."""
         indices, outer = self.fragments[fragment], self.outer
-        for i, grad in zip(indices, gradient):
-            outer.global_params[i].grad = grad
-        outer.optimizer.step()  # parameters without a gradient (other fragments) are left alone
-        outer.optimizer.zero_grad(set_to_none=True)
+        with outer.changing():
+            for i, grad in zip(indices, gradient):
+                outer.global_params[i].grad = grad
+            outer.optimizer.step()  # parameters without a gradient (other fragments) are left alone
+            outer.optimizer.zero_grad(set_to_none=True)
         self._restart_local(fragment, carried)
 
     @torch.no_grad()
@@ -268,8 +269,9 @@ class OverlappedOuter:
         """Global params minus the mean progress, no outer step: the weighted mean of the workers'
         local params. Ends a delayed run: right after the previous round's outer step, a second
         one adds its momentum twice (on the utilization workload the loss rose from 2.67 to 3.10)."""
-        for i, delta in zip(self.fragments[fragment], mean):
-            self.outer.global_params[i].sub_(delta)
+        with self.outer.changing():
+            for i, delta in zip(self.fragments[fragment], mean):
+                self.outer.global_params[i].sub_(delta)
         self._restart_local(fragment)
 
     @torch.no_grad()

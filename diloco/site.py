@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, SyncResult, fingerprint_of
+from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, StateReader, SyncResult, fingerprint_of
 from diloco.config import ConfigError
 
 
@@ -187,7 +187,7 @@ class SiteBackend(CommBackend):
         self.site.share_tensors(tensors)  # the average; on failure the leader's own pseudo-gradient, as ours
         return result
 
-    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
         if self.transport is not None:
             self.transport.publish_state(round_index, rank, state)
 
@@ -261,7 +261,7 @@ class ShardedSiteBackend(SiteBackend):
             error=next((r.error for r in results if r.error), ""),
         )
 
-    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
         self.transport.publish_state(round_index, self._site_rank(rank), state)
 
     def fetch_state(

@@ -28,6 +28,7 @@ from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
 from diloco.faults import check_stop, slow_down, with_bad_payloads, with_faults
 from diloco.inner import build_inner_optimizer, inner_step, lr_at
 from diloco.joining import catch_up_with_run, run_identity
+from diloco.memory import check_model_fits
 from diloco.metrics import param_sha256
 from diloco.model import build_model
 from diloco.outer import GradientAveraging, OuterStep
@@ -81,7 +82,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     )
     held_out_hash = param_sha256(x for x, _ in held_out)
 
-    # model and optimizers: the same seed gives every worker the same initial params
+    # model and optimizers: refused at once if it cannot fit (memory.py); the same seed gives every
+    # worker the same initial params
+    check_model_fits(cfg.model, vocab_size=corpus.vocab_size, device=device)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size)
     synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
@@ -168,7 +171,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         worker_state = {
             "model": model.state_dict(),
             "inner_optimizer": inner_optimizer.state_dict(),
-            "outer": outer.state_dict(),
+            "outer": outer.state_dict(copy=False),  # the writer copies it (once)
             "error_feedback": error_feedback.state_dict(),
             "overlap": overlapped.state_dict() if overlapped is not None else None,
             "sampler": sampler.state_dict(),

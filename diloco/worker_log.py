@@ -1,7 +1,7 @@
 """What a worker records, one call per event: the JSONL line (the contract benchmarks and plots
 read), the wandb point, and the console line.
 
-Record fields (see BENCHMARKS.md): ``step`` records every ``logging.log_every`` inner steps,
+Record fields: ``step`` records every ``logging.log_every`` inner steps,
 ``round`` records after every outer sync, one ``end`` record when the worker finishes.
 """
 

@@ -1,7 +1,7 @@
 """What the training benchmarks share: an arm (workers, H, overrides), one run of it on the
 in-process simulator, and the driver that runs arms x seeds, saving results after every run.
 
-Every arm uses the workload of BENCHMARKS.md: tinyshakespeare (byte-level), model "baby", a
+Every arm uses the reference workload: tinyshakespeare (byte-level), model "baby", a
 fixed global batch of 48 sequences split over the workers, AdamW lr 1e-3, warm-up 50, cosine to
 1e-4, clipping 1.0, and the very same worker loop as a real run (``comm.backend=inproc``).
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 GLOBAL_BATCH = 48
-SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"  # shipped with the project
 COMMON = [
     "inner.lr=1e-3",
     "inner.min_lr=1e-4",
@@ -48,7 +48,7 @@ class Arm:
 
 
 def default_data(data: str | None) -> str:
-    """The text file to train on: the one given, else tinyshakespeare beside the project, else "" (embedded)."""
+    """The text file to train on: the one given, else the project's data/tinyshakespeare.txt, else "" (embedded)."""
     return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")
 
 

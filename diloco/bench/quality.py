@@ -1,6 +1,6 @@
 """``diloco bench quality``: DiLoCo against data-parallel training at equal tokens.
 
-The workload of BENCHMARKS.md: tinyshakespeare (byte-level), model "baby", a fixed global batch
+The reference workload: tinyshakespeare (byte-level), model "baby", a fixed global batch
 of 48 sequences and a fixed number of inner steps (2000), AdamW lr 1e-3, warm-up 50, cosine to
 1e-4, clipping 1.0. Data-parallel training (DDP: 4 workers of batch 12 averaging gradients every
 step) against DiLoCo with M workers of batch 48/M. Every arm runs on the in-process simulator

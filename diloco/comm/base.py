@@ -19,6 +19,9 @@ import torch
 from diloco.comm.robust import norm_of, screen
 from diloco.compression import Codec, PayloadError
 
+# how a worker offers its state: ``read(use)`` is ``use(live state)`` under the outer step's lock, or None once stale
+StateReader = Callable[[Callable[[dict], object]], object]
+
 logger = logging.getLogger(__name__)
 
 
@@ -131,11 +134,12 @@ class CommBackend(abc.ABC):
 
         return PendingAverage.in_background(run) if self.averages_in_background else PendingAverage.finished(run())
 
-    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:  # noqa: B027
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (ranked by ``rank``) to peers that
-        missed the round or join late; ``state()`` builds it, a snapshot the transport may keep
-        and serialize only when a peer asks (only transports that serve state call it, so the
-        others cost nothing on the outer step's path)."""
+        missed the round or join late. ``state(use)`` calls ``use`` with the live state under the
+        lock outer steps take, or returns None once an outer step changed it (the offer is stale):
+        a transport reads it only when a peer asks, so nothing is copied or serialized on the
+        outer step's path (``OuterStep.offered_state``)."""
 
     def fetch_state(
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False

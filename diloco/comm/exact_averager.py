@@ -49,6 +49,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.mpfuture import MPFuture
 
+from diloco.comm.base import StateReader
 from diloco.comm.robust import Screening, declared_norm, screen
 from diloco.comm.run_key import keyed_schema_hash
 from diloco.compression import Codec, PayloadError
@@ -420,7 +421,7 @@ class ExactAverager(DecentralizedAverager):
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
         self.max_norm_ratio, self.clip_to_median = max_norm_ratio, clip_to_median
-        self._shared_state: tuple[dict, dict] | None = None
+        self._shared_state: tuple[dict, StateReader] | None = None
         super().__init__(
             averaged_tensors,
             dht,
@@ -475,11 +476,11 @@ class ExactAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(error)
 
-    def share_state(self, metadata: dict, state: dict, *, priority: float) -> None:
-        """Serve ``state`` (with ``metadata``) to peers that download state; peers try the highest
-        ``priority`` first. ``state`` is a snapshot the caller no longer changes (its tensors are
-        not the live ones the next outer step changes); it is serialized only when a peer asks.
-        Replaces the previous one atomically."""
+    def share_state(self, metadata: dict, state: StateReader, *, priority: float) -> None:
+        """Serve the state ``state`` reads (with ``metadata``) to peers that download state; peers
+        try the highest ``priority`` first. It is read and serialized only when a peer asks, under
+        the outer step's lock; once stale (an outer step changed it) nothing is served until the
+        next offer. Replaces the previous one atomically."""
         self._shared_state = (metadata, state)
         self.state_sharing_priority = priority
 
@@ -487,10 +488,11 @@ class ExactAverager(DecentralizedAverager):
         # called in this (the host) process, on a thread of hivemind's, when a peer downloads our state
         if self._shared_state is None:
             return {}, [], None
-        metadata, state = self._shared_state
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return metadata, [torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)], None
+        metadata, read = self._shared_state
+        serialized = read(_serialize)
+        if serialized is None:  # an outer step changed the state since it was offered
+            return {}, [], None
+        return metadata, [torch.frombuffer(serialized.getbuffer(), dtype=torch.uint8)], None
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
@@ -540,3 +542,9 @@ class ExactAverager(DecentralizedAverager):
             except Exception:  # whatever a peer put there, it is not a usable norm
                 norms[peer] = math.nan
         return norms
+
+
+def _serialize(state: dict) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer

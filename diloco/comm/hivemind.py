@@ -30,6 +30,7 @@ from diloco.comm.base import (
     Contribution,
     PeerState,
     StateRank,
+    StateReader,
     SyncResult,
     average_payloads,
 )
@@ -523,13 +524,13 @@ class HivemindBackend(CommBackend):
             logger.warning("reading the run's roster: %s", error)
             return {}
 
-    def publish_state(self, round_index: int, rank: StateRank, state: Callable[[], dict]) -> None:
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
         self._published = (round_index, rank)
         if self.client_mode:  # nobody can dial us to download it (hivemind refuses to share in client mode)
             return
         self._averager.share_state(  # serialized only when a peer asks for it
             {"round": round_index, "peers": rank.peers, "fingerprint": rank.fingerprint},
-            state(),
+            state,
             priority=_priority(round_index, rank),
         )
 

@@ -85,7 +85,7 @@ def test_a_compression_sweep_from_one_yaml_plots_each_codec(tmp_path):
 @pytest.mark.skipif(not all(is_installed(m) for m in ("transformers", "tokenizers")), reason="needs the hf extra")
 def test_a_hugging_face_tiny_llama_trains_with_a_tokenizer_trained_on_the_spot(tmp_path):
     text = tmp_path / "text.txt"
-    text.write_text((ROOT / "README.md").read_text() * 9)  # any text (~330 KB); CI's clone may lack ../shared
+    text.write_text((ROOT / "README.md").read_text() * 9)  # any text (~330 KB)
     output = _run_example("hf_tiny_llama.sh", "inner.steps=40", "logging.eval_batches=4",
                           OUT=str(tmp_path), TEXT=str(text), VOCAB="300", PYTHON=sys.executable)  # fmt: skip
     assert "tokenizer.json: 300 ids" in output

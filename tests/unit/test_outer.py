@@ -4,6 +4,7 @@ the Nesterov outer step matches a hand-computed update; a failed round falls bac
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -265,3 +266,15 @@ def test_rounds_taken_alone_while_a_worker_vanished_leave_the_worker_to_take_a_s
     _, taken = outer.sync(backend, weight=1.0, round_index=2, deadline_s=1.0, expected_peers=2)
     assert taken == 2 and not outer.unsynced and backend.asked == [(2, 0)]
     torch.testing.assert_close(outer.global_params[0], torch.tensor([3.0]))
+
+
+def test_the_offered_state_is_the_live_one_read_on_request_and_withdrawn_by_the_next_outer_step():
+    model = build_model(TINY)
+    outer = OuterStep(list(model.parameters()), OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9))
+    offer = outer.offered_state()
+    seen = offer(lambda state: state["global_params"][0])
+    assert seen is outer.global_params[0] or seen.data_ptr() == outer.global_params[0].data_ptr()  # no copy
+    outer.apply([torch.full_like(p, 0.1) for p in outer.global_params])
+    assert offer(lambda state: state) is None  # stale: an outer step changed the state since
+    fresh = outer.offered_state()(lambda state: torch.save(state, io.BytesIO()) or state["optimizer"]["state"])
+    assert len(fresh) == len(outer.global_params)  # the momentum is in what a peer downloads
