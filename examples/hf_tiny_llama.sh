@@ -7,7 +7,7 @@
 #   bash examples/hf_tiny_llama.sh inner.steps=50     # KEY=VALUE overrides pass through
 #   TEXT=other.txt bash examples/hf_tiny_llama.sh     # another text file (a path from the repository root)
 #
-# The text defaults to data/tinyshakespeare.txt; docs/benchmarks.md says how to download it.
+# The text defaults to data/tinyshakespeare.txt, which the repository ships.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${DILOCO:-}" ] || { bash launch/setup.sh; DILOCO=.venv/bin/diloco; }
