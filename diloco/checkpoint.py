@@ -22,6 +22,7 @@ with ``.``) are ignored.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -29,6 +30,7 @@ import os
 import random
 import re
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -185,6 +187,7 @@ class CheckpointWriter:
 
     def _write(self, round_index: int, state: dict[str, Any]) -> None:
         started = time.perf_counter()
+        _yield_cpu_to_training()
         try:
             save_checkpoint(
                 self.directory, self.worker_index, round_index, state, keep=self.keep, on_write=self._on_write
@@ -192,6 +195,14 @@ class CheckpointWriter:
         except BaseException as exc:  # handed to the training thread at its next save or at close
             self._error = exc
         self.last_write_s = time.perf_counter() - started
+
+
+def _yield_cpu_to_training() -> None:
+    """The calling thread at the lowest CPU priority (Linux: a thread's nice value is its own):
+    a background write takes the cores only when training leaves them idle."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

@@ -2,13 +2,15 @@
 side with stock hivemind and torch.distributed gloo averaging the same payload.
 
 Per size: ``diloco local`` runs 2 workers on ``configs/tiny.yaml`` with that model (batch 2,
-``--steps`` inner steps, a round every ``--sync-every``, a checkpoint every round). From the
-workers' round records, over the rounds after the first (which also waits for the start-up):
-the median of ``comm_s`` (our round sync), of each phase of ``phases_s`` (checkpointing,
-evaluating, hashing, ...) and of the rest (a round's seconds between round records outside the
-named phases: matchmaking, downloading state, ...); the start-up (launch to a worker's first
-step record) and each worker's peak resident memory over its parameters' fp32 bytes. Right
-after, 2 processes (``diloco.bench.payload_peer``) average the same payload (param_count fp32
+``--steps`` inner steps, a round every ``--sync-every``) twice: without checkpoints, then with a
+checkpoint every round. From the workers' round records, over the rounds after the first (which
+also waits for the start-up): the median of ``comm_s`` (our round sync, from the run without
+checkpoints, so that no background write shares the cores with it), of a round's seconds, of
+each phase of ``phases_s`` (checkpointing, evaluating, hashing, ...) and of the rest (a round's
+seconds outside the named phases: matchmaking, downloading state, ...); a checkpointed round
+over one without; the start-up (launch to a worker's first step record) and each worker's peak
+resident memory over its parameters' fp32 bytes, with and without checkpoints. Right after, 2
+processes (``diloco.bench.payload_peer``) average the same payload (param_count fp32
 values) ``--compare-rounds`` times through stock ``hivemind.averaging.DecentralizedAverager``,
 then through torch.distributed gloo ``all_reduce``: the median of the rounds after the first.
 
@@ -61,7 +63,7 @@ def size_error(sizes: list[str]) -> str | None:
     return None
 
 
-def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path) -> list[str]:
+def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path, checkpoints: bool = True) -> list[str]:
     from diloco.bench.arms import default_data
 
     return [
@@ -71,7 +73,7 @@ def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path)
         f"inner.steps={steps}",
         f"outer.sync_every={sync_every}",
         "inner.warmup_steps=1",
-        "checkpoint.every_rounds=1",
+        f"checkpoint.every_rounds={int(checkpoints)}",
         "comm.deadline_s=900",
         "comm.matchmaking_s=30",
         "logging.eval_batches=2",
@@ -101,6 +103,7 @@ def round_costs(records: list[list[dict]]) -> dict:
         "param_count": param_count,
         "rounds_measured": len(later) // max(1, len(records)),
         "sync_s": _median([r["comm_s"] for r in later]),
+        "round_s": _median([sum(p.values()) for p in spent]),
         "phases_s": phases,
         "rest_s": _median(rest),
         "rounds_ok": all(r["ok"] and r["peers"] == len(records) for r in later),
@@ -154,16 +157,16 @@ def stdout_to(path: Path):
         os.close(saved)
 
 
-def run_training(size: str, *, steps: int, sync_every: int, out: Path) -> dict:
+def run_training(size: str, *, steps: int, sync_every: int, out: Path, checkpoints: bool = True) -> dict:
     """2 workers of ``size`` to the end; their round costs, or why there are none."""
     from diloco.config import load_config
     from diloco.local import run_local
     from diloco.metrics import _read_records
 
-    run_dir = out / size
+    run_dir = out / (size if checkpoints else f"{size}-no-checkpoints")
     shutil.rmtree(run_dir, ignore_errors=True)  # workers append to their records
     run_dir.mkdir(parents=True)
-    overrides = training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir)
+    overrides = training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir, checkpoints=checkpoints)
     cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
     with stdout_to(run_dir / "launcher.log"), FirstStepClock(run_dir, WORKERS) as clock:
         code = run_local(cfg, str(CONFIG), overrides, workers=WORKERS)
@@ -229,11 +232,16 @@ def run_baseline(kind: str, *, values: int, rounds: int, out: Path) -> dict:
 
 
 def measure_size(size: str, *, steps: int, sync_every: int, compare_rounds: int, out: Path) -> dict:
-    """The row of ``size``: our training run's round costs, then both baselines on its payload."""
+    """The row of ``size``: our training runs' round costs (without checkpoints; with them under
+    ``checkpointed``), then both baselines on its payload."""
     print(f"bench scale: {size}: {WORKERS} workers, {steps} steps, a round every {sync_every} ...", flush=True)
-    row = {"size": size, **run_training(size, steps=steps, sync_every=sync_every, out=out)}
+    row = {"size": size, **run_training(size, steps=steps, sync_every=sync_every, out=out, checkpoints=False)}
     if "error" in row:
         return row
+    print(f"bench scale: {size}: the same with a checkpoint every round ...", flush=True)
+    row["checkpointed"] = run_training(size, steps=steps, sync_every=sync_every, out=out)
+    if "error" in row["checkpointed"]:
+        return {**row, "error": row["checkpointed"]["error"]}
     for kind in BASELINES:
         print(f"bench scale: {size}: the same payload through {kind} ...", flush=True)
         row[kind] = run_baseline(kind, values=row["param_count"], rounds=compare_rounds, out=out / size)
@@ -252,29 +260,35 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}" if ours is not None and theirs else "-"
 
 
+def _rss(costs: dict) -> str:
+    return f"{max(costs['peak_rss_per_param_byte']):.1f}" if "peak_rss_per_param_byte" in costs else "-"
+
+
 def format_table(rows: list[dict], *, steps: int, sync_every: int) -> str:
     lines = [
         f"{WORKERS} workers on loopback, batch 2, {steps} inner steps, a round every {sync_every}; "
         "medians of the rounds after the first (seconds)",
         "",
         "| size | params (M) | fp32 MB | sync (ours) | stock hivemind | gloo | ours/stock | ours/gloo "
-        "| checkpoint | evaluation | hashing | rest | peak RSS / param bytes | start-up |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| round | checkpointed round / round | checkpoint | evaluation | hashing | rest "
+        "| peak RSS / param bytes | the same, checkpointed | start-up |",
+        "|" + " --- |" * 17,
     ]
     for row in rows:
         if "param_count" not in row:
             lines.append(f"| {row['size']} | {row.get('error', 'no result')} |")
             continue
-        params, phases = row["param_count"], row["phases_s"]
+        params, phases, checkpointed = row["param_count"], row["phases_s"], row.get("checkpointed", {})
         ours = row["sync_s"]
         stock, gloo = (row.get(kind, {}).get("median_s") for kind in BASELINES)
         startup = [s for s in row["startup_s"] if s is not None]
         lines.append(
             f"| {row['size']} | {params / 1e6:.2f} | {params * 4 / 1e6:.1f} | {_seconds(ours)} | "
             f"{_seconds(stock)} | {_seconds(gloo)} | {_ratio(ours, stock)} | {_ratio(ours, gloo)} | "
-            f"{_seconds(phases.get('checkpointing'))} | {_seconds(phases.get('evaluating'))} | "
-            f"{_seconds(phases.get('hashing'))} | {_seconds(row['rest_s'])} | "
-            f"{max(row['peak_rss_per_param_byte']):.1f} | {_seconds(max(startup, default=None))} |"
+            f"{_seconds(row['round_s'])} | {_ratio(checkpointed.get('round_s'), row['round_s'])} | "
+            f"{_seconds(checkpointed.get('phases_s', {}).get('checkpointing'))} | "
+            f"{_seconds(phases.get('evaluating'))} | {_seconds(phases.get('hashing'))} | {_seconds(row['rest_s'])} | "
+            f"{_rss(row)} | {_rss(checkpointed)} | {_seconds(max(startup, default=None))} |"
         )
     failures = [
         f"{row['size']} {kind}: {row[kind]['error']}"

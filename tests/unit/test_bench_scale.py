@@ -35,6 +35,7 @@ def test_round_costs_are_medians_over_both_workers_of_the_rounds_after_the_first
     costs = scale.round_costs([_worker(0.0), _worker(1.0)])
     assert costs["param_count"] == 1000 and costs["rounds_measured"] == 3
     assert costs["sync_s"] == 2.5  # of 1, 2, 3, 2, 3, 4: round 1's 50 s is start-up
+    assert costs["round_s"] == pytest.approx(4.3)  # of 2.8, 3.8, 4.9, 3.8, 4.8, 5.9
     assert costs["phases_s"]["checkpointing"] == 0.2
     assert costs["phases_s"]["hashing"] == 0.1  # round 4 has none: counted as 0, median of 0.1 x 4, 0 x 2
     assert "starting" not in costs["phases_s"]
@@ -61,23 +62,25 @@ def _row(size: str = "10m", **changes) -> dict:
         "size": size,
         "param_count": 10_000_000,
         "sync_s": 2.0,
-        "phases_s": {"checkpointing": 0.5, "evaluating": 0.25, "hashing": 0.125},
+        "phases_s": {"evaluating": 0.25, "hashing": 0.125},
         "rest_s": 0.0,
         "peak_rss_per_param_byte": [5.0, 6.0],
         "startup_s": [10.0, None],
+        "round_s": 4.0,
+        "checkpointed": {"round_s": 5.0, "phases_s": {"checkpointing": 0.5}, "peak_rss_per_param_byte": [9.0, 8.0]},
         "hivemind": {"kind": "hivemind", "median_s": 4.0},
         "gloo": {"kind": "gloo", "median_s": 0.5},
     }
     return {**row, **changes}
 
 
-def test_the_table_has_a_row_per_size_with_ratios_to_both_baselines():
+def test_the_table_has_a_row_per_size_with_ratios_to_both_baselines_and_of_a_checkpointed_round():
     table = scale.format_table([_row()], steps=8, sync_every=2)
     row = table.splitlines()[-1]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells == [
-        "10m", "10.00", "40.0", "2.000", "4.000", "0.500", "0.50", "4.00",
-        "0.500", "0.250", "0.125", "0.000", "6.0", "10.000",
+        "10m", "10.00", "40.0", "2.000", "4.000", "0.500", "0.50", "4.00", "4.000", "1.25",
+        "0.500", "0.250", "0.125", "0.000", "6.0", "9.0", "10.000",
     ]  # fmt: skip
     header = table.splitlines()[2]
     assert header.count("|") == row.count("|")
@@ -118,6 +121,8 @@ def test_every_size_is_a_valid_config(size, tmp_path, monkeypatch):
     overrides = scale.training_overrides(size, steps=8, sync_every=2, run_dir=tmp_path)
     cfg = load_config(scale.CONFIG, overrides)
     assert (cfg.inner.batch_size, cfg.inner.steps, cfg.outer.sync_every, cfg.checkpoint.every_rounds) == (2, 8, 2, 1)
+    without = scale.training_overrides(size, steps=8, sync_every=2, run_dir=tmp_path, checkpoints=False)
+    assert load_config(scale.CONFIG, without).checkpoint.every_rounds == 0
     assert cfg.comm.deadline_s == 900 and cfg.worker.threads == 1 and cfg.logging.log_every == 1
     assert cfg.model.block_size == (64 if size == "baby" else 128)
 
