@@ -5,6 +5,7 @@
     diloco train configs/tiny.yaml [KEY=VALUE ...]          # one worker (start a run, or join one
                                                             #   with comm.initial_peers=[...])
     diloco join configs/tiny.yaml --peers ADDR [KEY=VALUE]  # a volunteer joins a live run in a free slot
+    diloco join --peers ADDR [KEY=VALUE]                    # the same, the run's config taken from a peer
     diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
     diloco config [CONFIG] [KEY=VALUE ...]                  # print the resolved configuration
     diloco config --reference                               # every key, type, default, meaning
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
 
     join = commands.add_parser("join", help="join a live run in a free slot, starting from the run's current state")
-    join.add_argument("config", nargs="?", help="the run's YAML config")
+    join.add_argument("config", nargs="?", help="the run's YAML config (default: taken from a live peer)")
     join.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     join.add_argument("--peers", required=True, help="multiaddr(s) of live peers of the run, comma-separated")
 
@@ -225,10 +226,14 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
 
 def _cmd_join(args) -> int:
+    import tempfile
+
+    from omegaconf import OmegaConf
+
     from diloco.comm.hivemind import probe_roster
     from diloco.comm.roster import free_slot, nobody_answered
     from diloco.config import load_config
-    from diloco.joining import JoinError
+    from diloco.joining import JoinError, config_digest, config_from_run
 
     config_path, overrides = _split_config(args.config, args.overrides)
     overrides = _peer_overrides(overrides, args.peers)
@@ -249,8 +254,16 @@ def _cmd_join(args) -> int:
         )
     print(f"joining run {cfg.comm.run_id!r} as worker {slot} ({len(entries)} live)", flush=True)
     args.overrides = [*overrides, f"worker.count={planned}", f"worker.slots={slots}", f"worker.index={slot}"]
-    args.config = config_path
-    return _cmd_train(args, join=True)
+    if config_path is not None:
+        args.config = config_path
+        return _cmd_train(args, join=True)
+    # no config file: the run's own, from a live peer, with this volunteer's overrides on top
+    tree = config_from_run(entries, cfg.comm.run_id)
+    with tempfile.TemporaryDirectory(prefix="diloco-join-") as folder:
+        args.config = str(Path(folder) / "run-config.yaml")
+        Path(args.config).write_text(OmegaConf.to_yaml(tree))
+        print(f"took the run's config from a live peer (sha256 {config_digest(tree)[:12]})", flush=True)
+        return _cmd_train(args, join=True)
 
 
 def _peer_overrides(overrides: list[str], peers_option: str) -> list[str]:

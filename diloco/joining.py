@@ -3,15 +3,22 @@ checkpoint. Before its first round it takes the global params, outer-optimizer s
 of a live peer, and starts on the round the others are in (``catch_up_with_run``).
 
     diloco join configs/tiny.yaml --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+    diloco join --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...     # the run's config from a live peer
+
+Every worker publishes the run's resolved config (``shared_config``: all but what is each
+machine's own, ``LOCAL_KEYS``) with its sha256 in its roster record; a volunteer who joins with
+no config file takes it from there (``config_from_run``), its own overrides on top.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 from diloco.comm.base import CommBackend, CommError, StateRank
 from diloco.comm.roster import nobody_answered
-from diloco.config import Config, ConfigError
+from diloco.config import Config, ConfigError, to_dict
 from diloco.outer import OuterStep
 
 logger = logging.getLogger(__name__)
@@ -26,6 +33,66 @@ def run_identity(cfg: Config) -> dict:
     the state a newcomer downloads (the model's; not where its weights sit, nor its dropout)."""
     local = ("hf_weights", "dropout")
     return {f"model.{key}": value for key, value in vars(cfg.model).items() if key not in local}
+
+
+# what each machine sets for itself: never taken from the run's published config
+LOCAL_KEYS = (
+    "run.dir",
+    "worker.index",
+    "worker.threads",
+    "worker.device",
+    "worker.compile",
+    "comm.host",
+    "comm.port",
+    "comm.announce_host",
+    "comm.initial_peers",
+    "comm.client_mode",
+    "comm.run_key",  # a secret: never published (each holder passes it itself)
+    "comm.startup_timeout_s",
+)
+
+
+def shared_config(cfg: Config) -> dict:
+    """The run's resolved config without ``LOCAL_KEYS``, as plain containers: what a volunteer
+    who joins with only an address runs with."""
+    tree = to_dict(cfg)
+    for key in LOCAL_KEYS:
+        section, name = key.split(".")
+        tree[section].pop(name, None)
+    return tree
+
+
+def config_digest(tree: dict) -> str:
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+
+
+def published_run(cfg: Config) -> dict:
+    """What a worker announces of its run (``CommBackend.announce_run``): the settings every worker
+    must share (``run_identity``), the shared config and its digest."""
+    tree = shared_config(cfg)
+    return {**run_identity(cfg), "config": tree, "config_sha256": config_digest(tree)}
+
+
+def config_from_run(entries: dict, run_id: str) -> dict:
+    """The shared config the live workers publish, each copy checked against its digest and all
+    of them the same; ``JoinError`` (one line) when none publishes one or they differ."""
+    found = {}
+    for entry in entries.values():
+        run = getattr(entry, "run", None) or {}
+        tree, digest = run.get("config"), run.get("config_sha256")
+        if isinstance(tree, dict) and digest == config_digest(tree):
+            found[digest] = tree
+    if not found:
+        raise JoinError(
+            f"no live worker of run {run_id!r} publishes its config: join with the run's config file "
+            f"(diloco join CONFIG --peers ADDR)"
+        )
+    if len(found) > 1:
+        raise JoinError(
+            f"the live workers of run {run_id!r} publish {len(found)} different configs: join with the "
+            f"run's config file (diloco join CONFIG --peers ADDR)"
+        )
+    return next(iter(found.values()))
 
 
 def check_same_run(cfg: Config, others: dict) -> None:

@@ -27,7 +27,7 @@ from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.data import ShardSampler, evaluate, load_corpus, val_batches
 from diloco.faults import check_stop, slow_down, with_bad_payloads, with_faults
 from diloco.inner import build_inner_optimizer, inner_step, lr_at
-from diloco.joining import catch_up_with_run, run_identity
+from diloco.joining import catch_up_with_run, published_run
 from diloco.memory import check_model_fits
 from diloco.metrics import param_sha256
 from diloco.model import build_model
@@ -126,7 +126,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         return with_faults(transport, cfg.faults, cfg.worker.index)
 
     backend = placement.connect(cfg.comm, open_transport)  # a site's ranks: through the site
-    backend.announce_run(run_identity(cfg))  # what a newcomer's config must match
+    backend.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
     log = WorkerLog(
         cfg.logging if leader else replace(cfg.logging, wandb="disabled"),
         run_dir=run_dir,

@@ -8,7 +8,8 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     cut        cut one worker's link for ``--outage`` seconds (testbed; on loopback its processes
                are stopped with SIGSTOP instead, which its peers see the same way)
     slow       one worker's link at 1/10 of the others' rate, each worker declaring its rate (testbed only)
-    join       a fifth worker joins at round ``--join-round`` with ``diloco join``
+    join       a fifth worker joins at round ``--join-round`` with ``diloco join --peers ADDR``
+               and no config file (the run's config from a live peer)
     bad        one worker sends NaN, another 100 x scaled pseudo-gradients
     wrong_key  a worker with a wrong run key runs beside the run from its start, and peers with other
                wrong keys try ``diloco join`` three times (counted only while the run is live: a run
@@ -110,9 +111,18 @@ class Cluster:
         self.processes[index] = self._spawn(index, argv, log_name=f"worker-{index}.log")
         return self.processes[index]
 
-    def join(self, extra: Sequence[str] = (), *, slot: int, threads: int = 1, log_name: str = "") -> subprocess.Popen:
-        """``diloco join`` through the bootstrap peer (``slot`` only picks the testbed namespace)."""
-        argv = [sys.executable, "-m", "diloco.cli", "join", "--peers", self.peers[0], *self._common(threads), *extra]
+    def join(
+        self, extra: Sequence[str] = (), *, slot: int, threads: int = 1, log_name: str = "", only_address: bool = False
+    ) -> subprocess.Popen:
+        """``diloco join`` through the bootstrap peer (``slot`` only picks the testbed namespace).
+        With ``only_address`` the joiner passes none of the run's settings, only its own machine's
+        and the run's id: the run's config comes from a live peer."""
+        if only_address:
+            run_id = [o for o in self.overrides if o.startswith("comm.run_id=")][-1:]
+            own = [f"run.dir={self.run_dir}", f"worker.threads={threads}", *run_id]
+        else:
+            own = self._common(threads)
+        argv = [sys.executable, "-m", "diloco.cli", "join", "--peers", self.peers[0], *own, *extra]
         process = self._spawn(slot, argv, log_name=log_name or f"join-{slot}.log")
         self.others.append(process)
         return process
@@ -220,7 +230,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 notes.append(f"worker {victim} at {slow:g} Mbit/s")
             elif name == "join":
                 cluster.wait_for_step(0, plan.join_round * plan.sync_every, plan.timeout_s)
-                joiner = cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log")
+                joiner = cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log", only_address=True)
                 cluster.processes[plan.workers] = joiner
                 faulty.add(plan.workers)  # its first round may wait for it: counted apart
             elif name == "bad":

@@ -88,7 +88,9 @@ def test_a_newcomer_joins_a_live_run_and_averages_with_others_from_its_first_rou
     # the others close the newcomer's first round a moment before it is ready (seen in CI on an idle
     # machine), it takes their state and averages from its second round on
     assert first["peers"] >= 2 or (first["recovered"] and rounds[1]["peers"] >= 2), rounds[:2]
-    assert "joining run 'faults_join' as worker 3" in (tmp_path / "join" / "worker-3.log").read_text()
+    log = (tmp_path / "join" / "worker-3.log").read_text()
+    assert "joining run 'faults_join' as worker 3" in log
+    assert "took the run's config from a live peer (sha256 " in log  # it passed no config file, no model keys
 
 
 def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):

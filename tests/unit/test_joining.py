@@ -68,3 +68,37 @@ def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_bef
         "join with the run's settings (its config.yaml)"
     )
     assert outer.loaded is None  # nothing was downloaded
+
+
+def test_the_published_config_leaves_out_each_machines_own_keys_and_is_taken_back_whole(tmp_path):
+    from omegaconf import OmegaConf
+
+    from diloco.joining import LOCAL_KEYS, config_from_run, published_run
+
+    cfg = load_config(None, ["model.n_embd=64", "worker.threads=3", "comm.port=4242", "comm.run_key=secret"])
+    run = published_run(cfg)
+    assert run["model.n_embd"] == 64  # the identity a newcomer's own config must match is still there
+    for key in LOCAL_KEYS:
+        section, name = key.split(".")
+        assert name not in run["config"][section], key
+    entries = {i: RosterEntry(index=i, round=1, step=5, run=run) for i in (0, 1)}
+    taken = config_from_run(entries, "r")
+    assert taken == run["config"] and taken["model"]["n_embd"] == 64 and "secret" not in str(taken)
+    path = tmp_path / "run-config.yaml"  # what diloco join writes, then loads with the volunteer's overrides
+    path.write_text(OmegaConf.to_yaml(taken))
+    rebuilt = load_config(path, ["worker.threads=2"])
+    assert (rebuilt.model.n_embd, rebuilt.worker.threads, rebuilt.comm.port, rebuilt.comm.run_key) == (64, 2, 0, "")
+
+
+def test_a_config_that_does_not_match_its_digest_or_two_different_ones_are_refused_in_one_line():
+    from diloco.joining import JoinError, config_from_run, published_run
+
+    run = published_run(load_config(None, []))
+    tampered = {**run, "config": {**run["config"], "seed": 7}}
+    other = published_run(load_config(None, ["seed=7"]))
+    with pytest.raises(JoinError, match="no live worker of run 'r' publishes its config: join with the run's"):
+        config_from_run({0: RosterEntry(index=0, round=1, step=5, run=tampered)}, "r")
+    with pytest.raises(JoinError, match="publish 2 different configs"):
+        config_from_run({i: RosterEntry(index=i, round=1, step=5, run=r) for i, r in enumerate((run, other))}, "r")
+    with pytest.raises(JoinError, match="publishes its config"):
+        config_from_run({0: RosterEntry(index=0, round=1, step=5)}, "r")
