@@ -9,13 +9,16 @@ checkpoints, so that no background write shares the cores with it), of a round's
 each phase of ``phases_s`` (checkpointing, evaluating, hashing, ...) and of the rest (a round's
 seconds outside the named phases: matchmaking, downloading state, ...); a checkpointed round
 over one without; the start-up (launch to a worker's first step record) and each worker's peak
-resident memory over its parameters' fp32 bytes, with and without checkpoints. Right after, 2
-processes (``diloco.bench.payload_peer``) average the same payload (param_count fp32
-values) ``--compare-rounds`` times through stock ``hivemind.averaging.DecentralizedAverager``,
-then through torch.distributed gloo ``all_reduce``: the median of the rounds after the first.
+resident memory over its parameters' fp32 bytes, with and without checkpoints. A third run
+has a slot free: once worker 0 has ended its first round, a third worker joins with ``diloco
+join --peers ADDR`` (no config file): the bytes and seconds of its state download, and its
+start-up (launch to its first step record). Right after, 2 processes
+(``diloco.bench.payload_peer``) average the same payload (param_count fp32 values)
+``--compare-rounds`` times through stock ``hivemind.averaging.DecentralizedAverager``, then
+through torch.distributed gloo ``all_reduce``: the median of the rounds after the first.
 
     diloco bench scale                                   # baby, 10m, 85m (minutes on 2 cores)
-    diloco bench scale --sizes baby --steps 8            # the smallest: 25-40 s measured on 2 cores
+    diloco bench scale --sizes baby --steps 8            # the smallest: about a minute on 2 cores
     diloco bench scale --sizes 10m,llama-150m            # llama-150m needs pip install -e .[hf]
 
 Sizes: baby (tiny.yaml's model), 10m (6 x 384), 85m (12 x 768), both context 128, and
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -46,6 +50,8 @@ SIZES = {
     "llama-150m": ["model.kind=hf", "model.hf_config=llama-150m", "model.block_size=128"],
 }
 NEEDS_TRANSFORMERS = {"llama-150m"}
+# a pause after each step of the join run (faults.step_delay_s): a small model's run must outlive a joiner's start-up
+JOIN_PACE_S = {"baby": 2.0, "10m": 1.0}
 NAMED_PHASES = ("training", "averaging", "hashing", "evaluating", "checkpointing")
 BASELINES = ("hivemind", "gloo")
 FIRST_STEP = '"event": "step"'  # how a step record's line reads (json.dumps' separators)
@@ -177,6 +183,64 @@ def run_training(size: str, *, steps: int, sync_every: int, out: Path, checkpoin
     return {**result, **round_costs(records)}
 
 
+JOINED = re.compile(r"downloaded the state of a peer after round \d+: (\d+) bytes in ([0-9.]+) s")
+
+
+def run_join(size: str, *, steps: int, sync_every: int, out: Path, timeout_s: float = 600.0) -> dict:
+    """2 workers of ``size`` with a slot free; once worker 0 has ended its first round, a third
+    joins with ``diloco join --peers ADDR`` (no config file). Its state download (bytes, seconds,
+    from its log) and the seconds from its launch to its first step record; or why there are none."""
+    from diloco.config import load_config
+    from diloco.local import run_local, stop_all
+
+    run_dir = out / f"{size}-join"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    overrides = [
+        *training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir, checkpoints=False),
+        "worker.slots=3",
+        "comm.run_id=scale_join",
+        f"faults.step_delay_s={JOIN_PACE_S.get(size, 0.0)}",
+    ]
+    cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
+    result: dict = {}
+
+    def join_when_ready() -> None:
+        records, log = run_dir / "worker-0.jsonl", run_dir / "worker-0.log"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not (records.exists() and '"event": "round"' in records.read_text()):
+            time.sleep(0.5)  # polling files another process writes
+        found = (
+            re.search(r"join this run with: comm.initial_peers=\['([^']+)'", log.read_text()) if log.exists() else None
+        )
+        if found is None:
+            result["error"] = "no round, or no address of worker 0, to join"
+            return
+        command = [
+            sys.executable, "-m", "diloco.cli", "join", "--peers", found.group(1),
+            "comm.run_id=scale_join", f"run.dir={run_dir}", "worker.threads=1", "logging.log_every=1",
+        ]  # fmt: skip
+        with open(run_dir / "joiner.log", "w") as log, FirstStepClock(run_dir, WORKERS + 1) as clock:
+            joiner = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                joiner.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                stop_all([joiner])
+        result["join_startup_s"] = clock.seconds[WORKERS]
+
+    joining = threading.Thread(target=join_when_ready, name="bench-scale-joiner", daemon=True)
+    with stdout_to(run_dir / "launcher.log"):
+        joining.start()
+        code = run_local(cfg, str(CONFIG), overrides, workers=WORKERS)
+    joining.join(timeout=timeout_s)
+    downloaded = JOINED.search((run_dir / "joiner.log").read_text()) if (run_dir / "joiner.log").exists() else None
+    if code != 0 or downloaded is None:
+        return {"error": result.get("error") or f"no state download (exit {code}); see {run_dir}/joiner.log"}
+    return {**result, "state_bytes": int(downloaded.group(1)), "download_s": float(downloaded.group(2))}
+
+
 def payload_timeout_s(values: int) -> float:
     """The bound of each wait of a baseline peer: generous for 2 shared cores (2 s per MB)."""
     return 120.0 + 2.0 * values * 4 / 1e6
@@ -242,6 +306,8 @@ def measure_size(size: str, *, steps: int, sync_every: int, compare_rounds: int,
     row["checkpointed"] = run_training(size, steps=steps, sync_every=sync_every, out=out)
     if "error" in row["checkpointed"]:
         return {**row, "error": row["checkpointed"]["error"]}
+    print(f"bench scale: {size}: a third worker joins mid-run ...", flush=True)
+    row["join"] = run_join(size, steps=steps, sync_every=sync_every, out=out)
     for kind in BASELINES:
         print(f"bench scale: {size}: the same payload through {kind} ...", flush=True)
         row[kind] = run_baseline(kind, values=row["param_count"], rounds=compare_rounds, out=out / size)
@@ -260,6 +326,10 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}" if ours is not None and theirs else "-"
 
 
+def _download(join: dict) -> str:
+    return f"{join['state_bytes'] / 1e6:.1f} MB in {join['download_s']:.2f} s" if "state_bytes" in join else "-"
+
+
 def _rss(costs: dict) -> str:
     return f"{max(costs['peak_rss_per_param_byte']):.1f}" if "peak_rss_per_param_byte" in costs else "-"
 
@@ -271,8 +341,8 @@ def format_table(rows: list[dict], *, steps: int, sync_every: int) -> str:
         "",
         "| size | params (M) | fp32 MB | sync (ours) | stock hivemind | gloo | ours/stock | ours/gloo "
         "| round | checkpointed round / round | checkpoint | evaluation | hashing | rest "
-        "| peak RSS / param bytes | the same, checkpointed | start-up |",
-        "|" + " --- |" * 17,
+        "| peak RSS / param bytes | the same, checkpointed | start-up | a joiner's state download | its start-up |",
+        "|" + " --- |" * 19,
     ]
     for row in rows:
         if "param_count" not in row:
@@ -288,7 +358,8 @@ def format_table(rows: list[dict], *, steps: int, sync_every: int) -> str:
             f"{_seconds(row['round_s'])} | {_ratio(checkpointed.get('round_s'), row['round_s'])} | "
             f"{_seconds(checkpointed.get('phases_s', {}).get('checkpointing'))} | "
             f"{_seconds(phases.get('evaluating'))} | {_seconds(phases.get('hashing'))} | {_seconds(row['rest_s'])} | "
-            f"{_rss(row)} | {_rss(checkpointed)} | {_seconds(max(startup, default=None))} |"
+            f"{_rss(row)} | {_rss(checkpointed)} | {_seconds(max(startup, default=None))} | "
+            f"{_download(row.get('join', {}))} | {_seconds(row.get('join', {}).get('join_startup_s'))} |"
         )
     failures = [
         f"{row['size']} {kind}: {row[kind]['error']}"

@@ -548,13 +548,20 @@ class HivemindBackend(CommBackend):
                 return None
             if any(wanted(r, rank) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
+                started = time.monotonic()
                 found = self._download_state(max(1.0, deadline - time.monotonic()))
                 if found is not None:
                     metadata, tensors = found
                     offered_round = metadata.get("round", -1)
                     rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
                     if wanted(offered_round, rank) and tensors:
-                        state = torch.load(io.BytesIO(tensors[0].numpy().tobytes()), weights_only=True)
+                        logger.info(
+                            "downloaded the state of a peer after round %d: %d bytes in %.2f s",
+                            offered_round + 1,
+                            tensors[0].numel(),
+                            time.monotonic() - started,
+                        )
+                        state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
                         return PeerState(offered_round, rank, state)
             elif offers and len(offers) >= (others or 0) and all(r >= round_index for r, _ in offers):
                 # every live peer has finished this round, and none ranks above us. A peer still in

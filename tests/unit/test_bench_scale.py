@@ -70,6 +70,7 @@ def _row(size: str = "10m", **changes) -> dict:
         "checkpointed": {"round_s": 5.0, "phases_s": {"checkpointing": 0.5}, "peak_rss_per_param_byte": [9.0, 8.0]},
         "hivemind": {"kind": "hivemind", "median_s": 4.0},
         "gloo": {"kind": "gloo", "median_s": 0.5},
+        "join": {"state_bytes": 80_000_000, "download_s": 1.5, "join_startup_s": 20.0},
     }
     return {**row, **changes}
 
@@ -80,7 +81,7 @@ def test_the_table_has_a_row_per_size_with_ratios_to_both_baselines_and_of_a_che
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells == [
         "10m", "10.00", "40.0", "2.000", "4.000", "0.500", "0.50", "4.00", "4.000", "1.25",
-        "0.500", "0.250", "0.125", "0.000", "6.0", "9.0", "10.000",
+        "0.500", "0.250", "0.125", "0.000", "6.0", "9.0", "10.000", "80.0 MB in 1.50 s", "20.000",
     ]  # fmt: skip
     header = table.splitlines()[2]
     assert header.count("|") == row.count("|")
