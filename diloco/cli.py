@@ -29,12 +29,10 @@ import signal
 import sys
 from pathlib import Path
 
+from diloco.errors import UsageError, UserError
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A mistake the user has to fix: printed as one line, exit code 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -518,14 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     # a shell starts background jobs with SIGINT ignored, and children inherit that: restore Ctrl-C
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    from diloco.comm.base import CommError
-    from diloco.config import ConfigError
-    from diloco.data import DataError
-    from diloco.plot import PlotError
-
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, ConfigError, DataError, CommError, PlotError) as error:
+    except UserError as error:  # errors.py: every mistake the user has to fix
         print(f"diloco: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

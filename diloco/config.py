@@ -25,6 +25,7 @@ from diloco.checkpoint import CheckpointConfig
 from diloco.comm import BACKENDS, CommConfig
 from diloco.compression import CODECS, CompressionConfig
 from diloco.data import DataConfig
+from diloco.errors import ConfigError
 from diloco.faults import BAD_PAYLOADS, FaultConfig
 from diloco.hf_extra import is_installed, missing_message
 from diloco.inner import INNER_OPTIMIZERS, PRECISIONS, InnerConfig
@@ -35,10 +36,6 @@ from diloco.overlap import OVERLAPS
 from diloco.transfer import GLOBAL_DEVICES
 
 SITE_SHARDINGS = ("ddp", "fsdp")
-
-
-class ConfigError(ValueError):
-    """A configuration the user has to fix; the message is one line."""
 
 
 @dataclass

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from diloco.errors import DataError
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
@@ -49,10 +51,6 @@ class DataConfig:
     max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
     shard_chunk: int = 0  # tokens: deal chunks of this size round-robin to the workers; 0 = one contiguous region each
     token_cache: str = ""  # folder: stream data.dataset once into a memory-mapped token file there; "" = in memory
-
-
-class DataError(ValueError):
-    """The corpus cannot be loaded or is too small for the requested sampling."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diloco.errors import ConfigError
 from diloco.hf_extra import import_hf
 
 if TYPE_CHECKING:
@@ -133,7 +134,6 @@ class HFCausalLM(nn.Module):
 
 def build_hf_model(cfg: ModelConfig, *, vocab_size: int) -> HFCausalLM:
     """Random init from the config with the data's ``vocab_size``, or the local pretrained weights."""
-    from diloco.config import ConfigError  # here: config.py imports this module's validator
 
     transformers = import_hf("transformers", needed_for="model.kind=hf", error=ConfigError)
     transformers.utils.logging.disable_progress_bar()

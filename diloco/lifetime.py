@@ -20,6 +20,12 @@ import sys
 _PR_SET_PDEATHSIG = 1
 
 
+def terminate_with_parent() -> None:
+    """In a child a launcher starts, before exec: SIGTERM it when the launcher dies, however the
+    launcher dies (even kill -9), so that it never outlives the command that started it (Linux only)."""
+    die_with_parent(signal.SIGTERM)
+
+
 def die_with_parent(sig: int = signal.SIGKILL, *, parent_pid: int | None = None) -> None:
     """Called in a child: the kernel sends it ``sig`` when its parent dies. With ``parent_pid`` (the
     parent's pid, taken before the child was started), a parent already gone exits the child now."""

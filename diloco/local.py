@@ -32,7 +32,7 @@ import torch
 from diloco.comm.base import CommError
 from diloco.comm.run_key import RUN_KEY_ENV
 from diloco.config import Config
-from diloco.lifetime import die_with_parent
+from diloco.lifetime import terminate_with_parent
 from diloco.metrics import format_duration, format_summary, write_summary
 from diloco.testbed import Testbed
 
@@ -144,7 +144,7 @@ def run_local(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it stops them in order
-                    preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+                    preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
                 )
             )
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
@@ -251,7 +251,7 @@ def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[
         stderr=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
-        preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+        preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
@@ -262,12 +262,6 @@ def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[
                 return process, [line.split("['", 1)[1].split("']", 1)[0]]
     stop_all([process])
     raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.startup_timeout_s)")
-
-
-def _die_with_launcher() -> None:
-    """In each worker, before exec: SIGTERM it when the launcher dies, however the launcher dies
-    (even kill -9), so that a worker never outlives the command that started it (Linux only)."""
-    die_with_parent(signal.SIGTERM)
 
 
 def _state(child: subprocess.Popen) -> str:

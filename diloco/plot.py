@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-class PlotError(ValueError):
-    """A run directory that cannot be plotted; the message names it."""
+from diloco.errors import PlotError
 
 
 def pyplot():

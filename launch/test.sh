@@ -22,4 +22,5 @@ if [ "$(id -u)" = 0 ] && ! command -v iptables >/dev/null 2>&1 && command -v apt
 fi
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
+.venv/bin/lint-imports --no-cache  # the import layers of pyproject.toml: a lower layer never imports a higher one
 exec .venv/bin/python -m pytest -q -n "${TEST_JOBS:-0}" --dist loadgroup --durations=25 "$@"

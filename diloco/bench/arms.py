@@ -145,7 +145,7 @@ def finished_summary(cfg) -> dict | None:
 def _refuse_to_replace_a_finished_run(cfg) -> None:
     """A run directory that holds a finished run of another config is the user's result: say so
     rather than train over it (one cut short, without a summary, is started again)."""
-    from diloco.cli import UsageError
+    from diloco.errors import UsageError
 
     if (cfg.run_dir / "summary.json").exists() and finished_summary(cfg) is None:
         raise UsageError(

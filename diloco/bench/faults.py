@@ -88,7 +88,7 @@ class Cluster:
         self._logs = []
 
     def _spawn(self, slot: int, argv: list[str], *, log_name: str) -> subprocess.Popen:
-        from diloco.local import _die_with_launcher
+        from diloco.lifetime import terminate_with_parent
 
         if self.testbed is not None:
             argv = self.testbed.command(slot, [*argv, f"comm.host={self.testbed.address(slot)}"])
@@ -99,7 +99,7 @@ class Cluster:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_launcher if sys.platform == "linux" else None,
+            preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
         )
 
     def _common(self, threads: int) -> list[str]:
@@ -396,7 +396,7 @@ def run_faults_benchmark(*, scenarios: Sequence[str], out: Path, data: str | Non
 
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
-        from diloco.cli import UsageError
+        from diloco.errors import UsageError
 
         raise UsageError(f"--scenarios: {unknown[0]!r} is not one of {', '.join(SCENARIOS)}")
     if settings.get("rate_mbit") is None:

@@ -94,7 +94,7 @@ def run_quality_benchmark(
     device: str,
     overrides: list[str],
 ) -> int:
-    from diloco.cli import UsageError
+    from diloco.errors import UsageError
 
     chosen = [a for a in ARMS if arms is None or a.name in arms]
     unknown = sorted(set(arms or []) - {a.name for a in ARMS})

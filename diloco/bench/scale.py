@@ -191,6 +191,7 @@ def run_join(size: str, *, steps: int, sync_every: int, out: Path, timeout_s: fl
     joins with ``diloco join --peers ADDR`` (no config file). Its state download (bytes, seconds,
     from its log) and the seconds from its launch to its first step record; or why there are none."""
     from diloco.config import load_config
+    from diloco.lifetime import terminate_with_parent
     from diloco.local import run_local, stop_all
 
     run_dir = out / f"{size}-join"
@@ -221,7 +222,13 @@ def run_join(size: str, *, steps: int, sync_every: int, out: Path, timeout_s: fl
             "comm.run_id=scale_join", f"run.dir={run_dir}", "worker.threads=1", "logging.log_every=1",
         ]  # fmt: skip
         with open(run_dir / "joiner.log", "w") as log, FirstStepClock(run_dir, WORKERS + 1) as clock:
-            joiner = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            joiner = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
+            )
             try:
                 joiner.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -212,7 +212,7 @@ def run_utilization_benchmark(
     parts: list[str],
     out: Path,
 ) -> int:
-    from diloco.cli import UsageError
+    from diloco.errors import UsageError
     from diloco.testbed import testbed_unavailable
 
     if (reason := testbed_unavailable()) is not None:

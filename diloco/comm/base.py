@@ -18,6 +18,7 @@ import torch
 
 from diloco.comm.robust import norm_of, screen
 from diloco.compression import Codec, PayloadError
+from diloco.errors import CommError as CommError  # raised here; importers take it from here too
 
 # how a worker offers its state: ``read(use)`` is ``use(live state)`` under the outer step's lock, or None once stale
 StateReader = Callable[[Callable[[dict], object]], object]
@@ -45,10 +46,6 @@ class CommConfig:
     latency_ms: float = 0.0  # inproc link model: one-way latency added to each phase of a round
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
-
-
-class CommError(RuntimeError):
-    """The transport cannot start as configured (port taken, no peer reachable); one line, user-fixable."""
 
 
 @dataclass
