@@ -210,9 +210,20 @@ class HivemindBackend(CommBackend):
 
     def _choose_mode(self) -> None:
         """``comm.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
-        cannot, restart our peer in client mode. A worker that starts a run, or listens on loopback
-        only, is whatever it is: nobody else could tell."""
-        addresses = reachability.dialable_addresses(visible_addresses(self._dht))
+        cannot, restart our peer in client mode. One that listens on loopback only in a run at other
+        addresses is a client at once (nobody there can dial it); one that starts a run, or joins a
+        run on loopback, is whatever it is: nobody else could tell."""
+        visible = visible_addresses(self._dht)
+        addresses = reachability.dialable_addresses(visible)
+        if self.cfg.initial_peers and reachability.listens_where_the_run_cannot_dial(visible, self.cfg.initial_peers):
+            logger.warning(
+                "listening on loopback only (comm.host=%s) while the run is at other addresses: joining as a "
+                "client: it sends its contribution, reduces no part, serves no state (set comm.host=0.0.0.0 "
+                "to take a full part)",
+                self.cfg.host,
+            )
+            self._become_client()
+            return
         if not self.cfg.initial_peers or not addresses:
             return
         timeout_s = 2 * HEARTBEAT_S + reachability.DIAL_TIMEOUT_S * len(addresses) + self._control_s
@@ -232,10 +243,14 @@ class HivemindBackend(CommBackend):
                 "serves no state (forward a port and set comm.announce_host to take a full part)",
                 where,
             )
-            self._dht.shutdown()
-            self.client_mode = True
-            self._dht = start_dht(self.cfg, client_mode=True)
-            self._dht_call = bounded_dht_call(self._dht, threading.Lock(), timeout_s=self._control_s)
+            self._become_client()
+
+    def _become_client(self) -> None:
+        """Our peer restarted in client mode: it dials out only."""
+        self._dht.shutdown()
+        self.client_mode = True
+        self._dht = start_dht(self.cfg, client_mode=True)
+        self._dht_call = bounded_dht_call(self._dht, threading.Lock(), timeout_s=self._control_s)
 
     def _answer_dialbacks(self) -> None:
         """Dial back the peers that asked whether they are reachable (on the heartbeat's thread)."""

@@ -44,6 +44,13 @@ def dialable_addresses(maddrs: list[str]) -> list[tuple[str, int]]:
     return found
 
 
+def listens_where_the_run_cannot_dial(own_maddrs: list[str], initial_peers: list[str]) -> bool:
+    """Whether this peer listens on loopback only while the run it joins is reached at other
+    addresses (a volunteer on another machine left ``comm.host`` at its default): nobody there can
+    dial it, so it can only take part as a client."""
+    return not dialable_addresses(own_maddrs) and bool(dialable_addresses(initial_peers))
+
+
 def can_dial(host: str, port: int, timeout_s: float = DIAL_TIMEOUT_S) -> bool:
     """Whether a TCP connection to ``host:port`` opens within ``timeout_s``."""
     try:
