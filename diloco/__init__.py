@@ -5,7 +5,7 @@ their pseudo-gradients with their peers and apply an outer optimizer (DiLoCo,
 arXiv:2311.08105). Where things live:
 
 - ``config.py``      the typed schema and ``load_config`` (defaults <- YAML <- CLI overrides)
-- ``config_reference.py`` the configuration reference table (README, ``diloco config --reference``)
+- ``config_reference.py`` the configuration reference table (docs/configuration.md, ``diloco config --reference``)
 - ``train.py``       the worker loop, top to bottom, readable like the algorithm
 - ``outer.py``       pseudo-gradients and the outer optimizer: **the outer step happens here**
 - ``overlap.py``     outer steps overlapped with compute (delayed, streaming fragments)

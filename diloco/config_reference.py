@@ -1,6 +1,6 @@
 """The configuration reference, generated from the schema itself: every key with its type,
 default and the one-line comment beside its field (units included). ``diloco config --show``
-(or ``--reference``) prints it as the Markdown table that README.md carries (a test fails when
+(or ``--reference``) prints it as the Markdown table that docs/configuration.md carries (a test fails when
 the two drift apart); ``diloco config --show CONFIG [KEY=VALUE ...]`` adds the value each key
 takes in that config."""
 
