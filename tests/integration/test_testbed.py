@@ -52,7 +52,8 @@ def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(dilo
     # comm_s of the two (worker 0's alone also counted its wait for a worker 1 slowed by a busy CI)
     by_round = zip(rounds, (r for r in read_records(run_dir, 1) if r["event"] == "round"), strict=True)
     measured_s = statistics.median(min(mine["comm_s"], theirs["comm_s"]) for mine, theirs in by_round)
-    assert 0.8 <= measured_s / model_s <= 1.25, (measured_s, model_s)
+    # within the noise of 2 shared cores (a round's own work adds to the link's time), not 2 x off
+    assert 0.75 <= measured_s / model_s <= 1.5, (measured_s, model_s)
     assert set(leftovers()) <= before
 
 
