@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from diloco.checkpoint import CheckpointConfig
-from diloco.comm import BACKENDS, CommConfig
+from diloco.comm import BACKENDS, DATA_PLANES, CommConfig
 from diloco.compression import CODECS, CompressionConfig
 from diloco.data import DataConfig
 from diloco.errors import ConfigError
@@ -346,6 +346,10 @@ def validate(cfg: Config) -> None:
     _check(
         cfg.comm.client_mode in CLIENT_MODES,
         f"comm.client_mode={cfg.comm.client_mode!r} is not one of {', '.join(CLIENT_MODES)}",
+    )
+    _check(
+        cfg.comm.data_plane in DATA_PLANES,
+        f"comm.data_plane={cfg.comm.data_plane!r} is not one of {', '.join(DATA_PLANES)}",
     )
     _check(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
     _check(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")

@@ -163,16 +163,24 @@ def stdout_to(path: Path):
         os.close(saved)
 
 
-def run_training(size: str, *, steps: int, sync_every: int, out: Path, checkpoints: bool = True) -> dict:
-    """2 workers of ``size`` to the end; their round costs, or why there are none."""
+def run_training(
+    size: str, *, steps: int, sync_every: int, out: Path, checkpoints: bool = True, data_plane: str = "hivemind"
+) -> dict:
+    """2 workers of ``size`` to the end, averaging through ``data_plane``; their round costs, or
+    why there are none."""
     from diloco.config import load_config
     from diloco.local import run_local
     from diloco.metrics import _read_records
 
     run_dir = out / (size if checkpoints else f"{size}-no-checkpoints")
+    if data_plane != "hivemind":
+        run_dir = run_dir.with_name(f"{run_dir.name}-{data_plane}-plane")
     shutil.rmtree(run_dir, ignore_errors=True)  # workers append to their records
     run_dir.mkdir(parents=True)
-    overrides = training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir, checkpoints=checkpoints)
+    overrides = [
+        *training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir, checkpoints=checkpoints),
+        f"comm.data_plane={data_plane}",
+    ]
     cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
     with stdout_to(run_dir / "launcher.log"), FirstStepClock(run_dir, WORKERS) as clock:
         code = run_local(cfg, str(CONFIG), overrides, workers=WORKERS)
@@ -309,6 +317,8 @@ def measure_size(size: str, *, steps: int, sync_every: int, compare_rounds: int,
     row = {"size": size, **run_training(size, steps=steps, sync_every=sync_every, out=out, checkpoints=False)}
     if "error" in row:
         return row
+    print(f"bench scale: {size}: the same with the gloo data plane ...", flush=True)
+    row["plane"] = run_training(size, steps=steps, sync_every=sync_every, out=out, checkpoints=False, data_plane="gloo")
     print(f"bench scale: {size}: the same with a checkpoint every round ...", flush=True)
     row["checkpointed"] = run_training(size, steps=steps, sync_every=sync_every, out=out)
     if "error" in row["checkpointed"]:
@@ -346,22 +356,24 @@ def format_table(rows: list[dict], *, steps: int, sync_every: int) -> str:
         f"{WORKERS} workers on loopback, batch 2, {steps} inner steps, a round every {sync_every}; "
         "medians of the rounds after the first (seconds)",
         "",
-        "| size | params (M) | fp32 MB | sync (ours) | stock hivemind | gloo | ours/stock | ours/gloo "
+        "| size | params (M) | fp32 MB | sync (ours) | sync (ours, gloo plane) | stock hivemind | gloo "
+        "| ours/stock | ours/gloo | plane/stock | plane/gloo "
         "| round | checkpointed round / round | checkpoint | evaluation | hashing | rest "
         "| peak RSS / param bytes | the same, checkpointed | start-up | a joiner's state download | its start-up |",
-        "|" + " --- |" * 19,
+        "|" + " --- |" * 22,
     ]
     for row in rows:
         if "param_count" not in row:
             lines.append(f"| {row['size']} | {row.get('error', 'no result')} |")
             continue
         params, phases, checkpointed = row["param_count"], row["phases_s"], row.get("checkpointed", {})
-        ours = row["sync_s"]
+        ours, plane = row["sync_s"], row.get("plane", {}).get("sync_s")
         stock, gloo = (row.get(kind, {}).get("median_s") for kind in BASELINES)
         startup = [s for s in row["startup_s"] if s is not None]
         lines.append(
-            f"| {row['size']} | {params / 1e6:.2f} | {params * 4 / 1e6:.1f} | {_seconds(ours)} | "
+            f"| {row['size']} | {params / 1e6:.2f} | {params * 4 / 1e6:.1f} | {_seconds(ours)} | {_seconds(plane)} | "
             f"{_seconds(stock)} | {_seconds(gloo)} | {_ratio(ours, stock)} | {_ratio(ours, gloo)} | "
+            f"{_ratio(plane, stock)} | {_ratio(plane, gloo)} | "
             f"{_seconds(row['round_s'])} | {_ratio(checkpointed.get('round_s'), row['round_s'])} | "
             f"{_seconds(checkpointed.get('phases_s', {}).get('checkpointing'))} | "
             f"{_seconds(phases.get('evaluating'))} | {_seconds(phases.get('hashing'))} | {_seconds(row['rest_s'])} | "

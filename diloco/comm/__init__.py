@@ -5,6 +5,7 @@
 - ``inproc.py``          M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
+- ``gloo_plane.py``      a bulk data plane beside hivemind: fp32 rounds through a gloo all-reduce
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
 - ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
 - ``run_key.py``         the run key: HMAC-signed DHT records and a keyed schema hash
@@ -20,8 +21,9 @@ from diloco.comm.base import CommBackend, CommConfig, SyncResult
 from diloco.compression import Codec, NoCompression
 
 BACKENDS = ("hivemind", "inproc", "torchdist")
+DATA_PLANES = ("hivemind", "gloo")  # comm.data_plane (gloo_plane.py)
 
-__all__ = ["BACKENDS", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
+__all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
 
 
 def build_backend(

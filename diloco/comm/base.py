@@ -44,6 +44,7 @@ class CommConfig:
     startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
     bandwidth_mbps: float = 0.0  # link rate each way: inproc link model; hivemind: a slow link reduces less; 0 unknown
     latency_ms: float = 0.0  # inproc link model: one-way latency added to each phase of a round
+    data_plane: str = "hivemind"  # hivemind; gloo: fp32 rounds among dialable peers through a gloo all-reduce
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
 

@@ -49,6 +49,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 from hivemind.utils.mpfuture import MPFuture
 
+from diloco.comm import gloo_plane
 from diloco.comm.base import StateReader
 from diloco.comm.robust import Screening, declared_norm, screen
 from diloco.comm.run_key import keyed_schema_hash
@@ -498,7 +499,12 @@ class ExactAverager(DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
-        norms = self._declared_norms(group_info)
+        declared = self._user_data(group_info)
+        if gloo_plane.carries(self.codec, list(declared.values())):
+            # the workers average this group's vectors through the data plane, not through us
+            self._running_groups[group_id].set_result(None)
+            return
+        norms = {peer: declared_norm(data) for peer, data in declared.items()}
         screening = screen(norms, max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median)
         for peer, reason in screening.dropped.items():
             if peer == self.peer_id:
@@ -531,17 +537,17 @@ class ExactAverager(DecentralizedAverager):
         finally:
             self.traffic.add(failed_values=runner.tensor_part_container.failed_size)
 
-    def _declared_norms(self, group_info: GroupInfo) -> dict[PeerID, float]:
-        """Each peer's declared norm, from the data gathered at matchmaking (as hivemind's own
-        ``_aggregate_with_group`` decodes it: [bandwidth, mode, user data]); nan where unreadable."""
-        norms = {}
+    def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
+        """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``
+        decodes it: [bandwidth, mode, user data]); an empty dict where unreadable (its norm: nan)."""
+        found = {}
         for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
             try:
                 _, _, user_data = self.serializer.loads(gathered)
-                norms[peer] = declared_norm(self.serializer.loads(user_data))
-            except Exception:  # whatever a peer put there, it is not a usable norm
-                norms[peer] = math.nan
-        return norms
+                found[peer] = self.serializer.loads(user_data)
+            except Exception:  # whatever a peer put there, it is not usable
+                found[peer] = {}
+        return found
 
 
 def _serialize(state: dict) -> io.BytesIO:

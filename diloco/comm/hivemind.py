@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.comm import reachability
+from diloco.comm import gloo_plane, reachability
 from diloco.comm.base import (
     CommBackend,
     CommConfig,
@@ -35,6 +35,7 @@ from diloco.comm.base import (
     average_payloads,
 )
 from diloco.comm.bounds import control_limit_s, round_limit_s
+from diloco.comm.gloo_plane import DataPlane, plane_host
 from diloco.comm.robust import declared_norm, norm_of, screen
 from diloco.comm.roster import HEARTBEAT_S, Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
@@ -185,6 +186,8 @@ class HivemindBackend(CommBackend):
         self._dht_call = bounded_dht_call(self._dht, threading.Lock(), timeout_s=self._control_s)
         if cfg.client_mode == "auto":
             self._choose_mode()
+        self._plane = self._start_plane()
+        self._flats: list[torch.Tensor] = []  # each fragment's averaged tensors, as one flat buffer
         self._dialbacks: dict[str, float] = {}  # requests answered: peer -> request time
         fragments = fragments or [range(len(templates))]
         self.roster = Roster(
@@ -256,12 +259,23 @@ class HivemindBackend(CommBackend):
         """Dial back the peers that asked whether they are reachable (on the heartbeat's thread)."""
         reachability.answer(self._dht_call, own_peer_id=str(self._dht.peer_id), answered=self._dialbacks)
 
+    def _start_plane(self) -> DataPlane | None:
+        """``comm.data_plane=gloo``: this worker's end of the plane, unless nobody can dial it."""
+        if self.cfg.data_plane != "gloo" or self.client_mode:
+            return None
+        host = plane_host(self.cfg.host, self.cfg.announce_host, visible_addresses(self._dht))
+        return DataPlane(host, connect_timeout_s=self._control_s, timeout_s=self.cfg.deadline_s)
+
     def _start_averager(self, templates: Sequence[torch.Tensor], fragment: int):
         from diloco.comm.exact_averager import ExactAverager
 
         cfg = self.cfg
+        # one flat buffer that the averaged tensors are views of: the data plane reduces it whole
+        flat = torch.zeros(sum(t.numel() for t in templates), dtype=torch.float32)
+        self._flats.append(flat)
+        views = [view.view(t.shape) for view, t in zip(flat.split([t.numel() for t in templates]), templates)]
         return ExactAverager(
-            [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in templates],
+            views,
             self._dht,
             codec=self.codec,
             run_key=resolve_run_key(cfg.run_key),
@@ -467,8 +481,9 @@ class HivemindBackend(CommBackend):
             with averager.tensors_within(self._control_s) as buffers:
                 for buffer, tensor in zip(buffers, tensors):
                     buffer.copy_(tensor)
+            plane = self._plane.declaration() if self._plane is not None else {}
             control = averager.step(
-                weight=weight, gather={"weight": weight, "norm": norm}, timeout=timeout_s, wait=False
+                weight=weight, gather={"weight": weight, "norm": norm, **plane}, timeout=timeout_s, wait=False
             )
             gathered = self._await_step(control, round_index, limit=limit)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
@@ -487,6 +502,8 @@ class HivemindBackend(CommBackend):
             max_norm_ratio=self.cfg.max_norm_ratio,
             clip_to_median=self.cfg.clip_to_median,
         )
+        if gloo_plane.carries(self.codec, list(gathered.values())):  # hivemind found the group; gloo averages
+            return self._average_over_plane(self._flats[self._averagers.index(averager)], tensors, gathered, screening)
         if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
             screening.dropped.setdefault(self._dht.peer_id, "our payload is unusable (see the averager's log)")
         if self._dht.peer_id in screening.dropped:  # the others refused our contribution: no retry
@@ -515,6 +532,39 @@ class HivemindBackend(CommBackend):
         # every part over the same contributions: fewer than kept when every reducer refused one it
         # could not decode (the sender then knows: its own reducer refused it too)
         return SyncResult(True, min(least, len(kept)), total_weight, sent, recv, group=len(gathered))
+
+    def _average_over_plane(self, flat: torch.Tensor, tensors, gathered: dict, screening) -> SyncResult:
+        """The group's weighted mean through the data plane (gloo_plane.py): every peer scales its
+        own vector by its weight and screening factor (0: dropped, it still takes part so that
+        nobody waits for it), the ring all-reduce sums them, and every peer divides alike."""
+        own = self._dht.peer_id
+        weights = {peer: float(g.get("weight", 0.0)) for peer, g in gathered.items()}
+        kept = screening.scales
+        total_weight = sum(weights[peer] for peer in kept)
+        moved = gloo_plane.ring_bytes(flat.numel(), len(gathered))
+        factor = weights[own] * kept[own] if own in kept else 0.0
+        self.roster.stage("averaging")
+        try:
+            if factor == 0.0:
+                flat.zero_()  # not mul_: our dropped vector may hold NaN
+            elif factor != 1.0:
+                flat.mul_(factor)
+            self._plane.all_reduce_sum(flat, gathered, own)
+            if own not in kept:
+                reason = screening.dropped.get(own, "dropped")
+                error = f"the group dropped our contribution: {reason}"
+                return SyncResult(False, 0, weights[own], moved, moved, error=error, group=len(gathered))
+            flat.div_(total_weight)
+            if not bool(torch.isfinite(flat).all()):
+                raise ValueError("the mean is not finite")
+        except Exception as error:  # a peer gone or cut off, a timeout: the group's round failed
+            error = f"data plane: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            return SyncResult(False, 1, weights[own], moved, moved, error=error, group=len(gathered))
+        finally:
+            self.roster.stage(None)
+        for mean, tensor in zip(flat.split([t.numel() for t in tensors]), tensors):
+            tensor.copy_(mean.view_as(tensor))
+        return SyncResult(True, len(kept), total_weight, moved, moved, group=len(gathered))
 
     def expected_peers(self) -> int:
         try:
@@ -665,6 +715,8 @@ class HivemindBackend(CommBackend):
             return
         self._closed = True
         self.roster.stop()
+        if self._plane is not None:
+            self._plane.close()
         for part in (*self._averagers, self._dht):
             try:
                 part.shutdown()

@@ -70,17 +70,18 @@ def _row(size: str = "10m", **changes) -> dict:
         "checkpointed": {"round_s": 5.0, "phases_s": {"checkpointing": 0.5}, "peak_rss_per_param_byte": [9.0, 8.0]},
         "hivemind": {"kind": "hivemind", "median_s": 4.0},
         "gloo": {"kind": "gloo", "median_s": 0.5},
+        "plane": {"sync_s": 1.0},
         "join": {"state_bytes": 80_000_000, "download_s": 1.5, "join_startup_s": 20.0},
     }
     return {**row, **changes}
 
 
-def test_the_table_has_a_row_per_size_with_ratios_to_both_baselines_and_of_a_checkpointed_round():
+def test_the_table_has_a_row_per_size_with_ratios_of_both_data_planes_to_both_baselines_and_of_a_checkpointed_round():
     table = scale.format_table([_row()], steps=8, sync_every=2)
     row = table.splitlines()[-1]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells == [
-        "10m", "10.00", "40.0", "2.000", "4.000", "0.500", "0.50", "4.00", "4.000", "1.25",
+        "10m", "10.00", "40.0", "2.000", "1.000", "4.000", "0.500", "0.50", "4.00", "0.25", "2.00", "4.000", "1.25",
         "0.500", "0.250", "0.125", "0.000", "6.0", "9.0", "10.000", "80.0 MB in 1.50 s", "20.000",
     ]  # fmt: skip
     header = table.splitlines()[2]
@@ -92,7 +93,7 @@ def test_a_failed_run_and_a_failed_baseline_say_so_in_the_table():
     no_gloo = _row("baby", gloo={"kind": "gloo", "error": "no result within 200 s"})
     table = scale.format_table([failed, no_gloo], steps=8, sync_every=2)
     assert "| 85m | training exited 1" in table
-    assert "| 2.000 | 4.000 | - | 0.50 | - |" in table
+    assert "| 2.000 | 1.000 | 4.000 | - | 0.50 | - | 0.25 | - |" in table
     assert table.splitlines()[-1] == "baby gloo: no result within 200 s"
     assert not scale.row_finished(no_gloo) and not scale.row_finished(failed) and scale.row_finished(_row())
 
