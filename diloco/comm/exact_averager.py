@@ -53,7 +53,7 @@ from diloco.comm import gloo_plane
 from diloco.comm.base import StateReader
 from diloco.comm.robust import Screening, declared_norm, screen
 from diloco.comm.run_key import keyed_schema_hash
-from diloco.compression import Codec, PayloadError
+from diloco.compression import Codec, PayloadError, all_finite
 from diloco.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def _bytes_part(payload: bytes) -> runtime_pb2.Tensor:
 def _compress_reply(codec: Codec, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
     payload = codec.compress(averaged)
     if codec.lossless:  # what the senders decode is these very values: no need to decode them here
-        if not bool(torch.isfinite(averaged).all()):
+        if not all_finite(averaged):
             raise PayloadError("payload decodes to non-finite values (NaN or inf)")
         return payload, averaged
     return payload, codec.decompress(payload, averaged.numel())
@@ -359,7 +359,7 @@ def _compress_reply(codec: Codec, averaged: torch.Tensor) -> tuple[bytes, torch.
 def _as_sent(codec: Codec, part: torch.Tensor) -> torch.Tensor:
     """Our own part as a reducer would decode it (``codec.roundtrip``; a lossless codec's is the part)."""
     if codec.lossless:
-        if not bool(torch.isfinite(part).all()):
+        if not all_finite(part):
             raise PayloadError("payload decodes to non-finite values (NaN or inf)")
         return part
     return codec.roundtrip(part)

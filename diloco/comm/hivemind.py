@@ -39,7 +39,7 @@ from diloco.comm.gloo_plane import DataPlane, plane_host
 from diloco.comm.robust import declared_norm, norm_of, screen
 from diloco.comm.roster import HEARTBEAT_S, Roster, RosterEntry
 from diloco.comm.run_key import RunKeyValidator, resolve_run_key
-from diloco.compression import Codec
+from diloco.compression import Codec, all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -555,7 +555,7 @@ class HivemindBackend(CommBackend):
                 error = f"the group dropped our contribution: {reason}"
                 return SyncResult(False, 0, weights[own], moved, moved, error=error, group=len(gathered))
             flat.div_(total_weight)
-            if not bool(torch.isfinite(flat).all()):
+            if not all_finite(flat):
                 raise ValueError("the mean is not finite")
         except Exception as error:  # a peer gone or cut off, a timeout: the group's round failed
             error = f"data plane: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from diloco.compression.codec import HEADER_BYTES, Codec, Float16, NoCompression, PayloadError
+from diloco.compression.codec import HEADER_BYTES, Codec, Float16, NoCompression, PayloadError, all_finite
 from diloco.compression.error_feedback import ErrorFeedback
 from diloco.compression.quantize import Int4, Int8
 from diloco.compression.topk import TopK
@@ -22,6 +22,7 @@ from diloco.compression.topk import TopK
 CODECS = ("none", "fp16", "int8", "int4", "topk")
 
 __all__ = [
+    "all_finite",
     "CODECS",
     "HEADER_BYTES",
     "Codec",

@@ -18,6 +18,7 @@ that slice in the whole tensor's payload: transports may split a tensor at those
 from __future__ import annotations
 
 import abc
+import math
 import struct
 from typing import ClassVar
 
@@ -30,6 +31,13 @@ HEADER_BYTES = _HEADER.size
 
 class PayloadError(ValueError):
     """A received payload cannot be used; the message says why, in one line."""
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of ``tensor`` is finite. A NaN or an infinity anywhere makes the sum
+    one, so a finite sum (one pass, no temporary) settles it; only when it is not (or finite
+    values overflowed it) is each value looked at."""
+    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 class Codec(abc.ABC):
@@ -84,7 +92,7 @@ class Codec(abc.ABC):
         if len(view) != expected:
             raise PayloadError(f"payload has {len(view)} bytes, expected {expected} for {numel} values")
         values = self._decode(view[HEADER_BYTES:], numel)
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise PayloadError("payload decodes to non-finite values (NaN or inf)")
         return values
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.compression.codec import Codec
+from diloco.compression.codec import Codec, all_finite
 
 
 class ErrorFeedback:
@@ -44,7 +44,7 @@ class ErrorFeedback:
                 residual = self.residuals[index] = torch.zeros_like(tensor, dtype=torch.float32)
             value = tensor.to(torch.float32) + residual
             residual.copy_(value - self.codec.restore(value))
-            if not bool(torch.isfinite(residual).all()):  # a diverged step: peers drop it, owe nothing
+            if not all_finite(residual):  # a diverged step: peers drop it, owe nothing
                 residual.zero_()
             corrected.append(value)
         return corrected

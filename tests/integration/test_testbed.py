@@ -59,6 +59,24 @@ def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(dilo
 
 @needs_root
 @pytest.mark.timeout(240)
+def test_the_gloo_data_plane_averages_across_namespaces(diloco_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(run_dir),
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.data_plane=gloo",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    records = [read_records(run_dir, worker) for worker in range(2)]
+    rounds = [[r for r in worker if r["event"] == "round"] for worker in records]
+    assert all(len(worker) == 2 and all(r["ok"] and r["peers"] == 2 for r in worker) for worker in rounds), rounds
+    assert [r["param_sha256"] for r in rounds[0]] == [r["param_sha256"] for r in rounds[1]]
+    # a ring all-reduce of 2 peers moves exactly the fp32 payload each way; hivemind's adds framing
+    (param_count,) = {r["param_count"] for worker in records for r in worker if r["event"] == "end"}
+    assert all(r["bytes_sent"] == 4 * param_count for worker in rounds for r in worker), rounds
+
+
+@needs_root
+@pytest.mark.timeout(240)
 def test_a_crashed_worker_leaves_no_namespace_or_link_behind(diloco_cli, tmp_path):
     before = set(leftovers())
     # worker 0's round 2 waits out comm.deadline_s for worker 1, which stopped after round 1: short

@@ -176,3 +176,14 @@ def test_error_feedback_survives_a_diverged_step():
     (sent,) = feedback.apply([torch.full((20,), math.inf)])  # peers will drop it; the worker must not crash
     assert not bool(torch.isfinite(sent).all())
     assert bool((feedback.residuals[0] == 0).all())
+
+
+def test_all_finite_finds_a_nan_or_an_infinity_and_is_not_fooled_by_a_sum_that_overflows():
+    from diloco.compression import all_finite
+
+    values = torch.zeros(1000)
+    assert all_finite(values)
+    for bad in (math.nan, math.inf, -math.inf):
+        values[517] = bad
+        assert not all_finite(values)
+    assert all_finite(torch.full((4,), 3e38))  # finite values whose sum is not

@@ -162,3 +162,9 @@ def test_a_simulated_worker_with_scaled_payloads_is_dropped_and_the_run_learns_a
         tmp_path, "off", "faults.worker=2", "faults.bad_payload=scaled", "comm.max_norm_ratio=0"
     )
     assert poisoned > clean * 1.2, (poisoned, clean)
+
+
+def test_norm_of_a_long_vector_is_its_float64_norm_to_a_millionth():
+    values = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
+    exact = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+    assert norm_of([values[:10], values[10:]]) == pytest.approx(exact, rel=1e-6)
