@@ -55,16 +55,26 @@ class DataPlane:
     """One worker's end of the plane: the store where a group it leads meets, and the all-reduce.
 
     ``host`` is the address the other peers dial (and where gloo listens for them);
-    ``connect_timeout_s`` bounds the rendezvous, ``timeout_s`` the all-reduce itself.
+    ``start_timeout_s`` bounds starting the store, ``connect_timeout_s`` a round's rendezvous,
+    ``timeout_s`` the all-reduce itself.
     """
 
-    def __init__(self, host: str, *, connect_timeout_s: float, timeout_s: float):
+    def __init__(self, host: str, *, start_timeout_s: float, connect_timeout_s: float, timeout_s: float):
         from torch.distributed import TCPStore
 
         self.host = host
         self._connect = datetime.timedelta(seconds=connect_timeout_s)
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._connect)
+        # the first connection of a process looks its own address up in the DNS, which takes 10 s
+        # where no name server answers (a network namespace): hence a bound of its own
+        self._store = TCPStore(
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=start_timeout_s),
+        )
+        self._store.set_timeout(self._connect)
         self.endpoint = f"{host}:{self._store.port}"
         self._failures = 0
 

@@ -264,7 +264,16 @@ class HivemindBackend(CommBackend):
         if self.cfg.data_plane != "gloo" or self.client_mode:
             return None
         host = plane_host(self.cfg.host, self.cfg.announce_host, visible_addresses(self._dht))
-        return DataPlane(host, connect_timeout_s=self._control_s, timeout_s=self.cfg.deadline_s)
+        try:
+            return DataPlane(
+                host,
+                start_timeout_s=self.cfg.startup_timeout_s,
+                connect_timeout_s=self._control_s,
+                timeout_s=self.cfg.deadline_s,
+            )
+        except Exception as error:  # no port for its store at that address: hivemind carries every round
+            logger.warning("the gloo data plane did not start at %s (%s): averaging through hivemind", host, error)
+            return None
 
     def _start_averager(self, templates: Sequence[torch.Tensor], fragment: int):
         from diloco.comm.exact_averager import ExactAverager
