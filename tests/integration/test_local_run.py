@@ -93,8 +93,9 @@ def test_rerunning_a_stopped_run_resumes_from_its_checkpoint(tmp_path, diloco_cl
     [
         ["outer.overlap=delayed"],
         ["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2"],
+        ["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2", "comm.data_plane=gloo"],
     ],
-    ids=["delayed", "streaming"],
+    ids=["delayed", "streaming", "streaming-over-the-gloo-data-plane"],
 )
 def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloco_cli, overlap):
     run_dir = tmp_path / "run"
