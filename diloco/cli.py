@@ -192,8 +192,8 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def _cmd_train(args, *, join: bool = False) -> int:
     from diloco.config import load_config
-    from diloco.faults import StopRequested
-    from diloco.train import train
+    from diloco.worker.faults import StopRequested
+    from diloco.worker.train import train
 
     config_path, overrides = _split_config(args.config, args.overrides)
     cfg = load_config(config_path, overrides)
@@ -228,10 +228,10 @@ def _cmd_join(args) -> int:
 
     from omegaconf import OmegaConf
 
-    from diloco.comm.hivemind import probe_roster
-    from diloco.comm.roster import free_slot, nobody_answered
+    from diloco.comm.hivemind.backend import probe_roster
+    from diloco.comm.hivemind.roster import free_slot, nobody_answered
     from diloco.config import load_config
-    from diloco.joining import JoinError, config_digest, config_from_run
+    from diloco.worker.joining import JoinError, config_digest, config_from_run
 
     config_path, overrides = _split_config(args.config, args.overrides)
     overrides = _peer_overrides(overrides, args.peers)
@@ -274,7 +274,7 @@ def _peer_overrides(overrides: list[str], peers_option: str) -> list[str]:
 
 def _cmd_status(args) -> int:
     from diloco.config import load_config
-    from diloco.status import show_status
+    from diloco.tools.status import show_status
 
     config_path, overrides = _split_config(args.config, args.overrides)
     overrides = _peer_overrides(overrides, args.peers)
@@ -290,8 +290,8 @@ def _local_run_config(args):
     import torch
 
     from diloco.config import load_config
-    from diloco.data import load_corpus
-    from diloco.memory import check_model_fits
+    from diloco.data.corpus import load_corpus
+    from diloco.worker.memory import check_model_fits
 
     if args.workers < 1:
         raise UsageError(f"--workers={args.workers} must be at least 1")
@@ -307,7 +307,7 @@ def _local_run_config(args):
 
 
 def _cmd_local(args) -> int:
-    from diloco.local import run_inproc, run_local
+    from diloco.tools.launcher import run_inproc, run_local
 
     cfg, config_path, overrides = _local_run_config(args)
     if cfg.comm.backend == "inproc":
@@ -316,8 +316,8 @@ def _cmd_local(args) -> int:
 
 
 def _cmd_testbed(args) -> int:
-    from diloco.local import run_local
-    from diloco.testbed import Testbed, TestbedError
+    from diloco.tools.launcher import run_local
+    from diloco.tools.testbed import Testbed, TestbedError
 
     up, down = args.rate if args.up is None else args.up, args.rate if args.down is None else args.down
     if min(up, down) < 0:
@@ -337,9 +337,9 @@ def _cmd_testbed(args) -> int:
 def _cmd_bootstrap(args) -> int:
     import threading
 
-    from diloco.comm import reachability
     from diloco.comm.base import CommConfig
-    from diloco.comm.hivemind import bounded_dht_call, start_dht, visible_addresses
+    from diloco.comm.hivemind import reachability
+    from diloco.comm.hivemind.backend import bounded_dht_call, start_dht, visible_addresses
 
     dht = start_dht(CommConfig(host=args.host, port=args.port), initial_peers=[])
     try:
@@ -372,7 +372,7 @@ def _cmd_config(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from diloco.plot import load_curve, plot_curves
+    from diloco.tools.plot import load_curve, plot_curves
 
     curves = [load_curve(Path(run_dir)) for run_dir in args.run_dirs]
     print(f"wrote {plot_curves(curves, Path(args.out))}")

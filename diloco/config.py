@@ -1,6 +1,6 @@
 """The typed configuration schema and its loader.
 
-Each component owns its settings dataclass beside its code (``ModelConfig`` in model.py,
+Each component owns its settings dataclass beside its code (``ModelConfig`` in models/gpt.py,
 ``OuterConfig`` in outer.py, ...); ``Config`` composes them. ``load_config`` merges, in order:
 the dataclass defaults, a YAML file (a short diff from the defaults), and ``KEY=VALUE``
 overrides from the command line, with omegaconf's struct mode on so a typo is an error::
@@ -21,19 +21,19 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from diloco.checkpoint import CheckpointConfig
 from diloco.comm import BACKENDS, DATA_PLANES, CommConfig
 from diloco.compression import CODECS, CompressionConfig
-from diloco.data import DataConfig
+from diloco.core.host_copies import GLOBAL_DEVICES
+from diloco.core.inner import INNER_OPTIMIZERS, PRECISIONS, InnerConfig
+from diloco.core.outer import OUTER_OPTIMIZERS, OuterConfig
+from diloco.core.overlap import OVERLAPS
+from diloco.data.corpus import DataConfig
 from diloco.errors import ConfigError
-from diloco.faults import BAD_PAYLOADS, FaultConfig
-from diloco.hf_extra import is_installed, missing_message
-from diloco.inner import INNER_OPTIMIZERS, PRECISIONS, InnerConfig
-from diloco.metrics import WANDB_MODES, LoggingConfig
-from diloco.model import ModelConfig, validate_model_config
-from diloco.outer import OUTER_OPTIMIZERS, OuterConfig
-from diloco.overlap import OVERLAPS
-from diloco.transfer import GLOBAL_DEVICES
+from diloco.models.gpt import ModelConfig, validate_model_config
+from diloco.optional_deps import is_installed, missing_message
+from diloco.worker.checkpoint import CheckpointConfig
+from diloco.worker.faults import BAD_PAYLOADS, FaultConfig
+from diloco.worker.metrics import WANDB_MODES, LoggingConfig
 
 SITE_SHARDINGS = ("ddp", "fsdp")
 
@@ -51,7 +51,7 @@ class WorkerConfig:
     slots: int = 0  # data shards, so the most workers the run can hold (volunteers join free ones); 0 = count
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
     device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
-    site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; site.py)
+    site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; worker/sites.py)
     site_sharding: str = "ddp"  # inside a site: ddp (rank 0 syncs for all) / fsdp (FSDP2; each rank syncs its shard)
     precision: str = "fp32"  # the inner step's forward: fp32 / bf16 (autocast; params and optimizer stay fp32)
     compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys); pays off on a GPU

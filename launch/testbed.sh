@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run M workers on this machine, each in its own network namespace behind a link shaped with
 # tc tbf (root only): the testbed for slow-link behaviour. Everything it creates is torn down on
-# exit, error, Ctrl-C or SIGTERM (see diloco/testbed.py). Extra KEY=VALUE overrides pass through.
+# exit, error, Ctrl-C or SIGTERM (see diloco/tools/testbed.py). Extra KEY=VALUE overrides pass through.
 #
 #   sudo WORKERS=4 RATE=20 bash launch/testbed.sh                # 4 workers on 20 Mbit/s links
 #   sudo UP=5 DOWN=50 bash launch/testbed.sh outer.sync_every=100 # asymmetric links

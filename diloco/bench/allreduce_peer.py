@@ -19,7 +19,7 @@ import time
 import torch
 
 from diloco.comm.base import CommConfig
-from diloco.comm.hivemind import HivemindBackend
+from diloco.comm.hivemind.backend import HivemindBackend
 from diloco.compression import NoCompression
 
 

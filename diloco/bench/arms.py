@@ -92,7 +92,7 @@ def _run_one(job: Job) -> dict:
 
     import torch
 
-    from diloco.local import simulate
+    from diloco.tools.launcher import simulate
 
     logging.basicConfig(level=logging.WARNING)
     cfg = job.config()
@@ -236,7 +236,7 @@ def loss_ratio(row: dict, base: dict) -> float | None:
 
 def plot_first_seed(runs: list[dict], path: Path, axes: tuple[str, ...]) -> None:
     """Validation loss of every arm's run of the lowest seed against ``axes``."""
-    from diloco.plot import load_curve, plot_curves
+    from diloco.tools.plot import load_curve, plot_curves
 
     first = min(r["seed"] for r in runs)
     curves = [load_curve(Path(r["run_dir"])) for r in runs if r["seed"] == first]

@@ -48,7 +48,7 @@ def ddp_bytes_per_worker(steps: int, overrides: list[str]) -> int:
     """What data-parallel training sends per worker for ``steps`` steps, as the simulator counts it."""
     from diloco.compression import NoCompression
     from diloco.config import load_config
-    from diloco.model import build_model
+    from diloco.models.gpt import build_model
 
     cfg = load_config(None, [*COMMON, *overrides])
     payload = sum(NoCompression().payload_bytes(p.numel()) for p in build_model(cfg.model).parameters())

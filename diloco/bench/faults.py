@@ -34,11 +34,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SCENARIOS = ("crash", "cut", "slow", "join", "bad", "wrong_key")
 RUN_KEY = "bench-faults-key"
 KEY_ATTEMPT_S = 30.0  # wrong_key: one diloco join attempt (a process start, then a roster probe of 10 s)
 
@@ -77,7 +76,7 @@ class Cluster:
     when a testbed is given). ``close()`` stops them all; use it as a context manager."""
 
     def __init__(self, overrides: Sequence[str], run_dir: Path, *, slots: int, testbed=None, run_key: str = ""):
-        from diloco.local import start_bootstrap
+        from diloco.tools.launcher import start_bootstrap
 
         self.overrides, self.run_dir, self.slots, self.testbed = list(overrides), run_dir, slots, testbed
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +149,7 @@ class Cluster:
         return codes
 
     def close(self) -> None:
-        from diloco.local import stop_all
+        from diloco.tools.launcher import stop_all
 
         stop_all([*self.processes.values(), *self.others, self.bootstrap])
         for log in self._logs:
@@ -175,10 +174,155 @@ def latest_step(run_dir: Path, index: int) -> int:
     return max(steps, default=-1)
 
 
+@dataclass
+class Injection:
+    """What a scenario's fault acts on, once the run's workers are started; the scenario adds
+    to ``notes`` what the table should say."""
+
+    cluster: Cluster
+    testbed: object  # diloco.tools.testbed.Testbed, or None on loopback
+    plan: FaultRun
+    run_dir: Path
+    keyed: list[str]  # the run key's override for a worker it starts, or nothing
+    notes: list[str]
+
+    @property
+    def victim(self) -> int:
+        return self.plan.workers - 1
+
+    @property
+    def mid_round(self) -> int:
+        """An inner step in the middle of the third round."""
+        return 2 * self.plan.sync_every + self.plan.sync_every // 2
+
+
+def _slow_rate(plan: FaultRun) -> float:
+    return (plan.rate_mbit or 20.0) / 10
+
+
+def _crash(run: Injection) -> None:
+    run.cluster.wait_for_step(run.victim, run.mid_round, run.plan.timeout_s)
+    run.cluster.signal(run.victim, signal.SIGKILL)
+    run.cluster.processes[run.victim].wait()
+    time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
+    run.cluster.start(run.victim, run.keyed)
+
+
+def _cut_off(run: Injection) -> None:
+    run.cluster.wait_for_step(run.victim, run.mid_round, run.plan.timeout_s)
+    _cut(run.cluster, run.testbed, run.victim, down=True)
+    time.sleep(run.plan.outage_s)  # the outage itself
+    _cut(run.cluster, run.testbed, run.victim, down=False)
+
+
+def _slow_down(run: Injection) -> None:
+    slow = _slow_rate(run.plan)
+    run.testbed.set_rate(run.victim, up_mbit=slow, down_mbit=slow)
+    run.notes.append(f"worker {run.victim} at {slow:g} Mbit/s")
+
+
+def _join(run: Injection) -> None:
+    plan = run.plan
+    run.cluster.wait_for_step(0, plan.join_round * plan.sync_every, plan.timeout_s)
+    joiner = run.cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log", only_address=True)
+    run.cluster.processes[plan.workers] = joiner
+
+
+def _intrude(run: Injection) -> None:
+    plan, cluster = run.plan, run.cluster
+    # a worker that skips diloco join's check runs beside the run, and tries to average with it
+    intruder = cluster.start(plan.workers, ["comm.run_key=intruder"])
+    del cluster.processes[plan.workers]
+    cluster.others.append(intruder)
+    # the run is up, with a roster to refuse them (step records come every logging.log_every steps)
+    cluster.wait_for_step(0, 1, plan.timeout_s)
+    live = _RunLiveness(run.run_dir, cluster.processes[0])
+    refused = 0
+    for attempt in range(plan.key_attempts):
+        # a key of its own each time: two peers that share a wrong key form a run of their own
+        attempt_process = cluster.join(
+            [f"comm.run_key=guess-{attempt}"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
+        )
+        # a run that is over refuses with the same line: only a refusal it outlived counts
+        refused += attempt_process.wait(timeout=plan.timeout_s) == 2 and live.live()
+    run.notes.append(
+        f"diloco join with the wrong key refused {refused} of {plan.key_attempts} times while the run was live"
+    )
+    tried = _reached_step_while_live(run.run_dir, plan.workers, plan.sync_every, live, plan.timeout_s)
+    run.notes.append(f"wrong-key worker tried to average while the run was live: {'yes' if tried else 'no'}")
+
+
+def _intruder_rounds(run: Injection) -> None:
+    rounds = [r for r in _written_records(run.run_dir, run.plan.workers) if r.get("event") == "round"]
+    grouped = [r for r in rounds if r.get("peers", 1) > 1]
+    run.notes.append(f"wrong-key worker: {len(rounds)} rounds, {len(grouped)} of them in a group")
+
+
+def _nothing(run: Injection) -> None:
+    pass
+
+
+def _no_overrides(plan: FaultRun, *args: int) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One fault of a volunteer run: what it injects, into which workers, and what it needs."""
+
+    name: str
+    inject: Callable[[Injection], None] = _nothing  # once every worker is started
+    faulty: Callable[[FaultRun], set[int]] = lambda plan: set()  # workers counted apart from the healthy
+    worker_overrides: Callable[[FaultRun, int], list[str]] = _no_overrides  # a worker's own settings
+    run_overrides: Callable[[FaultRun], list[str]] = _no_overrides  # settings of the whole run
+    after: Callable[[Injection], None] = _nothing  # once every worker has ended
+    run_key: str = ""
+    needs_testbed: bool = False
+
+
+def _last(plan: FaultRun) -> set[int]:
+    return {plan.workers - 1}
+
+
+def _declared_rates(plan: FaultRun, index: int) -> list[str]:
+    # each worker declares its link rate, as a volunteer on a slow link would
+    slow = _slow_rate(plan)
+    return [f"comm.bandwidth_mbps={slow if index == plan.workers - 1 else slow * 10:g}"]
+
+
+def _bad_payloads(plan: FaultRun, index: int) -> list[str]:
+    return {1: ["faults.bad_payload=nan"], 2: ["faults.bad_payload=scaled"]}.get(index, [])
+
+
+def _outlive_the_attempts(plan: FaultRun) -> list[str]:
+    # the run must outlive the intruder's attempts however fast this machine trains (on an idle
+    # one a short run ended before the first was refused): a floor on its length
+    return [f"faults.step_delay_s={plan.key_attempts * KEY_ATTEMPT_S / plan.steps:.3f}"]
+
+
+NO_FAULT = Scenario("none")
+TABLE = {
+    scenario.name: scenario
+    for scenario in (
+        Scenario("crash", inject=_crash, faulty=_last),
+        Scenario("cut", inject=_cut_off, faulty=_last),
+        Scenario("slow", inject=_slow_down, faulty=_last, worker_overrides=_declared_rates, needs_testbed=True),
+        # the joiner's first round may wait for it: counted apart
+        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}),
+        Scenario("bad", faulty=lambda plan: {1, 2}, worker_overrides=_bad_payloads),
+        Scenario(
+            "wrong_key", inject=_intrude, run_overrides=_outlive_the_attempts, after=_intruder_rounds, run_key=RUN_KEY
+        ),
+    )
+}
+SCENARIOS = tuple(TABLE)
+
+
 def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
     """Run one scenario (or "none", the fault-free run) and measure it."""
-    from diloco.testbed import Testbed, testbed_unavailable
+    from diloco.tools.testbed import Testbed, testbed_unavailable
 
+    scenario = TABLE.get(name, NO_FAULT)
     run_dir = out / name
     slots = plan.workers + 1  # room for a joiner, or a wrong-key peer
     overrides = [
@@ -189,81 +333,26 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
         f"outer.sync_every={plan.sync_every}",
         "checkpoint.every_rounds=1",
         f"comm.run_id=faults_{name}",
+        *scenario.run_overrides(plan),
     ]
-    use_testbed = plan.rate_mbit > 0 or name == "slow"
+    use_testbed = plan.rate_mbit > 0 or scenario.needs_testbed
     if use_testbed and (reason := testbed_unavailable()) is not None:
         raise RuntimeError(f"scenario {name} needs the testbed: {reason}")
     testbed = Testbed(slots, up_mbit=plan.rate_mbit, down_mbit=plan.rate_mbit) if use_testbed else None
-    key = RUN_KEY if name == "wrong_key" else ""
-    if name == "wrong_key":
-        # the run must outlive the intruder's attempts however fast this machine trains (on an idle
-        # one a short run ended before the first was refused): a floor on its length
-        overrides.append(f"faults.step_delay_s={plan.key_attempts * KEY_ATTEMPT_S / plan.steps:.3f}")
     notes: list[str] = []
-    faulty: set[int] = set()
     try:
-        with Cluster(overrides, run_dir, slots=slots, testbed=testbed, run_key=key) as cluster:
-            keyed = [f"comm.run_key={key}"] if key else []
-            mid_round = 2 * plan.sync_every + plan.sync_every // 2
-            victim = plan.workers - 1
-            slow = (plan.rate_mbit or 20.0) / 10
+        with Cluster(overrides, run_dir, slots=slots, testbed=testbed, run_key=scenario.run_key) as cluster:
+            keyed = [f"comm.run_key={scenario.run_key}"] if scenario.run_key else []
             for i in range(plan.workers):
-                # each worker declares its link rate, as a volunteer on a slow link would
-                rate = [f"comm.bandwidth_mbps={slow if i == victim else slow * 10:g}"] if name == "slow" else []
-                cluster.start(i, _bad_payload(name, i) + keyed + rate)
-            if name == "crash":
-                faulty.add(victim)
-                cluster.wait_for_step(victim, mid_round, plan.timeout_s)
-                cluster.signal(victim, signal.SIGKILL)
-                cluster.processes[victim].wait()
-                time.sleep(plan.outage_s)  # the outage itself, not synchronisation
-                cluster.start(victim, keyed)
-            elif name == "cut":
-                faulty.add(victim)
-                cluster.wait_for_step(victim, mid_round, plan.timeout_s)
-                _cut(cluster, testbed, victim, down=True)
-                time.sleep(plan.outage_s)  # the outage itself
-                _cut(cluster, testbed, victim, down=False)
-            elif name == "slow":
-                faulty.add(victim)
-                testbed.set_rate(victim, up_mbit=slow, down_mbit=slow)
-                notes.append(f"worker {victim} at {slow:g} Mbit/s")
-            elif name == "join":
-                cluster.wait_for_step(0, plan.join_round * plan.sync_every, plan.timeout_s)
-                joiner = cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log", only_address=True)
-                cluster.processes[plan.workers] = joiner
-                faulty.add(plan.workers)  # its first round may wait for it: counted apart
-            elif name == "bad":
-                faulty |= {1, 2}
-            elif name == "wrong_key":
-                # a worker that skips diloco join's check runs beside the run, and tries to average with it
-                intruder = cluster.start(plan.workers, ["comm.run_key=intruder"])
-                del cluster.processes[plan.workers]
-                cluster.others.append(intruder)
-                # the run is up, with a roster to refuse them (step records come every logging.log_every steps)
-                cluster.wait_for_step(0, 1, plan.timeout_s)
-                run = _RunLiveness(run_dir, cluster.processes[0])
-                refused = 0
-                for attempt in range(plan.key_attempts):
-                    # a key of its own each time: two peers that share a wrong key form a run of their own
-                    attempt_process = cluster.join(
-                        [f"comm.run_key=guess-{attempt}"], slot=plan.workers, log_name=f"wrong-key-{attempt}.log"
-                    )
-                    # a run that is over refuses with the same line: only a refusal it outlived counts
-                    refused += attempt_process.wait(timeout=plan.timeout_s) == 2 and run.live()
-                attempts = f"{refused} of {plan.key_attempts} times"
-                notes.append(f"diloco join with the wrong key refused {attempts} while the run was live")
-                tried = _reached_step_while_live(run_dir, plan.workers, plan.sync_every, run, plan.timeout_s)
-                notes.append(f"wrong-key worker tried to average while the run was live: {'yes' if tried else 'no'}")
+                cluster.start(i, scenario.worker_overrides(plan, i) + keyed)
+            run = Injection(cluster, testbed, plan, run_dir, keyed, notes)
+            scenario.inject(run)
             codes = cluster.wait_all(plan.timeout_s)
-            if name == "wrong_key":
-                intruder_rounds = [r for r in _written_records(run_dir, plan.workers) if r.get("event") == "round"]
-                grouped = [r for r in intruder_rounds if r.get("peers", 1) > 1]
-                notes.append(f"wrong-key worker: {len(intruder_rounds)} rounds, {len(grouped)} of them in a group")
+            scenario.after(run)
     finally:
         if testbed is not None:
             testbed.close()
-    return _measure(name, run_dir, codes, faulty, plan, overrides, notes)
+    return _measure(name, run_dir, codes, scenario.faulty(plan), plan, overrides, notes)
 
 
 class _RunLiveness:
@@ -288,12 +377,6 @@ def _reached_step_while_live(run_dir: Path, index: int, step: int, run: _RunLive
             return run.live()
         time.sleep(0.5)  # polling a file another process writes
     return False
-
-
-def _bad_payload(name: str, index: int) -> list[str]:
-    if name != "bad":
-        return []
-    return {1: ["faults.bad_payload=nan"], 2: ["faults.bad_payload=scaled"]}.get(index, [])
 
 
 def _cut(cluster: Cluster, testbed, index: int, *, down: bool) -> None:
@@ -392,7 +475,7 @@ def default_plan(data: str | None, overrides: Sequence[str], **settings) -> Faul
 
 
 def run_faults_benchmark(*, scenarios: Sequence[str], out: Path, data: str | None, overrides, **settings) -> int:
-    from diloco.testbed import testbed_unavailable
+    from diloco.tools.testbed import testbed_unavailable
 
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from diloco.comm.base import CommBackend, SyncResult
-from diloco.inner import InnerConfig, build_inner_optimizer, inner_step
-from diloco.model import ModelConfig, build_model
-from diloco.outer import OuterConfig, OuterStep
-from diloco.transfer import GLOBAL_DEVICES
+from diloco.core.host_copies import GLOBAL_DEVICES
+from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
+from diloco.core.outer import OuterConfig, OuterStep
+from diloco.models.gpt import ModelConfig, build_model
 
 # peak dense (no sparsity) bf16 tensor-core TFLOP/s from the vendors' data sheets; the first
 # name that occurs in torch.cuda.get_device_name() wins, so the specific ones come first

@@ -1,6 +1,6 @@
 """``diloco bench nat``: what workers behind NAT cost a run, side by side with an all-public one.
 
-Runs in the network testbed (``diloco/testbed.py``, root and iptables): 4 real workers (``--workers``),
+Runs in the network testbed (``diloco/tools/testbed.py``, root and iptables): 4 real workers (``--workers``),
 each in its network namespace on a link shaped to ``--rate`` Mbit/s both ways, with 0, 1, 2 and then 3 of them
 behind a home router of their own (masquerading NAT, nothing can dial in), all on the default
 config, so each NAT'd worker finds out it cannot be dialled and joins as a client. Per arm: the
@@ -49,8 +49,8 @@ def _overrides(steps: int, behind_nat: int, run_dir: Path) -> list[str]:
 def run_arm(behind_nat: int, *, workers: int, rate: float, steps: int, out: Path) -> dict:
     """One run of ``workers`` with the last ``behind_nat`` workers behind NAT; the row of the table."""
     from diloco.config import load_config
-    from diloco.local import run_local
-    from diloco.testbed import Testbed
+    from diloco.tools.launcher import run_local
+    from diloco.tools.testbed import Testbed
 
     run_dir = out / f"nat-{behind_nat}-of-{workers}"
     overrides = _overrides(steps, behind_nat, run_dir)
@@ -101,7 +101,7 @@ def format_table(rows: list[dict], rate: float, workers: int) -> str:
 
 
 def run_nat_benchmark(*, arms: list[int], workers: int, rate: float, steps: int, out: Path) -> int:
-    from diloco.testbed import testbed_unavailable
+    from diloco.tools.testbed import testbed_unavailable
 
     if (reason := testbed_unavailable(nat=True)) is not None:
         print(f"bench nat: {reason}")

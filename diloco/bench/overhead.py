@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from diloco.config import load_config
-from diloco.data import ShardSampler, load_corpus
-from diloco.inner import build_inner_optimizer
-from diloco.model import build_model
+from diloco.core.inner import build_inner_optimizer
+from diloco.data.corpus import ShardSampler, load_corpus
+from diloco.models.gpt import build_model
 
 WARMUP_STEPS = 10
 
@@ -57,7 +57,7 @@ def _bare_loop_tokens_per_s(cfg, steps: int) -> float:
 
 
 def _worker_tokens_per_s(cfg, steps: int, run_dir: Path) -> float:
-    from diloco.train import train
+    from diloco.worker.train import train
 
     cfg.run.dir = str(run_dir)
     train(cfg)

@@ -59,7 +59,7 @@ FIRST_STEP = '"event": "step"'  # how a step record's line reads (json.dumps' se
 
 def size_error(sizes: list[str]) -> str | None:
     """The one line that says why ``sizes`` cannot run here, or None."""
-    from diloco.hf_extra import is_installed
+    from diloco.optional_deps import is_installed
 
     for size in sizes:
         if size not in SIZES:
@@ -169,8 +169,8 @@ def run_training(
     """2 workers of ``size`` to the end, averaging through ``data_plane``; their round costs, or
     why there are none."""
     from diloco.config import load_config
-    from diloco.local import run_local
-    from diloco.metrics import _read_records
+    from diloco.tools.launcher import run_local
+    from diloco.worker.metrics import _read_records
 
     run_dir = out / (size if checkpoints else f"{size}-no-checkpoints")
     if data_plane != "hivemind":
@@ -200,7 +200,7 @@ def run_join(size: str, *, steps: int, sync_every: int, out: Path, timeout_s: fl
     from its log) and the seconds from its launch to its first step record; or why there are none."""
     from diloco.config import load_config
     from diloco.lifetime import terminate_with_parent
-    from diloco.local import run_local, stop_all
+    from diloco.tools.launcher import run_local, stop_all
 
     run_dir = out / f"{size}-join"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -283,7 +283,7 @@ def _start_peer(kind: str, rank: int, *, values: int, rounds: int, rendezvous: P
 def run_baseline(kind: str, *, values: int, rounds: int, out: Path) -> dict:
     """2 payload peers average ``values`` fp32 values ``rounds`` times through ``kind``; the median
     round (seconds, both peers, rounds after the first), or why there is none."""
-    from diloco.local import stop_all
+    from diloco.tools.launcher import stop_all
 
     rendezvous = out / f"{kind}-rendezvous"
     shutil.rmtree(rendezvous, ignore_errors=True)

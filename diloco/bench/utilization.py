@@ -1,6 +1,6 @@
 """``diloco bench utilization``: how much compute each overlap strategy keeps on slow links.
 
-Runs in the network testbed (``diloco/testbed.py``, root only): real hivemind peers, one network
+Runs in the network testbed (``diloco/tools/testbed.py``, root only): real hivemind peers, one network
 namespace each, links shaped with tbf to the same rate both ways.
 
 1. Training: 4 workers, model "baby", H=50, on links of each ``--rates`` (Mbit/s), for each codec
@@ -62,8 +62,8 @@ def _training_overrides(data: str, steps: int, rate: float, codec: str, overlap:
 def run_training(data: str, steps: int, rate: float, codec: str, overlap: str, out: Path) -> dict:
     """One 4-worker run in a fresh testbed; returns the row of the table."""
     from diloco.config import load_config
-    from diloco.local import run_local
-    from diloco.testbed import Testbed
+    from diloco.tools.launcher import run_local
+    from diloco.tools.testbed import Testbed
 
     run_dir = out / f"train-{rate:g}mbit-{codec}-{overlap}"
     overrides = _training_overrides(data, steps, rate, codec, overlap, run_dir)
@@ -100,8 +100,8 @@ def run_training(data: str, steps: int, rate: float, codec: str, overlap: str, o
 
 def run_allreduce(peers: int, rate: float, payload_mb: float, rounds: int, out: Path) -> dict:
     """``peers`` processes in a fresh testbed average ``payload_mb`` MB ``rounds`` times."""
-    from diloco.local import start_bootstrap, stop_all
-    from diloco.testbed import Testbed
+    from diloco.tools.launcher import start_bootstrap, stop_all
+    from diloco.tools.testbed import Testbed
 
     log_dir = out / f"allreduce-{peers}peers"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +182,7 @@ def _with_loss_ratios(rows: list[dict]) -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    from diloco.plot import pyplot
+    from diloco.tools.plot import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -213,7 +213,7 @@ def run_utilization_benchmark(
     out: Path,
 ) -> int:
     from diloco.errors import UsageError
-    from diloco.testbed import testbed_unavailable
+    from diloco.tools.testbed import testbed_unavailable
 
     if (reason := testbed_unavailable()) is not None:
         raise UsageError(reason)

@@ -1,14 +1,12 @@
 """Transports for the outer sync. ``build_backend`` picks one from ``comm.backend``.
 
 - ``base.py``            ``CommBackend`` (the interface), ``SyncResult``, ``CommConfig``
-- ``hivemind.py``        P2P over a DHT: the production path
+- ``hivemind/``          P2P over a DHT, the production path: the backend, its bit-identical
+                         averager, the gloo data plane, the roster, reachability, the run key
 - ``inproc.py``          M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
-- ``exact_averager.py``  hivemind's averager made bit-identical across peers, with byte counts
-- ``gloo_plane.py``      a bulk data plane beside hivemind: fp32 rounds through a gloo all-reduce
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
-- ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
-- ``run_key.py``         the run key: HMAC-signed DHT records and a keyed schema hash
+- ``bounds.py``          the bound of every wait of a round
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from diloco.comm.base import CommBackend, CommConfig, SyncResult
 from diloco.compression import Codec, NoCompression
 
 BACKENDS = ("hivemind", "inproc", "torchdist")
-DATA_PLANES = ("hivemind", "gloo")  # comm.data_plane (gloo_plane.py)
+DATA_PLANES = ("hivemind", "gloo")  # comm.data_plane (hivemind/gloo_plane.py)
 
 __all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
 
@@ -53,7 +51,7 @@ def build_backend(
 
         return InProcBackend(cfg, num_workers=num_workers, worker_index=worker_index, codec=codec)
     if cfg.backend == "hivemind":
-        from diloco.comm.hivemind import HivemindBackend
+        from diloco.comm.hivemind.backend import HivemindBackend
 
         return HivemindBackend(
             cfg,

@@ -1,6 +1,6 @@
 """The transport interface: how workers average their pseudo-gradients.
 
-The outer-loop math (``diloco/outer.py``) only ever calls ``CommBackend.all_reduce_mean``; it
+The outer-loop math (``diloco/core/outer.py``) only ever calls ``CommBackend.all_reduce_mean``; it
 never branches on how bytes travel. A failed or partial round is a ``SyncResult`` with
 ``ok=False``, never an exception that kills the worker.
 """
@@ -87,7 +87,7 @@ class StateRank:
 
 def fingerprint_of(digest: bytes) -> float:
     """A ``StateRank`` fingerprint in [0, 1) from a hash digest (its first 24 bits: exact in the
-    float that carries a state's download priority, see comm/hivemind.py)."""
+    float that carries a state's download priority, see comm/hivemind/backend.py)."""
     return int.from_bytes(digest[:3], "big") / (1 << 24)
 
 

@@ -2,7 +2,7 @@
 
 ``diloco local CONFIG --workers M comm.backend=inproc`` runs the very same ``train()`` loop for
 every worker, each in its own thread; this backend is the only thing that differs. The workers
-take turns from the very start (``simulate`` in local.py makes each thread wait for its turn
+take turns from the very start (``simulate`` in tools/launcher.py makes each thread wait for its turn
 before it even builds its model, so the shared global RNG gives every worker the same initial
 params): exactly one computes at a time (so each one's measured compute time is its own, as
 if it had the machine to itself), and a round's mean is taken in worker order, so a run is

@@ -4,7 +4,7 @@ A contribution whose norm is far beyond the others' (more than ``comm.max_norm_r
 median norm of the round) is dropped; with ``comm.clip_to_median`` every kept contribution above
 the median is scaled down to it. The decision depends on the norms alone, so every reducer that
 screens the same norms reaches the same decision (hivemind's reducers each see only a slice of a
-contribution, so there the norms travel with the matchmaking; see ``exact_averager.py``).
+contribution, so there the norms travel with the matchmaking; see ``hivemind/averager.py``).
 
 The reference is ``statistics.median_low`` over the finite norms: with two contributions it is
 the smaller one, so an honest worker is the reference for a blown-up one. A median of 0 (at

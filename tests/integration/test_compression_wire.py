@@ -28,8 +28,8 @@ def _tensors(index: int) -> list[torch.Tensor]:
 def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: str, results: mp.Queue) -> None:
     """One worker: for each codec, a fresh backend averages this worker's tensors once."""
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
-    from diloco.comm.hivemind import HivemindBackend
-    from diloco.faults import BadPayloadCodec
+    from diloco.comm.hivemind.backend import HivemindBackend
+    from diloco.worker.faults import BadPayloadCodec
 
     for name in codecs:
         codec = build_codec(CompressionConfig(name=name))
@@ -52,7 +52,7 @@ def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: 
 
 
 def _run_peers(count: int, codecs: list[str], bad_peer: int = -1, bad: str = "") -> dict:
-    from diloco.comm.hivemind import start_dht, visible_addresses
+    from diloco.comm.hivemind.backend import start_dht, visible_addresses
 
     bootstrap = start_dht(CommConfig())
     context = mp.get_context("spawn")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diloco.comm.base import CommConfig
-from diloco.comm.gloo_plane import ring_bytes
+from diloco.comm.hivemind.gloo_plane import ring_bytes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -31,7 +31,7 @@ def _tensors(index: int) -> list[torch.Tensor]:
 def _peer(index: int, count: int, bootstrap: list[str], plane: str, bad: str, results: mp.Queue) -> None:
     """One worker: a backend averages this worker's tensors once, then reports."""
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
-    from diloco.comm.hivemind import HivemindBackend
+    from diloco.comm.hivemind.backend import HivemindBackend
 
     cfg = CommConfig(
         run_id="plane", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, deadline_s=30, data_plane=plane
@@ -42,7 +42,7 @@ def _peer(index: int, count: int, bootstrap: list[str], plane: str, bad: str, re
         if bad == "nan":
             tensors[0][7] = float("nan")
         if bad == "die":  # killed inside the all-reduce: after matchmaking, before its first chunk
-            from diloco.comm import gloo_plane
+            from diloco.comm.hivemind import gloo_plane
 
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -64,7 +64,7 @@ def _codec():
 
 
 def _run_peers(count: int, planes: list[str], bad: dict[int, str] | None = None, reports: int | None = None) -> dict:
-    from diloco.comm.hivemind import start_dht, visible_addresses
+    from diloco.comm.hivemind.backend import start_dht, visible_addresses
 
     bad = bad or {}
     bootstrap = start_dht(CommConfig())

@@ -16,7 +16,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from diloco.hf_extra import is_installed
+from diloco.optional_deps import is_installed
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -194,7 +194,7 @@ _WRITE_THEN_HANG = """
 import sys, threading, time
 from pathlib import Path
 import torch
-from diloco.checkpoint import CheckpointWriter
+from diloco.worker.checkpoint import CheckpointWriter
 
 folder, marker = Path(sys.argv[1]), Path(sys.argv[2])
 torch.manual_seed(0)
@@ -219,7 +219,7 @@ threading.Event().wait()
 def test_a_worker_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_previous_one(tmp_path):
     import torch
 
-    from diloco.checkpoint import list_checkpoints, load_latest_checkpoint
+    from diloco.worker.checkpoint import list_checkpoints, load_latest_checkpoint
 
     marker = tmp_path / "writing"
     process = subprocess.Popen([sys.executable, "-c", _WRITE_THEN_HANG, str(tmp_path), str(marker)])

@@ -159,7 +159,7 @@ def test_a_worker_sending_a_blown_up_pseudo_gradient_is_dropped_by_every_peer(tm
 
 def test_a_streaming_worker_whose_contributions_are_dropped_ends_on_the_others_params(tmp_path, diloco_cli):
     # with several fragments a worker whose averages failed takes a peer's state only at the run's end
-    # (diloco/overlap.py); without that it would end on params of its own
+    # (diloco/core/overlap.py); without that it would end on params of its own
     run_dir = tmp_path / "run"
     _run_with_a_blown_up_sender(
         run_dir, diloco_cli, "outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2"

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from diloco import testbed as nets
 from diloco.bench.faults import Cluster
 from diloco.comm.bounds import round_limit_s
-from diloco.testbed import Testbed, leftovers
+from diloco.tools import testbed as nets
+from diloco.tools.testbed import Testbed, leftovers
 from tests.conftest import TINY, read_records
 
 pytestmark = [

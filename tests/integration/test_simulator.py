@@ -10,7 +10,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from diloco.checkpoint import read_checkpoint
+from diloco.worker.checkpoint import read_checkpoint
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -1,4 +1,4 @@
-"""A site: several torchrun ranks acting as one worker (diloco/site.py). Two sites of two ranks
+"""A site: several torchrun ranks acting as one worker (diloco/worker/sites.py). Two sites of two ranks
 each (gloo inside, hivemind across, real processes) hold identical global params on all four
 ranks after every round, equal to two single-rank workers with the same global batch; sharded
 with FSDP2, rank r of each site holds the same shard, and the shards gathered equal those params."""
@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from diloco.checkpoint import read_checkpoint
 from diloco.config import load_config
-from diloco.local import simulate, start_bootstrap, stop_all
+from diloco.tools.launcher import simulate, start_bootstrap, stop_all
+from diloco.worker.checkpoint import read_checkpoint
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from diloco.comm.base import CommConfig
-from diloco.comm.hivemind import bounded_dht_call, start_dht, visible_addresses
-from diloco.comm.roster import Roster
+from diloco.comm.hivemind.backend import bounded_dht_call, start_dht, visible_addresses
+from diloco.comm.hivemind.roster import Roster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from diloco.comm.inproc import round_time_s
-from diloco.testbed import _NAME, leftovers, remove_stale, testbed_unavailable
+from diloco.tools.testbed import _NAME, leftovers, remove_stale, testbed_unavailable
 from tests.conftest import TINY, read_records
 
 needs_root = pytest.mark.skipif(testbed_unavailable() is not None, reason=str(testbed_unavailable()))
@@ -94,7 +94,7 @@ def test_a_crashed_worker_leaves_no_namespace_or_link_behind(diloco_cli, tmp_pat
 @needs_root
 @pytest.mark.timeout(120)
 def test_the_leftovers_of_a_testbed_killed_with_sigkill_are_removed():
-    code = "from diloco.testbed import Testbed; import time; Testbed(2, up_mbit=5, down_mbit=5); print('up', flush=True); time.sleep(600)"  # noqa: E501
+    code = "from diloco.tools.testbed import Testbed; import time; Testbed(2, up_mbit=5, down_mbit=5); print('up', flush=True); time.sleep(600)"  # noqa: E501
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert holder.stdout.readline().strip() == "up"

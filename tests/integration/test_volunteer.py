@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from diloco.bench.faults import Cluster, FaultRun, run_scenario
-from diloco.testbed import testbed_unavailable
+from diloco.tools.testbed import testbed_unavailable
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -9,15 +9,15 @@ import json
 import pytest
 import torch
 
-from diloco.checkpoint import load_latest_checkpoint, save_checkpoint
 from diloco.cli import main
 from diloco.comm.base import CommBackend, SyncResult
 from diloco.config import ConfigError, load_config
-from diloco.faults import StopRequested
-from diloco.inner import InnerConfig, autocast, build_inner_optimizer, inner_step
-from diloco.metrics import param_sha256
-from diloco.model import ModelConfig, build_model
-from diloco.outer import OuterConfig, OuterStep
+from diloco.core.inner import InnerConfig, autocast, build_inner_optimizer, inner_step
+from diloco.core.outer import OuterConfig, OuterStep
+from diloco.models.gpt import ModelConfig, build_model
+from diloco.worker.checkpoint import load_latest_checkpoint, save_checkpoint
+from diloco.worker.faults import StopRequested
+from diloco.worker.metrics import param_sha256
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -131,7 +131,7 @@ def test_global_copy_sits_on_the_chosen_device_and_resumes_bit_exact(tmp_path, g
 
 def test_a_bf16_worker_with_the_global_copy_beside_the_model_resumes_bit_exact(tmp_path):
     """train() end to end (simulated transport, one worker): the new keys reach the loop and the checkpoint."""
-    from diloco.train import train
+    from diloco.worker.train import train
 
     common = [
         "model.n_layer=1",

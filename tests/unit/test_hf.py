@@ -17,11 +17,11 @@ import torch
 
 from diloco.cli import main
 from diloco.config import ConfigError, load_config
-from diloco.data import DataConfig, DataError, ShardSampler, load_corpus, shard_bounds
-from diloco.hf_extra import is_installed
-from diloco.hf_model import HF_PRESETS
-from diloco.local import simulate
-from diloco.model import ModelConfig, build_model
+from diloco.data.corpus import DataConfig, DataError, ShardSampler, load_corpus, shard_bounds
+from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.hf import HF_PRESETS
+from diloco.optional_deps import is_installed
+from diloco.tools.launcher import simulate
 
 requires_hf = pytest.mark.skipif(
     not all(is_installed(module) for module in ("transformers", "datasets", "tokenizers")),
@@ -101,7 +101,7 @@ def test_llama_tiny_on_a_tokenized_dataset_trains_in_two_workers_and_its_loss_fa
 
 @requires_hf
 def test_a_text_dataset_is_tokenized_in_order_and_sharded_without_overlap(text_files, tokenizer_dir):
-    from diloco.hf_data import load_tokenizer
+    from diloco.data.hf import load_tokenizer
 
     corpus = load_corpus(DataConfig(dataset=str(text_files), tokenizer=str(tokenizer_dir), val_fraction=0.1))
     tokenizer = load_tokenizer(str(tokenizer_dir))
@@ -252,7 +252,7 @@ def _stamp(path) -> tuple[int, int]:
 
 @requires_hf
 def test_a_token_cache_holds_the_in_memory_ids_mapped_from_disk_and_is_reused(tmp_path, text_files, tokenizer_dir):
-    from diloco.data import val_batches
+    from diloco.data.corpus import val_batches
 
     in_memory = load_corpus(DataConfig(dataset=str(text_files), tokenizer=str(tokenizer_dir)))
     cached = _cached(tmp_path / "cache", text_files, tokenizer_dir)
@@ -322,7 +322,7 @@ def test_a_changed_tokenizer_or_source_rebuilds_the_token_cache(tmp_path, text_f
 def test_workers_starting_together_build_the_token_cache_once(tmp_path, text_files, tokenizer_dir, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    from diloco import token_cache
+    from diloco.data import token_cache
 
     builds, build = [], token_cache._build
     monkeypatch.setattr(token_cache, "_build", lambda *args: builds.append(1) or build(*args))

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from diloco.checkpoint import save_checkpoint
 from diloco.cli import main
-from diloco.model import GPT, ModelConfig
+from diloco.models.gpt import GPT, ModelConfig
+from diloco.worker.checkpoint import save_checkpoint
 from tests.conftest import TINY
 
 
@@ -80,9 +80,11 @@ def test_a_benchmark_with_no_seed_to_run_is_one_line(seeds, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", [["train"], ["local", "--workers", "3"]])
 def test_a_model_too_big_for_this_machine_is_refused_before_training(command, tmp_path, capsys, monkeypatch):
-    import diloco.memory
+    import diloco.worker.memory
 
-    monkeypatch.setattr(diloco.memory, "available_host_bytes", lambda: 2**30)  # 1 GiB free, whatever the machine has
+    monkeypatch.setattr(
+        diloco.worker.memory, "available_host_bytes", lambda: 2**30
+    )  # 1 GiB free, whatever the machine has
     big = ["model.n_layer=8", "model.n_head=8", "model.n_embd=512"]  # 25.4M parameters, 0.1 GiB in fp32
     assert main([command[0], *TINY, *big, f"run.dir={tmp_path}", *command[1:]]) == 2
     line = _one_error_line(capsys)

@@ -1,0 +1,556 @@
+"""hivemind's decentralized averager, changed so that every peer ends a round bit-identical.
+
+Stock hivemind (1.1.12) runs a butterfly all-reduce in which each peer reduces one part of the
+vector and sends every sender back ``average - what_you_sent``; the sender adds that delta to
+its own part. ``x + (avg - x)`` is not ``avg`` in floating point, so peers drift apart by an
+ulp per round and their parameter hashes never agree. Here a reducer returns the averaged part
+itself, the peers copy it in, and the reducer keeps exactly the values it sent. The same rule
+makes lossy codecs safe: whatever a reducer sends is what everyone, itself included, uses.
+
+Parts travel compressed by the run's codec (diloco/compression): a sender compresses each part
+of its pseudo-gradient, the reducer checks and decodes every part it receives (a bad payload
+drops that sender, with a log line), averages in fp32, compresses the average once and sends
+those bytes to every sender, and uses what they decode to for its own share. Part boundaries
+fall on multiples of the codec's block, so a part's payload is the same bytes the worker's
+error feedback computed for it.
+
+The runner also counts the bytes of every averaging message it sends and receives, so a round
+reports traffic measured on the wire rather than estimated.
+
+Robust aggregation (``robust.py``): a reducer sees only a slice of each sender's vector, so each
+sender declares the norm of its whole (decoded) contribution in the matchmaking's gathered data.
+Every peer screens the same declared norms alike: a dropped sender is refused by every reducer
+(banned before it sends anything, so nobody waits for it), and drops itself as it would a payload
+it cannot decode; with ``comm.clip_to_median`` every reducer scales a sender's parts by the same
+factor. A reducer checks what it receives against the declared norm (the parts of a vector cannot
+be longer than the vector) and drops a sender that under-declared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import io
+import logging
+import math
+import multiprocessing as mp
+import signal
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.mpfuture import MPFuture
+
+from diloco.comm.base import StateReader
+from diloco.comm.hivemind import gloo_plane
+from diloco.comm.hivemind.run_key import keyed_schema_hash
+from diloco.comm.robust import Screening, declared_norm, screen
+from diloco.compression import Codec, PayloadError, all_finite
+from diloco.lifetime import die_with_parent
+
+logger = logging.getLogger(__name__)
+
+
+_NOT_SEEN = 1 << 40
+
+
+class _TrafficCounters:
+    """Running totals shared between the averager's process and the worker's.
+
+    Totals only grow: a reducer may still be sending its last replies when the worker's own
+    step has returned, so a round's traffic is read as the difference between two readings
+    and late bytes are counted in the next one, never lost.
+    """
+
+    def __init__(self):
+        self._sent = mp.Value(ctypes.c_int64, 0)
+        self._recv = mp.Value(ctypes.c_int64, 0)
+        self._failed_values = mp.Value(ctypes.c_int64, 0)
+        self._own_drops = mp.Value(ctypes.c_int64, 0)
+        self._serving = mp.Value(ctypes.c_int64, 0)  # senders this peer is still streaming averaged parts to
+        self._least = mp.Value(ctypes.c_int64, _NOT_SEEN)  # the fewest contributions in a part of this round
+        self._most = mp.Value(ctypes.c_int64, 0)  # the most
+
+    def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0) -> None:
+        for counter, amount in (
+            (self._sent, sent),
+            (self._recv, recv),
+            (self._failed_values, failed_values),
+            (self._own_drops, own_drops),
+        ):
+            if amount:
+                with counter.get_lock():
+                    counter.value += amount
+
+    def note_contributions(self, count: int) -> None:
+        """A part of this round's mean (ours or a reducer's) was averaged over ``count`` contributions."""
+        with self._least.get_lock():
+            self._least.value = min(self._least.value, count)
+            self._most.value = max(self._most.value, count)
+
+    def take_contributions(self) -> tuple[int, int] | None:
+        """The fewest and the most contributions the parts of the round since the last call were
+        averaged over (None: no part said), and start counting afresh."""
+        with self._least.get_lock():
+            least, most = self._least.value, self._most.value
+            self._least.value, self._most.value = _NOT_SEEN, 0
+        return None if least == _NOT_SEEN else (least, most)
+
+    def serving(self, change: int = 0) -> int:
+        """Reply streams to senders still open (after adding ``change``). A peer whose own round is
+        over may still be sending a sender its averaged parts: it must not shut down before."""
+        with self._serving.get_lock():
+            self._serving.value += change
+            return self._serving.value
+
+    def read(self) -> tuple[int, int, int, int]:
+        """(bytes sent, bytes received, values whose reducer failed, rounds in which our own
+        reducer refused our contribution: the others did too) so far."""
+        return self._sent.value, self._recv.value, self._failed_values.value, self._own_drops.value
+
+
+class SenderlessEndingReducer(TensorPartReducer):
+    """hivemind's reducer of our share, which also ends once no sender is left to wait for.
+
+    When the last senders of a part fail before sending it (a peer cut off, or every peer but one
+    whose own contribution was dropped), hivemind's reducer closes that part with nobody in it and
+    opens the next one expecting no sender, and never checks again: its ``finished`` event never
+    fires, and the round waits for the all-reduce's whole timeout (``comm.deadline_s``) while the
+    others have long gone on. A worker whose own contribution every peer dropped waits for exactly
+    that event before its round can end (``_communicate_with_peer``)."""
+
+    def __init__(self, part_shapes, num_senders: int):
+        self.contributions: dict[int, int] = {}  # part -> how many senders its average is over
+        super().__init__(part_shapes, num_senders)
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.contributions[self.current_part_index] = self.current_part_accumulated_from
+        super().check_current_part_finished()
+
+    def on_sender_failed(self, sender_index: int):
+        super().on_sender_failed(sender_index)
+        if not self.finished.is_set() and self.num_current_senders == 0:
+            self.finalize()
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose reducers hand out the average itself, not a delta."""
+
+    def __init__(
+        self,
+        *args,
+        traffic: _TrafficCounters,
+        codec: Codec,
+        screening: Screening | None = None,
+        norms: dict | None = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.tensor_part_reducer.finished.set()  # hivemind's own, replaced: never used, nothing to report
+        self.tensor_part_reducer = SenderlessEndingReducer(
+            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
+        )
+        # a failed reducer's part falls back to our own values rather than a zero delta
+        self.tensor_part_container.return_deltas = False
+        self.traffic, self.codec = traffic, codec
+        self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
+        # robust aggregation: who every peer drops, each kept sender's factor, and the norms declared
+        self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
+        self.norms = norms or {}
+        self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
+
+    async def run(self):
+        # refuse the senders every peer drops before anything arrives, and count them as started
+        # (hivemind otherwise waits for them up to its sender timeout before it finishes the round)
+        for peer in self.sender_peer_ids:
+            if peer in self.screening.dropped:
+                self.active_senders.add(peer)
+                await self._ban_sender(peer)
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+        async for output in super().run():
+            yield output
+
+    def _check_declared_norm(self, sender: PeerID, part: torch.Tensor) -> None:
+        """Raise PayloadError once the parts of ``sender`` received here are longer than the norm it
+        declared for its whole vector (10% for rounding, and a tiny absolute slack)."""
+        squares = self._received_squares.get(sender, 0.0) + float(torch.linalg.vector_norm(part)) ** 2
+        self._received_squares[sender] = squares
+        declared = self.norms.get(sender, math.nan)
+        if not math.sqrt(squares) <= 1.1 * declared + 1e-6:
+            raise PayloadError(f"its parts have norm {math.sqrt(squares):.4g}, above the {declared:.4g} it declared")
+
+    async def _count_received(self, messages: AsyncIterator[averaging_pb2.AveragingData]):
+        async for message in messages:
+            self.traffic.add(recv=message.ByteSize())
+            yield message
+
+    def _input_parts(self, peer_index: int) -> list[torch.Tensor]:
+        return [part for part, _ in self.tensor_part_container._input_parts_by_peer[peer_index]]
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        self.tensor_part_container._inputs_consumed_by_peer[peer_index] = True
+        payloads = amap_in_executor(
+            self.codec.compress,
+            as_aiter(*self._input_parts(peer_index)),
+            max_prefetch=self.tensor_part_container.prefetch,
+        )
+        first = True
+        async for payload in payloads:
+            message = averaging_pb2.AveragingData(tensor_part=_bytes_part(payload), weight=self.weight)
+            if first:
+                message.code, message.group_id, first = averaging_pb2.PART_FOR_AVERAGING, self.group_id, False
+            self.traffic.add(sent=message.ByteSize())
+            yield message
+
+    async def _reply(self, part_index: int, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """The compressed average of one part of our share, made once (every sender and our own
+        share await the same future) and sent to every sender, and what it decodes to, which we
+        keep ourselves. Raises PayloadError if the average is not finite."""
+        if part_index not in self._replies:  # no await between the test and the set: one future per part
+            self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, _compress_reply, self.codec.reply_codec, averaged
+            )
+        return await self._replies[part_index]
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if self.peer_id in self.screening.dropped:
+            # every reducer refuses us this round (it banned us up front): send nothing, keep our values
+            if peer_id == self.peer_id:
+                await self.tensor_part_reducer.finished.wait()  # keep serving the others until they are done
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            return
+        if peer_id != self.peer_id:
+            return await self._exchange_with_reducer(peer_id)
+        # our own share: reduce it locally and keep what the others get (the stock runner keeps a delta)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        scale = self.screening.scales.get(peer_id, 1.0)
+        loop = asyncio.get_event_loop()
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            try:  # our part as the others would decode it
+                sent = await loop.run_in_executor(None, _as_sent, self.codec, part)
+                if scale != 1.0:
+                    sent = sent * scale
+            except PayloadError as error:  # as a peer would, the reducer drops what it cannot read
+                logger.warning("dropped our own contribution: %s", error)
+                self.traffic.add(own_drops=1)
+                await self._ban_sender(peer_id)
+                await self.tensor_part_reducer.finished.wait()  # keep serving the others until they are done
+                self.tensor_part_container.register_failed_reducer(peer_index)
+                return
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, sent, weight=self.weight
+            )
+            self.traffic.note_contributions(self.tensor_part_reducer.contributions.get(part_index, 0))
+            try:
+                _, restored = await self._reply(part_index, averaged)
+            except PayloadError as error:
+                logger.warning("our share's average is unusable: %s", error)
+                self.tensor_part_container.register_failed_reducer(peer_index)
+                return
+            self.tensor_part_container.register_processed_part(peer_index, part_index, restored)
+
+    async def _exchange_with_reducer(self, peer_id: PeerID):
+        """Send our parts of ``peer_id``'s share and copy in the averaged parts it replies, each
+        checked and decoded once, straight into hivemind's container (as its runner does)."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        numels = [part.numel() for part in self._input_parts(peer_index)]
+        expected_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
+        loop = asyncio.get_event_loop()
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            async for message in aiter_with_timeout(self._count_received(stream), self.reducer_timeout):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                if message.weight > 0:  # the reducer says over how many contributions it averaged the part
+                    self.traffic.note_contributions(int(message.weight))
+                numel = numels[part_index] if part_index < len(numels) else -1
+                try:
+                    part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+                except PayloadError as error:
+                    logger.warning("reducer %s sent an unusable averaged part: %s", peer_id, error)
+                    raise
+                self.tensor_part_container.register_processed_part(peer_index, part_index, part)
+                part_index += 1
+            if part_index != expected_parts:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
+        except BaseException as error:
+            if isinstance(error, Exception):
+                logger.debug("caught %r when communicating with %s", error, peer_id, exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def rpc_aggregate_part(self, stream, context: P2PContext):
+        self.traffic.serving(+1)
+        try:
+            async for reply in super().rpc_aggregate_part(self._count_received(stream), context):
+                self.traffic.add(sent=reply.ByteSize())
+                yield reply
+        finally:
+            self.traffic.serving(-1)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        loop = asyncio.get_event_loop()
+        reducer, sender = self.tensor_part_reducer, self.sender_peer_ids[sender_index]
+        scale = self.screening.scales.get(sender)
+        parts_done = 0
+        try:
+            if scale is None:  # dropped by the screening (logged when the round started)
+                return
+            async for message in stream:
+                try:
+                    if not (math.isfinite(message.weight) and message.weight > 0):
+                        raise PayloadError(f"weight {message.weight} is not a positive number")
+                    numel = reducer.part_shapes[parts_done].numel() if parts_done < reducer.num_parts else -1
+                    part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+                    self._check_declared_norm(sender, part)
+                    if scale != 1.0:
+                        part = part * scale
+                except PayloadError as error:
+                    logger.warning("dropped the contribution of peer %s: %s", sender, error)
+                    break
+                try:
+                    averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=message.weight)
+                except BannedException:
+                    break  # the sender was dropped from this round; stop serving it
+                payload, _ = await self._reply(parts_done, averaged)
+                # over how many contributions this part was averaged, for the senders' round records
+                contributions = float(reducer.contributions.get(parts_done, 0))
+                parts_done += 1
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=_bytes_part(payload), weight=contributions
+                )
+        finally:
+            if parts_done != reducer.num_parts:
+                await self._ban_sender(sender)
+
+
+def _bytes_part(payload: bytes) -> runtime_pb2.Tensor:
+    """A payload as hivemind's tensor message (uint8, uncompressed: the codec has done the work)."""
+    return runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE, buffer=payload, size=[len(payload)], dtype="uint8"
+    )
+
+
+def _compress_reply(codec: Codec, averaged: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    payload = codec.compress(averaged)
+    if codec.lossless:  # what the senders decode is these very values: no need to decode them here
+        if not all_finite(averaged):
+            raise PayloadError("payload decodes to non-finite values (NaN or inf)")
+        return payload, averaged
+    return payload, codec.decompress(payload, averaged.numel())
+
+
+def _as_sent(codec: Codec, part: torch.Tensor) -> torch.Tensor:
+    """Our own part as a reducer would decode it (``codec.roundtrip``; a lossless codec's is the part)."""
+    if codec.lossless:
+        if not all_finite(part):
+            raise PayloadError("payload decodes to non-finite values (NaN or inf)")
+        return part
+    return codec.roundtrip(part)
+
+
+def _decode_part(codec: Codec, serialized: runtime_pb2.Tensor, numel: int) -> torch.Tensor:
+    if serialized.dtype != "uint8" or serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise PayloadError(f"payload is a {serialized.dtype} tensor, not the bytes of a compressed part")
+    if numel < 0:
+        raise PayloadError("more parts than this peer reduces")
+    return codec.decompress(serialized.buffer, numel)
+
+
+# hivemind cuts each reducer's share into parts and a reducer answers part k only once every
+# sender's part k is in: on slow links the last part's replies are a tail nothing overlaps, so
+# small parts pay there (testbed, 4 peers at 20 Mbit/s, fp32, all-reduce efficiency: 10 MB 0.753
+# at 512 KiB parts -> 0.802 at 64 KiB, 40 MB 0.722 -> 0.784; 2 MiB 0.61). Every part also costs a
+# fixed amount of work (messages, executor hops), which dominates on fast links with large
+# payloads (85M fp32 values, 2 peers on loopback: 11.5 s a round at 64 KiB parts, 6.1 s at
+# 512 KiB, 4.6 s at 2 MiB). So a payload is cut into about ``PARTS_PER_PAYLOAD`` parts, each
+# between ``MIN_PART_WIRE_BYTES`` and ``MAX_PART_WIRE_BYTES`` on the wire: its tail is then at most
+# a few percent of the round whatever the link. Sized on the wire, so a compressed part is no
+# smaller and its framing stays negligible.
+MIN_PART_WIRE_BYTES = 64 * 1024
+MAX_PART_WIRE_BYTES = 4 * 1024 * 1024
+PARTS_PER_PAYLOAD = 128
+
+
+def aligned_part_size_bytes(codec: Codec, total_values: int = 0) -> int:
+    """hivemind's part size, in fp32 bytes (it cuts parts of size / 4 values from each tensor's
+    start) for a payload of ``total_values``: about 1/``PARTS_PER_PAYLOAD`` of it once compressed,
+    within the bounds above, a multiple of the codec's block so that no block straddles two parts."""
+    sample = 1 << 20
+    wire_bytes_per_value = codec.payload_bytes(sample) / sample
+    wire_bytes = min(
+        MAX_PART_WIRE_BYTES, max(MIN_PART_WIRE_BYTES, total_values * wire_bytes_per_value / PARTS_PER_PAYLOAD)
+    )
+    values = max(1, round(wire_bytes / wire_bytes_per_value) // codec.align) * codec.align
+    return 4 * values
+
+
+class ExactAverager(DecentralizedAverager):
+    """A ``DecentralizedAverager`` whose rounds leave every peer with identical tensors.
+
+    It runs in its own process (as hivemind's does); the byte counts and the share of the vector
+    whose reducer failed are passed back through ``traffic``, shared counters.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        codec: Codec,
+        run_key: str = "",
+        max_norm_ratio: float = 0.0,
+        clip_to_median: bool = False,
+        start: bool,
+        **kwargs,
+    ):
+        self.traffic, self.codec = _TrafficCounters(), codec
+        self.max_norm_ratio, self.clip_to_median = max_norm_ratio, clip_to_median
+        self._shared_state: tuple[dict, StateReader] | None = None
+        super().__init__(
+            averaged_tensors,
+            dht,
+            part_size_bytes=aligned_part_size_bytes(codec, sum(t.numel() for t in averaged_tensors)),
+            start=False,
+            **kwargs,
+        )
+        # a join request must present the leader's schema hash: keyed, only run-key holders can
+        self.schema_hash = keyed_schema_hash(run_key, self.schema_hash)
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def run(self):
+        # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)
+        die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
+        super().run()
+
+    def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
+        """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers
+        are in. Raises ``TimeoutError`` if the averager's process does not take it within ``timeout_s``."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_set_group", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future))
+        )
+        try:
+            future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the averager did not take the round's group key within {timeout_s:.0f} s") from None
+
+    @contextlib.contextmanager
+    def tensors_within(self, timeout_s: float):
+        """``get_tensors()``, waiting at most ``timeout_s`` for the averager to release them (it holds
+        them through an all-reduce, one given up on included); raises ``TimeoutError`` past it."""
+        if not self.lock_averaged_tensors.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the averager held its tensors for more than {timeout_s:.0f} s (an earlier all-reduce)")
+        try:
+            yield self._averaged_tensors
+        finally:
+            self.lock_averaged_tensors.release()
+
+    async def _set_group(self, group_bits: str, target_group_size: int, future: MPFuture):
+        try:
+            matchmaking = self._matchmaking
+            matchmaking.group_key_manager.group_bits = group_bits
+            # the next key is set here every round: hivemind's own key update must not fail on a
+            # group bigger than it planned for (a worker joined), so it sizes by the group instead
+            matchmaking.group_key_manager.target_group_size = None
+            matchmaking.target_group_size = target_group_size
+            matchmaking.potential_leaders.target_group_size = target_group_size
+            future.set_result(None)
+        except Exception as error:
+            if not future.done():
+                future.set_exception(error)
+
+    def share_state(self, metadata: dict, state: StateReader, *, priority: float) -> None:
+        """Serve the state ``state`` reads (with ``metadata``) to peers that download state; peers
+        try the highest ``priority`` first. It is read and serialized only when a peer asks, under
+        the outer step's lock; once stale (an outer step changed it) nothing is served until the
+        next offer. Replaces the previous one atomically."""
+        self._shared_state = (metadata, state)
+        self.state_sharing_priority = priority
+
+    def get_current_state(self):
+        # called in this (the host) process, on a thread of hivemind's, when a peer downloads our state
+        if self._shared_state is None:
+            return {}, [], None
+        metadata, read = self._shared_state
+        serialized = read(_serialize)
+        if serialized is None:  # an outer step changed the state since it was offered
+            return {}, [], None
+        return metadata, [torch.frombuffer(serialized.getbuffer(), dtype=torch.uint8)], None
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
+    ):
+        group_id = group_info.group_id if group_id is None else group_id
+        declared = self._user_data(group_info)
+        if gloo_plane.carries(self.codec, list(declared.values())):
+            # the workers average this group's vectors through the data plane, not through us
+            self._running_groups[group_id].set_result(None)
+            return
+        norms = {peer: declared_norm(data) for peer, data in declared.items()}
+        screening = screen(norms, max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median)
+        for peer, reason in screening.dropped.items():
+            if peer == self.peer_id:
+                logger.warning("dropped our own contribution: %s", reason)
+            else:
+                logger.warning("dropped the contribution of peer %s: %s", peer, reason)
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            traffic=self.traffic,
+            codec=self.codec,
+            screening=screening,
+            norms=norms,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        try:
+            if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+                async for _ in runner:
+                    raise ValueError("auxiliary peers do not receive averaged tensors")
+            else:
+                async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                    tensor.copy_(averaged)
+                self._state_updated.set()
+        finally:
+            self.traffic.add(failed_values=runner.tensor_part_container.failed_size)
+
+    def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
+        """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``
+        decodes it: [bandwidth, mode, user data]); an empty dict where unreadable (its norm: nan)."""
+        found = {}
+        for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
+            try:
+                _, _, user_data = self.serializer.loads(gathered)
+                found[peer] = self.serializer.loads(user_data)
+            except Exception:  # whatever a peer put there, it is not usable
+                found[peer] = {}
+        return found
+
+
+def _serialize(state: dict) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer

@@ -1,0 +1,302 @@
+"""The outer step: pseudo-gradients, their average across workers, and the outer optimizer.
+
+Every ``outer.sync_every`` inner steps a worker computes its pseudo-gradient (the global
+params at the start of the round minus its local params now), averages it with the other
+workers through a ``CommBackend``, writes the average into ``.grad`` of the global copy and
+steps the outer optimizer, a plain ``torch.optim.Optimizer`` (DiLoCo, arXiv:2311.08105:
+Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new global ones.
+
+Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
+other optimizer need no new code here, only a line in ``build_outer_optimizer``.
+
+Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
+pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
+transfer.py), or beside the model (``model``: the pseudo-gradient and the outer step run on the
+GPU; only the pseudo-gradient and its average cross to the host, for the transport).
+
+``outer.sync_every=0`` is the data-parallel baseline instead: ``GradientAveraging`` averages the
+gradients of every inner step over the same transport, counted the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from diloco.comm.base import CommBackend, StateRank, SyncResult, fingerprint_of
+from diloco.compression import ErrorFeedback
+from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+
+
+@dataclass
+class OuterConfig:
+    optimizer: str = "nesterov"  # nesterov | sgd | adam (sgd with lr 1, momentum 0 is plain averaging)
+    lr: float = 0.7  # outer learning rate
+    momentum: float = 0.9  # SGD momentum, or Adam's beta1
+    sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
+    round_s: float = 0.0  # > 0: a round lasts this many seconds of inner steps, as many as each worker can run; 0 = H
+    overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)
+    fragments: int = 1  # streaming: P fragments of the params, each synced every H steps, staggered by H/P
+    delay_steps: int = 1  # streaming: tau, inner steps between a fragment's sync and applying its average
+    mix: float = 0.0  # streaming: alpha; a fragment's local params = alpha x local + (1 - alpha) x new global
+    eager: bool = False  # delayed: each worker's fresh pseudo-gradient stands in for its stale share
+    global_device: str = "cpu"  # global params and outer optimizer state: cpu (pinned for a CUDA model) / model
+
+
+def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """The outer optimizer over the global copy of the parameters."""
+    if cfg.optimizer == "nesterov":  # with momentum 0, Nesterov's look-ahead is plain SGD
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.momentum, 0.999))
+    raise ValueError(f"outer.optimizer={cfg.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
+
+
+class OuterStep:
+    """Holds the global params (fp32; on the CPU or the model's device) and the outer optimizer over them.
+
+    ``local_params`` are the model's parameters, trained by the inner optimizer; they are
+    overwritten with the global params after every round. With a lossy codec on the wire,
+    ``error_feedback`` adds what the last rounds did not send to the pseudo-gradient.
+    """
+
+    def __init__(
+        self,
+        local_params: Sequence[torch.nn.Parameter],
+        cfg: OuterConfig,
+        *,
+        error_feedback: ErrorFeedback | None = None,
+    ):
+        self.local_params = list(local_params)
+        self.error_feedback = error_feedback
+        if cfg.global_device not in GLOBAL_DEVICES:
+            raise ValueError(f"outer.global_device={cfg.global_device!r} is not one of {', '.join(GLOBAL_DEVICES)}")
+        self.global_params = global_copy(self.local_params, cfg.global_device)
+        # the optimizer's state sits beside the global params and never crosses the bus: not pinned
+        self.optimizer = build_outer_optimizer(cfg, self.global_params)
+        self._copy_back = CopyFence()  # the queued copies of the global params into the model
+        # held while the global state changes, and while a peer's download reads it (offered_state)
+        self._state_lock = threading.Lock()
+        self._state_version = 0  # how many times the global state changed: an offer is of one version
+        # the last catch-up needed a peer's state and got none: our global params may differ from
+        # those of the group we average with next, which would keep them apart for good
+        self.unsynced = False
+
+    @torch.no_grad()
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """Global params at the start of the round minus local params now (fresh fp32 CPU tensors, for
+        the transport)."""
+        if not on_cuda(self.local_params):
+            return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)]
+        if on_cuda(self.global_params):  # subtract on the GPU, then one copy of the difference
+            return to_host([g - p.detach() for g, p in zip(self.global_params, self.local_params)])
+        staged = to_host(self.local_params)
+        return [torch.sub(g, s, out=s) for g, s in zip(self.global_params, staged)]
+
+    @torch.no_grad()
+    def apply(self, averaged: Sequence[torch.Tensor]) -> None:
+        """Outer optimizer step with ``averaged`` as the gradient; local params restart from the result.
+
+        The copies into the model are queued, not awaited: the next inner step runs after them on
+        the same stream, and the next write to the global params waits for them (``CopyFence``)."""
+        self._copy_back.wait()
+        with self.changing():
+            for param, grad in zip(self.global_params, to_device(averaged, self.global_params)):
+                param.grad = grad
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        for local, param in zip(self.local_params, self.global_params):
+            local.copy_(param, non_blocking=True)
+        self._copy_back.mark(self.local_params[0].device)
+
+    @contextlib.contextmanager
+    def changing(self):
+        """Around every change of the global params or the outer optimizer's state: a peer's
+        download never reads half of one, and what was offered before it is withdrawn."""
+        with self._state_lock:
+            self._state_version += 1
+            yield
+
+    def sync(
+        self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
+    ) -> tuple[SyncResult, int | None]:
+        """One round: pseudo-gradient, average with the other workers, outer step.
+
+        When the average fails or covers fewer than ``expected_peers`` workers (hivemind can lose
+        a peer or part of the vector inside a round), the worker applies what it has, then
+        takes the global state of a peer that averaged in a bigger group, or of a later round
+        when the others have moved on, so that it ends with the others' params instead of
+        drifting. Returns the averaging result and the round of the state taken from a peer
+        (None when none was).
+        """
+        started = time.monotonic()
+        pseudo_gradients = self.pseudo_gradients()
+        if self.error_feedback is not None:
+            pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
+        result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
+        if result.partial:  # the group's common mean, honest about how few it covers in places
+            logger.warning("round %d: %s", round_index + 1, result.error)
+        elif not result.ok:  # the backend left our own pseudo-gradient in place
+            logger.warning("round %d: averaging failed (%s)", round_index + 1, result.error)
+            if self.error_feedback is not None:
+                self.error_feedback.forget()  # what it had carried over is applied now, in full
+        self.apply(pseudo_gradients)
+        # a worker whose contribution the group dropped ranks its state below every other (peers 0)
+        peers = result.peers if result.averaged else min(result.peers, 1)
+        # what is left of the round's deadline, but never less than a short download
+        remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
+        return result, self.catch_up(
+            backend,
+            round_index=round_index,
+            failed=not result.averaged,
+            peers=peers,
+            group=result.group if result.averaged else 0,
+            expected_peers=expected_peers,
+            timeout_s=remaining,
+            newer=True,
+            drifted=result.drifted,
+        )
+
+    def catch_up(
+        self,
+        backend: CommBackend,
+        *,
+        round_index: int,
+        peers: int,
+        expected_peers: int,
+        timeout_s: float,
+        group: int = 0,
+        newer: bool = False,
+        failed: bool = False,
+        drifted: bool = False,
+    ) -> int | None:
+        """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
+        if fewer than expected took part, take the state of a peer that ranks higher (a bigger
+        group, or the agreed winner between groups of one size), or, with ``newer``, of a later
+        round. When the workers outside our group (``group``: its size, dropped members included)
+        are fewer than ``peers``, none can have averaged over as many: nothing to fetch.
+        ``expected_peers`` is the plan; a transport that tracks who is alive says how many are left.
+        A worker whose round ``failed`` (it applied its own pseudo-gradient) and whose catch-up
+        found no state is ``unsynced``: its global params may differ from the others'. It ranks
+        itself below every peer (peers 0) until it takes a state, since averaging pseudo-gradients
+        in one group does not bring global params that differ back together. (The winner of a
+        split round also finds nobody better, but its round did not fail: it is in step.)
+        A round taken alone while workers that vanished may train on (``drifted``) leaves the worker
+        unsynced too: when they are back, one side takes the other's state.
+        Returns the round of the state taken (the local params then restart from it), or None."""
+        live = backend.expected_peers()
+        expected = expected_peers if live is None else live
+        demoted = self.unsynced and expected > 1
+        if demoted:
+            peers = 0
+        # the fingerprint only tells apart groups of one size, which a round that everyone
+        # averaged in cannot have: hashing every global param each round is skipped then
+        rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
+        backend.publish_state(round_index, rank, self.offered_state())  # called only by transports that serve state
+        if not demoted and (peers >= expected or expected - max(peers, group) < peers):
+            # alone with nobody live to sync with: what it was stays so until someone is back
+            self.unsynced = drifted or (self.unsynced and expected <= 1)
+            return None  # everyone, or too few left outside our group to rank higher
+        found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
+        self.unsynced = found is None and (failed or demoted)
+        if found is None:
+            logger.warning(
+                "round %d: averaged over %d of %d workers and no peer did better", round_index + 1, peers, expected
+            )
+            return None
+        self.load_state_dict(found.state)
+        backend.publish_state(found.round, found.rank, self.offered_state())  # no longer behind: peers may go
+        logger.warning(
+            "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
+            round_index + 1,
+            peers,
+            expected,
+            found.rank.peers,
+            found.round + 1,
+        )
+        return found.round
+
+    def fingerprint(self) -> float:
+        """A number in [0, 1) from the hash of the global params: equal exactly when they are."""
+        digest = hashlib.sha256()
+        for param in self.global_params:
+            digest.update(param.detach().cpu().numpy().tobytes())
+        return fingerprint_of(digest.digest())
+
+    def state_dict(self, *, copy: bool = True) -> dict:
+        """A snapshot (tensors copied: the next outer step does not change it), on the CPU whatever
+        ``outer.global_device`` is: checkpoints and peers' downloads load anywhere. With ``copy``
+        false, on the CPU, the live tensors: for a caller that copies them itself (``CheckpointWriter``)
+        or reads them at once."""
+        return {
+            "global_params": [p.detach().to("cpu", copy=copy) for p in self.global_params],
+            "optimizer": state_to_cpu(self.optimizer.state_dict(), copy=copy),
+        }
+
+    def offered_state(self) -> Callable[[Callable[[dict], T]], T | None]:
+        """The global state as it is now, for a peer that may ask for it later: ``read(use)`` calls
+        ``use`` with the live state (nothing copied on the CPU) under the lock that outer steps
+        take, or returns None once an outer step has changed it since (the offer is then stale)."""
+        version = self._state_version
+
+        def read(use: Callable[[dict], T]) -> T | None:
+            with self._state_lock:
+                return use(self.state_dict(copy=False)) if self._state_version == version else None
+
+        return read
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self._copy_back.wait()
+        with self.changing():
+            for param, saved in zip(self.global_params, state["global_params"], strict=True):
+                param.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
+        for local, param in zip(self.local_params, self.global_params):
+            local.copy_(param)
+
+
+class GradientAveraging:
+    """The data-parallel baseline: called between backward and the inner optimizer's update, it
+    replaces every gradient by its mean over the workers. Each call is a round on the transport;
+    ``take_rounds`` hands back what the rounds since the last call cost."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], backend: CommBackend, *, weight: float, deadline_s: float):
+        self.params, self.backend = list(params), backend
+        self.weight, self.deadline_s = weight, deadline_s
+        self.rounds_done = 0
+        self._pending: list[tuple[SyncResult, float]] = []
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        started = time.perf_counter()
+        result = self.backend.all_reduce_mean(
+            grads, self.weight, round_index=self.rounds_done, deadline_s=self.deadline_s
+        )
+        measured = time.perf_counter() - started
+        for param, grad in zip(self.params, grads):
+            param.grad = grad
+        self.rounds_done += 1
+        self._pending.append((result, measured))
+
+    def take_rounds(self) -> list[tuple[SyncResult, float]]:
+        """(result, measured seconds) of each round since the last call."""
+        pending, self._pending = self._pending, []
+        return pending

@@ -1,0 +1,288 @@
+"""``diloco local``: a bootstrap peer and M workers on this machine, watched until they finish.
+
+``diloco testbed`` runs the same, each worker in its own network namespace on a shaped link
+(``diloco/tools/testbed.py``). With ``comm.backend=inproc`` the M workers are threads of this
+process instead, taking turns (see ``diloco/comm/inproc.py``); the run directory they write is
+the same.
+
+Each worker is a real ``diloco train`` process in its own session (so a terminal's Ctrl-C
+reaches only this launcher, which stops the workers in order) with ``cores / M`` torch threads
+(several workers on one machine slow each other far more than the sum of their work
+otherwise). Worker output goes to ``RUN_DIR/worker-<i>.log``; progress is read from the
+workers' JSONL records. At the end the launcher writes ``summary.json`` and prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from diloco.comm.base import CommError
+from diloco.comm.hivemind.run_key import RUN_KEY_ENV
+from diloco.config import Config
+from diloco.lifetime import terminate_with_parent
+from diloco.tools.testbed import Testbed
+from diloco.worker.metrics import format_duration, format_summary, write_summary
+
+logger = logging.getLogger(__name__)
+
+GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
+REFRESH_S = 2.0  # progress refresh period
+
+
+def _worker_command(
+    config_path: str | None,
+    overrides: list[str],
+    index: int,
+    count: int,
+    run_dir: Path,
+    peers: list[str],
+    threads: int,
+) -> list[str]:
+    peer_list = "[" + ",".join(f"'{peer}'" for peer in peers) + "]"
+    config_args = [config_path] if config_path else []
+    verbose = ["--verbose"] if logger.isEnabledFor(logging.DEBUG) else []
+    return [
+        sys.executable,
+        "-m",
+        "diloco.cli",
+        *verbose,
+        "train",
+        *config_args,
+        *overrides,
+        f"worker.index={index}",
+        f"worker.count={count}",
+        f"run.dir={run_dir}",
+        f"comm.initial_peers={peer_list}",
+        f"worker.threads={threads}",
+    ]
+
+
+class _Progress:
+    """Follows each worker's JSONL file: its latest step and round records, and the bytes it sent."""
+
+    def __init__(self, run_dir: Path, count: int):
+        self.paths = [run_dir / f"worker-{i}.jsonl" for i in range(count)]
+        self.offsets = [path.stat().st_size if path.exists() else 0 for path in self.paths]
+        self.latest: list[dict] = [{} for _ in range(count)]
+        self.sent = [0] * count
+        self.started = time.monotonic()
+
+    def poll(self) -> None:
+        for i, path in enumerate(self.paths):
+            if not path.exists():
+                continue
+            with path.open("rb") as file:
+                file.seek(self.offsets[i])
+                chunk = file.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is read next time
+            self.offsets[i] += len(complete)
+            for line in complete.splitlines():
+                record = json.loads(line)
+                self.latest[i].update({f"{record['event']}.{k}": v for k, v in record.items()})
+                if record["event"] == "round":
+                    self.sent[i] += record.get("bytes_sent", 0)
+
+    def lines(self, total_steps: int, states: list[str]) -> list[str]:
+        """A header (progress of the slowest worker, elapsed time, ETA), then one line per worker."""
+        steps = [latest.get("step.step", 0) for latest in self.latest]
+        done = min(steps) / total_steps if total_steps else 1.0
+        elapsed = time.monotonic() - self.started
+        eta = format_duration(elapsed * (1 - done) / done) if done > 0 else "-"
+        out = [f"{100 * done:.0f}% done  {format_duration(elapsed)} elapsed  ETA {eta}"]
+        for i, latest in enumerate(self.latest):
+            loss = latest.get("round.val_loss", latest.get("step.loss"))
+            out.append(
+                f"  worker {i}: step {steps[i]:>5}/{total_steps}"
+                f"  round {latest.get('round.round', 0):>3}"
+                f"  loss {loss if loss is None else f'{loss:.4f}'}"
+                f"  {latest.get('step.tokens_per_s', 0):>8.0f} tok/s"
+                f"  peers {latest.get('round.peers', '-')}"
+                f"  sent {self.sent[i] / 1e6:.1f} MB  {states[i]}"
+            )
+        return out
+
+
+def run_local(
+    cfg: Config, config_path: str | None, overrides: list[str], *, workers: int, testbed: Testbed | None = None
+) -> int:
+    """Run ``workers`` workers to the end, on loopback or each in its namespace of ``testbed``.
+    Returns the exit code: 0 when every worker finished."""
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    children: list[subprocess.Popen] = []
+    logs = []
+    host = testbed.host if testbed else "127.0.0.1"
+    bootstrap, peers = start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s, run_key=cfg.comm.run_key)
+    try:
+        print(f"bootstrap peer: {peers[0]}")
+        where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
+        print(f"run directory:  {run_dir}   ({workers} workers {where}, {threads} threads each)")
+        progress = _Progress(run_dir, workers)
+        for i in range(workers):
+            log = (run_dir / f"worker-{i}.log").open("ab")
+            logs.append(log)
+            command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
+            if testbed:
+                command = testbed.command(i, [*command, f"comm.host={testbed.address(i)}"])
+            children.append(
+                subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it stops them in order
+                    preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
+                )
+            )
+        _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping workers ...", flush=True)
+        stop_all(children)
+        return 130
+    finally:
+        stop_all(children)
+        for log in logs:
+            log.close()
+        stop_all([bootstrap])
+
+    failed = [i for i, child in enumerate(children) if child.returncode != 0]
+    summary = write_summary(run_dir)
+    print(format_summary(summary))
+    for i in failed:
+        print(f"worker {i} failed (exit code {children[i].returncode}); see {run_dir / f'worker-{i}.log'}")
+    return 1 if failed else 0
+
+
+def _watch(progress: _Progress, total_steps: int, states, out: TextIO = sys.stdout) -> None:
+    """Show the workers' progress until no worker is running: redrawn in place on a terminal;
+    piped to a file, printed again only when it changed (and with no control codes)."""
+    last_poll, shown = 0.0, []
+    terminal = out.isatty()
+    while True:
+        current = states()
+        if time.monotonic() - last_poll >= REFRESH_S or "running" not in current:
+            progress.poll()
+            lines = progress.lines(total_steps, current)
+            if terminal:
+                # back to the first line of the last view, clear to the end of the screen, redraw
+                out.write((f"\x1b[{len(shown)}F\x1b[J" if shown else "") + "\n".join(lines) + "\n")
+                shown = lines
+            elif lines[1:] != shown[1:]:  # the header's clock alone is no news in a log file
+                out.write("\n".join(lines) + "\n")
+                shown = lines
+            out.flush()
+            last_poll = time.monotonic()
+        if "running" not in current:
+            return
+        time.sleep(0.2)  # a UI refresh, not synchronisation: the loop ends when the workers do
+
+
+def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
+    """Run M simulated workers as threads of this process (``comm.backend=inproc``), each the real
+    ``train()`` loop; return the run's summary (also written to ``summary.json``)."""
+    from diloco.comm.inproc import forget_group, group_for
+    from diloco.worker.train import train
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    forget_group(cfg.comm.run_id)
+    group = group_for(cfg.comm.run_id, workers)
+    states = ["running"] * workers
+
+    def run_worker(index: int) -> None:
+        worker_cfg = copy.deepcopy(cfg)
+        worker_cfg.worker.index, worker_cfg.worker.count, worker_cfg.worker.threads = index, workers, 0
+        try:
+            group.wait_turn(index)  # torch's RNG is global: set-up must take turns like the steps do
+            train(worker_cfg)
+            states[index] = "done"
+        except Exception:
+            logger.exception("worker %d failed", index)
+            states[index] = "failed"
+        finally:
+            group.finish(index)
+
+    threads = [threading.Thread(target=run_worker, args=(i,), daemon=True, name=f"worker-{i}") for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    if show_progress:
+        _watch(_Progress(run_dir, workers), cfg.inner.steps, lambda: list(states))
+    for thread in threads:
+        thread.join()
+    forget_group(cfg.comm.run_id)
+    return write_summary(run_dir)
+
+
+def run_inproc(cfg: Config, *, workers: int) -> int:
+    """``diloco local ... comm.backend=inproc``: simulate, show progress, print the summary."""
+    print(
+        f"run directory:  {cfg.run_dir}   ({workers} simulated workers taking turns, {torch.get_num_threads()} threads)"
+    )
+    logging.getLogger("diloco.worker.records").setLevel(logging.WARNING)  # the progress lines say it
+    summary = simulate(cfg, workers=workers, show_progress=True)
+    print(format_summary(summary))
+    if summary["failed_workers"]:
+        print(f"workers {summary['failed_workers']} failed; see the log above")
+        return 1
+    return 0
+
+
+def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[subprocess.Popen, list[str]]:
+    """A ``diloco bootstrap`` child listening on ``host`` (a child, so that it, too, dies with the
+    launcher), holding the run key if there is one; returns it and the address it prints."""
+    env = {**os.environ, RUN_KEY_ENV: run_key} if run_key else None
+    process = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", host, "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if "initial_peers=" in line:
+                return process, [line.split("['", 1)[1].split("']", 1)[0]]
+    stop_all([process])
+    raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.startup_timeout_s)")
+
+
+def _state(child: subprocess.Popen) -> str:
+    code = child.poll()
+    return "running" if code is None else ("done" if code == 0 else f"exit {code}")
+
+
+def stop_all(children: list[subprocess.Popen]) -> None:
+    """SIGTERM each worker (it shuts its peers down), then SIGKILL whatever is left of its session."""
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
+        # the worker's session holds its hivemind helpers and p2pd daemons too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)

@@ -1,0 +1,167 @@
+"""A worker that starts behind a live run: a newcomer (``diloco join``) or a restart from an old
+checkpoint. Before its first round it takes the global params, outer-optimizer state and round
+of a live peer, and starts on the round the others are in (``catch_up_with_run``).
+
+    diloco join configs/tiny.yaml --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
+    diloco join --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...     # the run's config from a live peer
+
+Every worker publishes the run's resolved config (``shared_config``: all but what is each
+machine's own, ``LOCAL_KEYS``) with its sha256 in its roster record; a volunteer who joins with
+no config file takes it from there (``config_from_run``), its own overrides on top.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+from diloco.comm.base import CommBackend, CommError, StateRank
+from diloco.comm.hivemind.roster import nobody_answered
+from diloco.config import Config, ConfigError, to_dict
+from diloco.core.outer import OuterStep
+
+logger = logging.getLogger(__name__)
+
+
+class JoinError(CommError):
+    """``diloco join`` found no live run to join (wrong address, wrong run key, or the run is over)."""
+
+
+def run_identity(cfg: Config) -> dict:
+    """The settings every worker of a run must share, as ``KEY: value``: those that fix the shapes of
+    the state a newcomer downloads (the model's; not where its weights sit, nor its dropout)."""
+    local = ("hf_weights", "dropout")
+    return {f"model.{key}": value for key, value in vars(cfg.model).items() if key not in local}
+
+
+# what each machine sets for itself: never taken from the run's published config
+LOCAL_KEYS = (
+    "run.dir",
+    "worker.index",
+    "worker.threads",
+    "worker.device",
+    "worker.compile",
+    "comm.host",
+    "comm.port",
+    "comm.announce_host",
+    "comm.initial_peers",
+    "comm.client_mode",
+    "comm.run_key",  # a secret: never published (each holder passes it itself)
+    "comm.startup_timeout_s",
+)
+
+
+def shared_config(cfg: Config) -> dict:
+    """The run's resolved config without ``LOCAL_KEYS``, as plain containers: what a volunteer
+    who joins with only an address runs with."""
+    tree = to_dict(cfg)
+    for key in LOCAL_KEYS:
+        section, name = key.split(".")
+        tree[section].pop(name, None)
+    return tree
+
+
+def config_digest(tree: dict) -> str:
+    return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+
+
+def published_run(cfg: Config) -> dict:
+    """What a worker announces of its run (``CommBackend.announce_run``): the settings every worker
+    must share (``run_identity``), the shared config and its digest."""
+    tree = shared_config(cfg)
+    return {**run_identity(cfg), "config": tree, "config_sha256": config_digest(tree)}
+
+
+def config_from_run(entries: dict, run_id: str) -> dict:
+    """The shared config the live workers publish, each copy checked against its digest and all
+    of them the same; ``JoinError`` (one line) when none publishes one or they differ."""
+    found = {}
+    for entry in entries.values():
+        run = getattr(entry, "run", None) or {}
+        tree, digest = run.get("config"), run.get("config_sha256")
+        if isinstance(tree, dict) and digest == config_digest(tree):
+            found[digest] = tree
+    if not found:
+        raise JoinError(
+            f"no live worker of run {run_id!r} publishes its config: join with the run's config file "
+            f"(diloco join CONFIG --peers ADDR)"
+        )
+    if len(found) > 1:
+        raise JoinError(
+            f"the live workers of run {run_id!r} publish {len(found)} different configs: join with the "
+            f"run's config file (diloco join CONFIG --peers ADDR)"
+        )
+    return next(iter(found.values()))
+
+
+def check_same_run(cfg: Config, others: dict) -> None:
+    """Raise ``ConfigError`` (one line) when a live worker runs the run with other shared settings
+    than ``cfg``: each key that differs, with both values."""
+    mine = run_identity(cfg)
+    for entry in others.values():
+        theirs = getattr(entry, "run", None) or {}
+        differ = [key for key in mine if key in theirs and theirs[key] != mine[key]]
+        if differ:
+            listed = ", ".join(f"{key}={mine[key]!r} here, {theirs[key]!r} in the run" for key in differ)
+            raise ConfigError(
+                f"this worker's config differs from that of run {cfg.comm.run_id!r}: {listed}; "
+                f"join with the run's settings (its config.yaml)"
+            )
+
+
+def catch_up_with_run(
+    outer: OuterStep,
+    backend: CommBackend,
+    step: int,
+    round_index: int,
+    *,
+    cfg: Config,
+    required: bool,
+    align_step: bool,
+) -> tuple[int, int]:
+    """Before the first round: if live peers are rounds ahead, take a peer's global params and
+    outer-optimizer state and start on the round they are in, at their inner step when rounds
+    are H steps (``align_step``: a round that has begun is joined with fewer samples, and
+    weighted by them). Returns (step, round)."""
+    sync_every = cfg.outer.sync_every
+    others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
+    if required and not others:
+        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers))
+    check_same_run(cfg, others)  # before any download: a state of other shapes cannot be loaded
+    if not any(e.round > round_index for e in others.values()):
+        return step, round_index
+    found = backend.fetch_state(
+        round_index - 1, better_than=StateRank(1 << 30), timeout_s=cfg.comm.deadline_s, newer=True
+    )
+    if found is None:
+        if required:
+            raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")
+        logger.warning("worker %d: peers are ahead but none served its state; continuing", cfg.worker.index)
+        return step, round_index
+    taken_round = found.round
+    outer.load_state_dict(found.state)
+    round_index = taken_round + 1
+    if not align_step:
+        logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round + 1)
+        return step, round_index
+    round_start = round_index * sync_every
+    if round_start >= cfg.inner.steps:  # the peers are past their last round, not yet gone
+        logger.warning(
+            "worker %d took the state after round %d from a peer, the run's last: nothing is left to train",
+            cfg.worker.index,
+            taken_round + 1,
+        )
+        backend.report_progress(round_index, cfg.inner.steps)
+        return cfg.inner.steps, round_index
+    in_round = [e.step for e in others.values() if e.round == round_index]
+    step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)
+    logger.warning(
+        "worker %d took the state after round %d from a peer; starts round %d at step %d",
+        cfg.worker.index,
+        taken_round + 1,
+        round_index + 1,
+        step,
+    )
+    backend.report_progress(round_index, step)
+    return step, round_index

@@ -1,0 +1,205 @@
+"""What a worker records, one call per event: the JSONL line (the contract benchmarks and plots
+read), the wandb point, and the console line.
+
+Record fields: ``step`` records every ``logging.log_every`` inner steps,
+``round`` records after every outer sync, one ``end`` record when the worker finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from diloco.comm.base import SyncResult
+from diloco.worker.metrics import JsonlWriter, LoggingConfig, build_wandb_logger, format_duration
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Totals:
+    """Running totals of one worker, kept in its checkpoint so a resumed run continues them."""
+
+    compute_s: float = 0.0  # time inside inner steps
+    comm_wait_s: float = 0.0  # time blocked in the outer sync
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    wall_s: float = 0.0  # training time before this process (resumed runs)
+    peak_sync_bytes: int = 0  # the most bytes sent by one sync (streaming sends a fragment at a time)
+
+    def add_round(self, result: SyncResult, comm_s: float) -> None:
+        self.comm_wait_s += comm_s
+        self.bytes_sent += result.bytes_sent
+        self.bytes_recv += result.bytes_recv
+        self.peak_sync_bytes = max(self.peak_sync_bytes, result.bytes_sent)
+
+
+@dataclass
+class RoundCost:
+    result: SyncResult
+    comm_s: float  # the round's communication time (modelled, for a simulated transport)
+    recovered: bool = False  # the worker took a peer's state after it
+
+
+class WorkerLog:
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        *,
+        run_dir: Path,
+        run_name: str,
+        worker_index: int,
+        total_steps: int,
+        tokens_per_step: int,
+        config_dict: dict,
+        wall_s_before: float = 0.0,
+    ):
+        self.worker_index, self.total_steps, self.tokens_per_step = worker_index, total_steps, tokens_per_step
+        self.jsonl = JsonlWriter(run_dir, worker_index)
+        self.wandb = build_wandb_logger(
+            cfg, run_dir=run_dir, run_name=run_name, worker_index=worker_index, config_dict=config_dict
+        )
+        self.started = time.perf_counter() - wall_s_before
+        self._window_start, self._window_steps = time.perf_counter(), 0
+        self._eta_from: tuple[int, float] | None = None  # (step, time) of this process's first step record
+        # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
+        self.live: dict = {}
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def discount(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the wall clock (time a simulated worker spent waiting for its turn)."""
+        self.started += seconds
+
+    def _emit(self, record: dict, step: int) -> None:
+        self.jsonl.log(record)
+        self.wandb.log(record, step=step)
+
+    def step(self, step: int, round_index: int, loss, lr: float, *, due: bool) -> None:
+        """Count an inner step; write a record when ``due`` (reading the loss syncs, so only then)."""
+        self._window_steps += 1
+        if not due:
+            return
+        tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
+        record = {
+            "event": "step",
+            "step": step,
+            "round": round_index,
+            "loss": loss.item(),
+            "lr": lr,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "time_s": round(self.elapsed_s(), 4),
+        }
+        self._emit(record, step)
+        self.live = {**self.live, "loss": round(record["loss"], 4), "tokens_per_s": record["tokens_per_s"]}
+        logger.info(
+            "step %d/%d  round %d  loss %.4f  %.0f tokens/s  ETA %s",
+            step,
+            self.total_steps,
+            round_index,
+            record["loss"],
+            tokens_per_s,
+            self._eta(step),
+        )
+        self.restart_window()
+
+    def _eta(self, step: int) -> str:
+        """Time left at this process's pace so far (syncs and evaluation included)."""
+        if self._eta_from is None:
+            self._eta_from = (step, time.perf_counter())
+            return "-"
+        first_step, started = self._eta_from
+        done = step - first_step
+        seconds = (time.perf_counter() - started) / done * (self.total_steps - step) if done else 0.0
+        return format_duration(seconds)
+
+    def restart_window(self) -> None:
+        """Throughput windows exclude syncs and evaluation."""
+        self._window_start, self._window_steps = time.perf_counter(), 0
+
+    def round(
+        self,
+        round_number: int,
+        step: int,
+        result: SyncResult,
+        *,
+        comm_s: float,
+        recovered: bool,
+        val_loss: float,
+        param_hash: str,
+        phases_s: dict[str, float] | None = None,
+    ) -> None:
+        record = {
+            "event": "round",
+            "round": round_number,
+            "step": step,
+            "val_loss": val_loss,
+            "peers": result.peers,
+            "ok": result.ok,
+            "partial": result.partial,
+            "recovered": recovered,
+            "bytes_sent": result.bytes_sent,
+            "bytes_recv": result.bytes_recv,
+            "comm_s": round(comm_s, 4),
+            "param_sha256": param_hash,
+            "tokens": step * self.tokens_per_step,
+        }
+        if phases_s:  # seconds in each phase since the last record (watchdog.py): where the round went
+            record["phases_s"] = {name: round(seconds, 4) for name, seconds in phases_s.items()}
+        if result.error:
+            record["error"] = result.error
+        self._emit(record, step)
+        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
+        logger.info(
+            "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent  params %s",
+            round_number,
+            val_loss,
+            result.peers,
+            comm_s,
+            result.bytes_sent,
+            param_hash[:12],
+        )
+        self.restart_window()
+
+    def end(
+        self, step: int, rounds: int, totals: Totals, *, val_loss: float, param_hash: str, param_count: int = 0
+    ) -> dict:
+        record = {
+            "event": "end",
+            "worker": self.worker_index,
+            "inner_steps": step,
+            "rounds": rounds,
+            "tokens": step * self.tokens_per_step,
+            "val_loss": val_loss,
+            "bytes_sent": totals.bytes_sent,
+            "bytes_recv": totals.bytes_recv,
+            "peak_sync_bytes": totals.peak_sync_bytes,
+            "compute_s": round(totals.compute_s, 3),
+            "comm_wait_s": round(totals.comm_wait_s, 3),
+            "wall_s": round(self.elapsed_s(), 3),
+            "param_count": param_count,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "param_sha256": param_hash,
+        }
+        self._emit(record, step)
+        return record
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.wandb.finish()
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far (its high-water mark), in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def totals_state(totals: Totals, log: WorkerLog) -> dict:
+    """Totals as saved in a checkpoint (with the wall time so far)."""
+    return {**asdict(totals), "wall_s": log.elapsed_s()}

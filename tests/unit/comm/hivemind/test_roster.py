@@ -1,0 +1,149 @@
+"""The roster (who a round waits for) and the run key (who may write the run's records)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+
+from diloco.comm.hivemind.backend import bounded_dht_call
+from diloco.comm.hivemind.roster import PartialRead, Roster, free_slot
+from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
+
+
+def _answered(value) -> Future:
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+class _FakeDHT:
+    """The two DHT calls the roster makes, on a dict; records do not expire unless removed."""
+
+    def __init__(self):
+        self.records: dict[int, dict] = {}
+
+    def store(self, key, *, subkey, value, expiration_time, return_future):
+        self.records[subkey] = value
+        return _answered(True)
+
+    def get(self, key, latest, return_future):
+        if not self.records:
+            return _answered(None)
+        return _answered(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.records.items()}))
+
+
+class _SilentDHT:
+    """A DHT process that takes every request and never answers (stuck, or its daemon gone)."""
+
+    def store(self, key, **kwargs):
+        return Future()
+
+    def get(self, key, **kwargs):
+        return Future()
+
+
+def _roster(dht, index: int, planned: int, timeout_s: float = 5.0) -> Roster:
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=timeout_s)
+    return Roster(call, run_id="r", worker_index=index, planned=planned)
+
+
+def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_who_joined():
+    dht = _FakeDHT()
+    me, other = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3)
+    me._publish(), other._publish()
+    assert me.expected() == 3  # worker 2 has not shown up yet: still expected
+    del dht.records[1]  # worker 1's heartbeat expired (crashed, or cut off)
+    assert me.expected() == 2
+    joiner = _roster(dht, 3, planned=3)
+    joiner._publish()
+    assert me.expected() == 3  # 0 and 2 of the plan, and 3 who joined
+    joiner.leave()
+    assert me.expected() == 2 and dht.records[3]["leaving"]
+
+
+def test_a_worker_is_alone_once_every_other_left_cleanly(tmp_path):
+    dht = _FakeDHT()
+    me, other, third = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3), _roster(dht, 2, planned=3)
+    me._publish(), other._publish()
+    assert not me.others_gone()
+    other.leave()
+    assert me.others_gone() and not me.vanished  # the only other worker seen has finished: nobody to wait for
+    third._publish()
+    assert not me.others_gone()  # one came (back): groups again
+
+
+def test_a_worker_whose_heartbeats_stopped_is_gone_a_ttl_after_its_record_expired():
+    now = [100.0]
+    dht = _FakeDHT()
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
+    me = Roster(call, run_id="r", worker_index=0, planned=2, clock=lambda: now[0])
+    other = _roster(dht, 1, planned=2)
+    me._publish(), other._publish()
+    assert not me.others_gone()
+    del dht.records[1]  # its heartbeat expired without a word: killed, crashed or cut off
+    now[0] += me.ttl_s - 1
+    assert not me.others_gone()  # a heartbeat late under load is not a crash yet
+    now[0] += 1
+    assert me.others_gone() and me.vanished == {1}  # alone at once from now on, and it may have drifted
+    other._publish()
+    assert not me.others_gone()  # it is back: groups again
+
+
+def test_a_read_without_this_workers_own_record_says_nothing_of_who_is_gone():
+    # a lookup from a peer in client mode may find only part of the records: were it trusted, the
+    # others would look gone, and a client would give up rounds it could have averaged
+    dht = _FakeDHT()
+    me, other = _roster(dht, 0, planned=2), _roster(dht, 1, planned=2)
+    me._publish(), other._publish()
+    assert me.expected() == 2
+    del dht.records[0]
+    with pytest.raises(PartialRead):
+        me.expected()
+    with pytest.raises(PartialRead):
+        me.others_gone()
+
+
+@pytest.mark.timeout(30)
+def test_a_dht_that_never_answers_costs_a_heartbeat_and_a_read_their_bound_not_a_hang():
+    roster = _roster(_SilentDHT(), 0, planned=2, timeout_s=0.2)
+    started = time.monotonic()
+    roster._publish()  # a missed heartbeat: logged at debug, the next one may go through
+    with pytest.raises(TimeoutError, match="the DHT did not answer within 0.2 s"):
+        roster.entries()
+    assert time.monotonic() - started < 5
+
+
+def test_a_newcomer_takes_the_lowest_free_slot_and_none_when_the_run_is_full():
+    dht = _FakeDHT()
+    for index in (0, 1, 3):
+        _roster(dht, index, planned=4)._publish()
+    entries = _roster(dht, 0, planned=4).entries()
+    assert free_slot(entries, 5) == 2 and free_slot(entries, 2) is None
+    _roster(dht, 1, planned=4).leave()
+    assert free_slot(_roster(dht, 0, planned=4).entries(), 2) == 1
+
+
+def test_records_signed_with_the_run_key_validate_and_others_do_not():
+    validator = RunKeyValidator("secret")
+    record = DHTRecord(b"run.roster", b"\x01", b"payload", 1234.5)
+    signed = DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+    assert validator.validate(signed) and validator.strip_value(signed) == b"payload"
+    assert not RunKeyValidator("guess").validate(signed)
+    assert not validator.validate(DHTRecord(record.key, record.subkey, b"payload", record.expiration_time))
+    tampered = DHTRecord(record.key, record.subkey, b"PAYLOAD" + signed.value[7:], record.expiration_time)
+    assert not validator.validate(tampered)
+    later = DHTRecord(record.key, record.subkey, signed.value, record.expiration_time + 60)
+    assert not validator.validate(later)  # the tag covers the expiration: a record cannot be kept alive
+
+
+def test_the_schema_hash_is_a_token_only_key_holders_can_present(monkeypatch):
+    schema = b"\x00" * 32
+    assert keyed_schema_hash("", schema) == schema
+    assert keyed_schema_hash("a", schema) == keyed_schema_hash("a", schema) != keyed_schema_hash("b", schema)
+    monkeypatch.setenv("DILOCO_RUN_KEY", "from-env")
+    assert resolve_run_key("") == "from-env" and resolve_run_key("given") == "given"

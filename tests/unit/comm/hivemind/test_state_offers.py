@@ -1,0 +1,83 @@
+"""How a hivemind worker reads its peers' state offers after a round (logic only: the DHT and the
+download are stand-ins; tests/integration/test_volunteer.py runs the real thing)."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from diloco.comm.base import StateRank
+from diloco.comm.hivemind.backend import HivemindBackend, _offer, _priority
+
+
+class _Averager:
+    """Serves one state: the best peer's, after round 0."""
+
+    def __init__(self, state: dict, round_index: int, rank: StateRank):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self.served = ({"round": round_index, "peers": rank.peers, "fingerprint": rank.fingerprint}, buffer)
+
+    def load_state_from_peers(self, timeout):
+        metadata, buffer = self.served
+        return metadata, [torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)]
+
+
+def _backend(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> HivemindBackend:
+    backend = HivemindBackend.__new__(HivemindBackend)  # no DHT: the offers are scripted below
+    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(2, 0.5))]
+    reads = iter(offers_over_time)
+    last = offers_over_time[-1]
+    backend._state_offers = lambda: next(reads, last)
+    backend._live_others = lambda: live - 1
+    return backend
+
+
+def test_priority_packs_round_and_rank_exactly():
+    rank = StateRank(3, 0.25)
+    assert _offer(_priority(12, rank)) == (12, rank)
+
+
+def test_a_peer_still_in_its_outer_step_is_waited_for_not_taken_as_absent():
+    """Round 0 failed for us. The first reading shows only the dropped peers' offers (peers 0);
+    the peer that averaged in a group of 2 has not offered its state yet. Concluding "nobody did
+    better" then would leave our params apart from that peer's: wait for every live peer."""
+    dropped = [(0, StateRank(0, 0.1)), (0, StateRank(0, 0.2))]
+    backend = _backend([dropped, dropped, [*dropped, (0, StateRank(2, 0.5))]], live=4)
+    found = backend.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0)
+    assert found is not None and found.round == 0 and found.rank == StateRank(2, 0.5)
+    torch.testing.assert_close(found.state["global_params"][0], torch.ones(1))
+
+
+def test_when_every_live_peer_offers_this_round_and_none_ranks_higher_nobody_is_asked():
+    backend = _backend([[(0, StateRank(0, 0.1)), (0, StateRank(1, 0.2))]], live=3)
+    assert backend.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0) is None
+
+
+def test_only_live_peers_that_serve_state_are_waited_for():
+    from diloco.comm.hivemind.roster import PartialRead, RosterEntry
+
+    class _Roster:
+        worker_index = 0
+
+        def own_entries(self):
+            return {
+                0: RosterEntry(0, 3, 60),  # this worker
+                1: RosterEntry(1, 3, 60),
+                2: RosterEntry(2, 3, 60, serves_state=False),  # client mode: offers nothing, ever
+                3: RosterEntry(3, 2, 40, leaving=True),
+            }
+
+    backend = HivemindBackend.__new__(HivemindBackend)
+    backend.roster = _Roster()
+    assert backend._live_others() == 1
+
+    class _PartialRoster:
+        worker_index = 0
+
+        def own_entries(self):  # a lookup that did not find this worker's own record
+            raise PartialRead("the roster read did not find this worker's own record")
+
+    backend.roster = _PartialRoster()
+    assert backend._live_others() is None  # unknown, not nobody: a client does not give up on its round

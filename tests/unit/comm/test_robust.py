@@ -1,0 +1,170 @@
+"""Robust aggregation: the norm rule, how the simulator's averaging applies it, and a simulated run
+in which one worker sends 100 x its pseudo-gradient."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+
+import pytest
+import torch
+
+from diloco.comm.base import CommBackend, Contribution, SyncResult, average_payloads
+from diloco.comm.robust import norm_of, screen
+from diloco.compression import CompressionConfig, NoCompression, build_codec
+from diloco.config import ConfigError, load_config
+from diloco.tools.launcher import simulate
+from diloco.worker.faults import FaultConfig, ScaledPayloadBackend, with_bad_payloads, with_faults
+from tests.conftest import TINY
+
+
+def test_with_two_contributions_the_smaller_norm_is_the_reference():
+    decision = screen({"honest": 1.0, "big": 100.0}, max_norm_ratio=10, clip_to_median=False)
+    assert decision.median == 1.0
+    assert list(decision.dropped) == ["big"] and decision.scales == {"honest": 1.0}
+    assert "100" in decision.dropped["big"] and "median norm 1" in decision.dropped["big"]
+
+
+def test_a_norm_at_the_ratio_is_kept_and_just_above_is_dropped():
+    norms = {"a": 1.0, "b": 1.0, "c": 10.0, "d": 10.000001}
+    decision = screen(norms, max_norm_ratio=10, clip_to_median=False)
+    assert list(decision.dropped) == ["d"] and decision.scales == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
+def test_ratio_zero_turns_the_rule_off_but_non_finite_norms_are_always_dropped():
+    norms = {"a": 1.0, "b": 1e6, "c": math.nan, "d": math.inf}
+    decision = screen(norms, max_norm_ratio=0, clip_to_median=False)
+    assert sorted(decision.dropped) == ["c", "d"] and decision.scales == {"a": 1.0, "b": 1.0}
+    assert decision.median == 1.0  # over the finite norms only
+    on = screen(norms, max_norm_ratio=10, clip_to_median=False)
+    assert sorted(on.dropped) == ["b", "c", "d"]
+
+
+def test_clip_scales_the_norms_above_the_median_down_to_it():
+    decision = screen({"a": 1.0, "b": 2.0, "c": 4.0, "d": 50.0}, max_norm_ratio=10, clip_to_median=True)
+    assert decision.median == 2.0 and list(decision.dropped) == ["d"]
+    assert decision.scales == {"a": 1.0, "b": 1.0, "c": 0.5}
+    no_ratio = screen({"a": 1.0, "b": 2.0, "c": 4.0, "d": 50.0}, max_norm_ratio=0, clip_to_median=True)
+    assert no_ratio.scales["d"] == pytest.approx(2.0 / 50.0) and not no_ratio.dropped
+
+
+def test_a_zero_median_leaves_every_finite_contribution_in():
+    # half the group sent nothing: no scale to judge the others by (dropping them all would stall training)
+    decision = screen({"a": 0.0, "b": 0.0, "c": 5.0}, max_norm_ratio=10, clip_to_median=True)
+    assert not decision.dropped and decision.scales == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
+def test_the_decision_depends_on_the_norms_alone_not_their_order():
+    norms = {"a": 3.0, "b": 0.5, "c": 40.0, "d": 2.0, "e": math.nan}
+    decisions = [
+        screen(dict(order), max_norm_ratio=10, clip_to_median=True) for order in itertools.permutations(norms.items())
+    ]
+    assert all(d.dropped == decisions[0].dropped and d.scales == decisions[0].scales for d in decisions)
+    assert sorted(decisions[0].dropped) == ["c", "e"]
+
+
+def test_norm_of_spans_every_tensor_and_does_not_overflow():
+    assert norm_of([torch.tensor([3.0]), torch.tensor([4.0])]) == pytest.approx(5.0)
+    assert norm_of([torch.full((4,), 3e38)]) == pytest.approx(6e38)
+    assert math.isnan(norm_of([torch.tensor([1.0, math.nan])]))
+
+
+def _contribution(name: str, value: float, codec=None) -> Contribution:
+    codec = codec or NoCompression()
+    return Contribution(name, [codec.compress(torch.full((4,), value)), codec.compress(torch.full((2,), value))], 1.0)
+
+
+def test_average_payloads_drops_a_blown_up_contribution_and_logs_who_sent_it(caplog):
+    contributions = [_contribution("worker 0", 1.0), _contribution("worker 1", 3.0), _contribution("worker 2", 300.0)]
+    with caplog.at_level(logging.WARNING, logger="diloco.comm.base"):
+        means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, max_norm_ratio=10)
+    assert [c.worker for c in used] == ["worker 0", "worker 1"]
+    torch.testing.assert_close(means[0], torch.full((4,), 2.0))
+    assert "round 8: dropped the contribution of worker 2: its norm 734.8 is more than 10 x the median" in caplog.text
+    # off: the poisoned mean
+    means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, max_norm_ratio=0)
+    assert len(used) == 3 and means[0][0].item() == pytest.approx(304 / 3)
+
+
+def test_average_payloads_clips_to_the_median_norm_of_the_decoded_contributions():
+    codec = build_codec(CompressionConfig(name="int8"))
+    contributions = [_contribution(f"worker {i}", v, codec) for i, v in enumerate([1.0, 2.0, 4.0])]
+    means, used = average_payloads(codec, contributions, [4, 2], round_index=0, max_norm_ratio=10, clip_to_median=True)
+    assert len(used) == 3
+    torch.testing.assert_close(means[0], torch.full((4,), (1 + 2 + 2) / 3), atol=0.02, rtol=0)
+
+
+def test_config_checks_the_ratio_and_accepts_the_scaled_fault():
+    with pytest.raises(ConfigError, match="comm.max_norm_ratio=0.5 must be 0"):
+        load_config(None, ["comm.max_norm_ratio=0.5"])
+    with pytest.raises(ConfigError, match="comm.max_norm_ratio=1.0"):
+        load_config(None, ["comm.max_norm_ratio=1"])
+    cfg = load_config(None, ["comm.max_norm_ratio=0", "faults.bad_payload=scaled", "comm.clip_to_median=true"])
+    assert cfg.comm.max_norm_ratio == 0 and cfg.comm.clip_to_median
+    # scaled payloads are well-formed fp32: torch.distributed's plain all-reduce carries them too
+    load_config(None, ["faults.bad_payload=scaled", "comm.backend=torchdist"])
+
+
+class _Echo(CommBackend):
+    """Records what it was given; succeeds (leaving the tensors as they are: a mean of one) or fails."""
+
+    def __init__(self, ok: bool):
+        self.ok, self.seen = ok, []
+
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+        self.seen = [t.clone() for t in tensors]
+        return SyncResult(self.ok, 1, weight)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_the_scaled_fault_sends_scale_times_the_tensors_and_a_failed_round_leaves_them_unscaled(ok):
+    cfg = FaultConfig(worker=1, bad_payload="scaled", payload_scale=100.0)
+    assert isinstance(with_faults(_Echo(ok), cfg, 1), ScaledPayloadBackend)
+    assert isinstance(with_faults(_Echo(ok), cfg, 0), _Echo)  # another worker: no fault
+    assert with_bad_payloads(NoCompression(), cfg, 1).__class__ is NoCompression  # the payloads are well-formed
+    inner = _Echo(ok)
+    tensors = [torch.ones(3)]
+    with_faults(inner, cfg, 1).all_reduce_mean(tensors, 1.0, round_index=0, deadline_s=1)
+    torch.testing.assert_close(inner.seen[0], torch.full((3,), 100.0))
+    torch.testing.assert_close(tensors[0], torch.full((3,), 100.0 if ok else 1.0))
+
+
+def _simulated_loss(tmp_path, name: str, *overrides: str) -> tuple[dict, float]:
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            "comm.backend=inproc",
+            "inner.steps=10",
+            "outer.sync_every=5",
+            "checkpoint.every_rounds=0",
+            f"run.dir={tmp_path / name}",
+            *overrides,
+        ],
+    )
+    summary = simulate(cfg, workers=4)
+    assert summary["failed_workers"] == [], summary
+    return summary, summary["final_val_loss"]
+
+
+def test_a_simulated_worker_with_scaled_payloads_is_dropped_and_the_run_learns_as_without_it(tmp_path, caplog):
+    _, clean = _simulated_loss(tmp_path, "clean")
+    with caplog.at_level(logging.WARNING, logger="diloco.comm.base"):
+        summary, robust = _simulated_loss(tmp_path, "robust", "faults.worker=2", "faults.bad_payload=scaled")
+    drops = [r.getMessage() for r in caplog.records if "dropped the contribution of worker 2" in r.getMessage()]
+    assert len(drops) == 2 and all("x the median norm" in d for d in drops), caplog.text  # both rounds
+    assert not any("worker 0" in r.getMessage() or "worker 1" in r.getMessage() for r in caplog.records)
+    assert summary["params_agree"]  # the dropped worker took the others' mean too
+    assert robust == pytest.approx(clean, rel=0.03)
+    # the same fault with the rule off wrecks the run: the check above is not vacuous
+    _, poisoned = _simulated_loss(
+        tmp_path, "off", "faults.worker=2", "faults.bad_payload=scaled", "comm.max_norm_ratio=0"
+    )
+    assert poisoned > clean * 1.2, (poisoned, clean)
+
+
+def test_norm_of_a_long_vector_is_its_float64_norm_to_a_millionth():
+    values = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
+    exact = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+    assert norm_of([values[:10], values[10:]]) == pytest.approx(exact, rel=1e-6)

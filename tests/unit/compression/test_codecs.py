@@ -1,0 +1,189 @@
+"""Codecs: round-trip error bounds, exact payload sizes, rejection of bad payloads, error feedback."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.comm.base import Contribution, average_payloads
+from diloco.compression import CODECS, CompressionConfig, ErrorFeedback, PayloadError, build_codec
+from diloco.compression.codec import HEADER_BYTES
+
+SMALL = CompressionConfig(block_size=8, topk_k=4, topk_chunk=32)  # small blocks: many of them in small tensors
+
+
+def codec_of(name: str, cfg: CompressionConfig = SMALL):
+    return build_codec(CompressionConfig(**{**cfg.__dict__, "name": name}))
+
+
+def error_bound(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The largest error each codec may make on ``x`` (elementwise, per block)."""
+    if name == "none":
+        return torch.zeros_like(x)
+    if name == "fp16":
+        return x.abs() * 2**-11 + 6e-8
+    if name == "topk":  # a value is either sent (4 levels) or dropped: never more than its chunk's max
+        chunks = torch.nn.functional.pad(x.abs(), (0, -x.numel() % 32)).view(-1, 32).amax(1)
+        return chunks.repeat_interleave(32)[: x.numel()] * 1.0001
+    levels = {"int8": 127, "int4": 7}[name]
+    blocks = torch.nn.functional.pad(x.abs(), (0, -x.numel() % 8)).view(-1, 8).amax(1)
+    return (blocks / levels / 2).repeat_interleave(8)[: x.numel()] * 1.0001 + 1e-12
+
+
+sizes = st.integers(min_value=0, max_value=300)
+
+
+@pytest.mark.parametrize("name", CODECS)
+@settings(max_examples=25, deadline=None)
+@given(numel=sizes, scale=st.floats(min_value=1e-6, max_value=1e3), seed=st.integers(0, 2**16))
+def test_round_trip_error_is_bounded_and_payload_size_exact(name, numel, scale, seed):
+    codec = codec_of(name)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+    payload = codec.compress(x)
+    assert len(payload) == codec.payload_bytes(numel)
+    restored = codec.decompress(payload, numel)
+    assert restored.dtype == torch.float32 and restored.shape == (numel,)
+    assert bool(((restored - x).abs() <= error_bound(name, x)).all())
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_any_float_dtype_and_shape_round_trips(name, dtype):
+    codec = codec_of(name)
+    x = torch.randn(3, 5, 7).to(dtype)
+    restored = codec.roundtrip(x)
+    assert restored.shape == x.shape and restored.dtype == torch.float32
+    assert bool(((restored - x.float()).abs().view(-1) <= error_bound(name, x.float().view(-1))).all())
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "topk"])
+def test_aligned_slices_compress_to_the_same_values_as_the_whole(name):
+    # transports may cut a tensor at multiples of codec.align: the pieces must decode as the whole does
+    codec = codec_of(name)
+    x = torch.randn(10 * codec.align + 3)
+    whole = codec.roundtrip(x)
+    cut = 4 * codec.align
+    pieces = torch.cat([codec.roundtrip(x[:cut]), codec.roundtrip(x[cut:])])
+    assert torch.equal(whole, pieces)
+
+
+def test_compression_ratios():
+    x = torch.randn(1 << 20)
+    ratio = {name: 4 * x.numel() / len(codec_of(name, CompressionConfig()).compress(x)) for name in CODECS}
+    assert ratio["none"] == pytest.approx(1.0, rel=1e-4)
+    assert ratio["fp16"] == pytest.approx(2.0, rel=1e-4)
+    assert ratio["int8"] == pytest.approx(4 / (1 + 4 / 64), rel=1e-3)  # a byte a value, a fp32 scale per 64
+    assert ratio["int4"] == pytest.approx(4 / (0.5 + 4 / 64), rel=1e-3)
+    assert ratio["topk"] > 100  # 64 of 4096 kept: 16-bit positions, 2-bit values, one scale per chunk
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_bad_payloads_are_rejected_with_a_reason(name):
+    codec = codec_of(name)
+    x = torch.randn(100)
+    payload = codec.compress(x)
+    with pytest.raises(PayloadError, match="truncated|expected"):
+        codec.decompress(payload[: len(payload) // 2], 100)
+    with pytest.raises(PayloadError, match="truncated"):
+        codec.decompress(payload[: HEADER_BYTES - 1], 100)
+    with pytest.raises(PayloadError, match="holds 99 values, expected 100"):
+        codec.decompress(codec.compress(x[:99]), 100)
+    with pytest.raises(PayloadError, match="non-finite"):
+        codec.decompress(codec.compress(torch.full((100,), math.nan)), 100)
+    with pytest.raises(PayloadError, match="not a diloco"):
+        codec.decompress(b"XX" + payload[2:], 100)
+    other = "int8" if name != "int8" else "int4"
+    with pytest.raises(PayloadError, match="same compression"):
+        codec.decompress(codec_of(other).compress(x), 100)
+
+
+def test_a_codec_with_other_parameters_is_a_mismatch():
+    with pytest.raises(PayloadError, match=r"int8\(16, 0\), expected int8\(8, 0\)"):
+        codec_of("int8").decompress(codec_of("int8", CompressionConfig(block_size=16)).compress(torch.ones(50)), 50)
+
+
+def test_topk_positions_out_of_range_are_rejected():
+    codec = codec_of("topk")
+    payload = bytearray(codec.compress(torch.randn(32)))
+    payload[HEADER_BYTES + 4 : HEADER_BYTES + 6] = (40).to_bytes(2, "little")  # first position: 40 >= 32
+    with pytest.raises(PayloadError, match="positions"):
+        codec.decompress(bytes(payload), 32)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4", "topk"])
+def test_error_feedback_makes_the_sum_of_what_was_sent_track_the_sum_of_inputs(name):
+    codec = codec_of(name)
+    feedback = ErrorFeedback(codec, enabled=True)
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(200, generator=g) for _ in range(60)]
+    sent_total, input_total = torch.zeros(200), torch.zeros(200)
+    for x in inputs:
+        (corrected,) = feedback.apply([x])
+        sent_total += codec.roundtrip(corrected)
+        input_total += x
+        # what was sent plus what is still owed is exactly what came in
+        torch.testing.assert_close(sent_total + feedback.residuals[0], input_total, atol=1e-4, rtol=1e-5)
+    # the residual stays bounded (it does not grow with the rounds): the sum of what was sent converges
+    assert feedback.residuals[0].abs().max() < 0.2 * input_total.abs().max() + 10
+    without = sum(codec.roundtrip(x) for x in inputs)
+    assert (sent_total - input_total).norm() <= (without - input_total).norm() + 1e-4
+
+
+def test_error_feedback_state_round_trips_and_is_off_for_lossless_codecs():
+    feedback = ErrorFeedback(codec_of("topk"), enabled=True)
+    feedback.apply([torch.randn(100)])
+    restored = ErrorFeedback(codec_of("topk"), enabled=True)
+    restored.load_state_dict(feedback.state_dict())
+    assert torch.equal(restored.residuals[0], feedback.residuals[0])
+    assert not ErrorFeedback(codec_of("none"), enabled=True).enabled
+
+
+def test_average_payloads_drops_a_bad_contribution_and_keeps_the_others(caplog):
+    codec = codec_of("int8")
+    a, b = torch.ones(20), torch.full((20,), 3.0)
+    contributions = [
+        Contribution("worker 0", [codec.compress(a)], 1.0),
+        Contribution("worker 1", [codec.compress(torch.full((20,), math.nan))], 1.0),
+        Contribution("worker 2", [codec.compress(b)], 1.0),
+        Contribution("worker 3", [codec.compress(a)], math.inf),
+    ]
+    means, used = average_payloads(codec, contributions, [20], round_index=4)
+    assert [c.worker for c in used] == ["worker 0", "worker 2"]
+    torch.testing.assert_close(means[0], torch.full((20,), 2.0), rtol=1e-2, atol=0)
+    assert "round 5: dropped the contribution of worker 1: payload decodes to non-finite values" in caplog.text
+    assert "dropped the contribution of worker 3: weight inf" in caplog.text
+
+
+def test_hivemind_parts_must_be_compressed_bytes():
+    from hivemind.compression import serialize_torch_tensor
+
+    from diloco.comm.hivemind.averager import _bytes_part, _decode_part, aligned_part_size_bytes
+
+    codec = codec_of("int4")
+    with pytest.raises(PayloadError, match="float32 tensor, not the bytes"):
+        _decode_part(codec, serialize_torch_tensor(torch.ones(3)), 3)
+    torch.testing.assert_close(_decode_part(codec, _bytes_part(codec.compress(torch.ones(3))), 3), torch.ones(3))
+    assert aligned_part_size_bytes(codec_of("topk", CompressionConfig(topk_chunk=3000))) // 4 % 3000 == 0
+
+
+def test_error_feedback_survives_a_diverged_step():
+    feedback = ErrorFeedback(codec_of("int8"), enabled=True)
+    feedback.apply([torch.randn(20)])
+    (sent,) = feedback.apply([torch.full((20,), math.inf)])  # peers will drop it; the worker must not crash
+    assert not bool(torch.isfinite(sent).all())
+    assert bool((feedback.residuals[0] == 0).all())
+
+
+def test_all_finite_finds_a_nan_or_an_infinity_and_is_not_fooled_by_a_sum_that_overflows():
+    from diloco.compression import all_finite
+
+    values = torch.zeros(1000)
+    assert all_finite(values)
+    for bad in (math.nan, math.inf, -math.inf):
+        values[517] = bad
+        assert not all_finite(values)
+    assert all_finite(torch.full((4,), 3e38))  # finite values whose sum is not

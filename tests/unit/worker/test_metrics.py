@@ -1,0 +1,172 @@
+"""Tests for diloco.worker.metrics: JSONL records, summary.json, param hashes and the wandb loggers."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diloco.worker.metrics import (
+    JsonlWriter,
+    LoggingConfig,
+    NullLogger,
+    WandbLogger,
+    build_wandb_logger,
+    format_summary,
+    param_sha256,
+    summarize_run,
+    write_summary,
+)
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_lines_are_readable_before_close(tmp_path):
+    writer = JsonlWriter(tmp_path, 2)
+    writer.log({"event": "step", "step": 1, "loss": torch.tensor(2.5), "lr": np.float32(0.5)})
+    assert _lines(tmp_path / "worker-2.jsonl") == [{"event": "step", "step": 1, "loss": 2.5, "lr": 0.5}]
+    writer.log({"event": "round", "round": np.int64(1), "peers": [0, 1], "x": torch.tensor([1, 2])})
+    assert _lines(tmp_path / "worker-2.jsonl")[1] == {
+        "event": "round",
+        "round": 1,
+        "peers": [0, 1],
+        "x": [1, 2],
+    }
+    writer.close()
+
+
+def test_jsonl_appends_across_restarts(tmp_path):
+    with JsonlWriter(tmp_path, 0) as writer:
+        writer.log({"event": "step", "step": 1})
+    with JsonlWriter(tmp_path, 0) as writer:
+        writer.log({"event": "step", "step": 2})
+    assert [r["step"] for r in _lines(tmp_path / "worker-0.jsonl")] == [1, 2]
+
+
+def _end(worker: int, **overrides) -> dict:
+    record = {
+        "event": "end", "worker": worker, "inner_steps": 100, "rounds": 5, "tokens": 1000,
+        "val_loss": 2.0, "bytes_sent": 100, "bytes_recv": 200, "compute_s": 8.0,
+        "comm_wait_s": 1.0, "wall_s": 10.0, "param_sha256": "ab" * 32,
+    }  # fmt: skip
+    record.update(overrides)
+    return record
+
+
+def _write_worker(run_dir, worker: int, end: dict | None) -> None:
+    with JsonlWriter(run_dir, worker) as writer:
+        writer.log({"event": "step", "step": 10, "round": 0, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 5.0})
+        writer.log({"event": "round", "round": 1, "step": 20, "val_loss": 2.5, "peers": 2})
+        if end is not None:
+            writer.log(end)
+
+
+def test_summary_means_sums_and_failed_workers(tmp_path):
+    _write_worker(tmp_path, 0, _end(0))
+    _write_worker(tmp_path, 1, _end(1, tokens=3000, val_loss=2.5, bytes_sent=301, compute_s=4.0, wall_s=6.0))
+    _write_worker(tmp_path, 2, None)  # crashed: no end record
+    with (tmp_path / "worker-2.jsonl").open("a") as f:
+        f.write('{"event": "st')  # a line cut short by the crash
+
+    summary = summarize_run(tmp_path)
+    assert summary["workers"] == 2
+    assert summary["failed_workers"] == [2]
+    assert summary["inner_steps"] == 100 and summary["rounds"] == 5
+    assert summary["tokens"] == 4000
+    assert summary["final_val_loss"] == pytest.approx(2.25)
+    assert summary["bytes_sent"] == 200  # mean 200.5, whole bytes
+    assert summary["bytes_recv"] == 200
+    assert summary["compute_s"] == pytest.approx(6.0)
+    assert summary["comm_wait_s"] == pytest.approx(1.0)
+    assert summary["wall_s"] == pytest.approx(8.0)
+    assert summary["compute_utilization"] == pytest.approx(0.75)
+    assert summary["param_sha256"] == ["ab" * 32, "ab" * 32]
+    assert summary["params_agree"] is True
+    assert [r["worker"] for r in summary["per_worker"]] == [0, 1]
+    assert "identical across 2 workers" in format_summary(summary)
+
+
+def test_summary_orders_workers_numerically_and_flags_differing_params(tmp_path):
+    for worker in (10, 2):
+        _write_worker(tmp_path, worker, _end(worker, param_sha256=f"{worker:064x}"))
+    summary = summarize_run(tmp_path)
+    assert [r["worker"] for r in summary["per_worker"]] == [2, 10]
+    assert summary["params_agree"] is False
+    assert "DIFFER" in format_summary(summary)
+
+
+def test_write_summary_writes_json_atomically(tmp_path):
+    _write_worker(tmp_path, 0, _end(0))
+    summary = write_summary(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "worker-0.jsonl"]
+
+
+def test_summary_of_run_where_every_worker_failed(tmp_path):
+    _write_worker(tmp_path, 0, None)
+    summary = summarize_run(tmp_path)
+    assert summary["workers"] == 0 and summary["failed_workers"] == [0]
+    assert summary["final_val_loss"] is None and summary["compute_utilization"] is None
+    text = format_summary(summary)
+    assert "n/a" in text and "failed: [0]" in text
+
+
+def test_param_sha256_equal_for_equal_tensors_and_sensitive_to_one_element():
+    params = [torch.randn(4, 5), torch.randn(3)]
+    copy = [p.clone() for p in params]
+    assert param_sha256(params) == param_sha256(copy)
+    assert param_sha256([params[0].t().contiguous().t(), params[1]]) == param_sha256(params)
+    copy[1][2] += 1e-6
+    assert param_sha256(params) != param_sha256(copy)
+    assert param_sha256([torch.ones(2, dtype=torch.bfloat16)]) != param_sha256([torch.ones(2)])
+
+
+def test_disabled_wandb_gives_null_logger(tmp_path):
+    logger = build_wandb_logger(
+        LoggingConfig(wandb="disabled"), run_dir=tmp_path, run_name="r", worker_index=0, config_dict={}
+    )
+    assert isinstance(logger, NullLogger)
+    logger.log({"event": "step", "loss": 1.0}, step=1)
+    logger.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_wandb_mode_names_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"logging\.wandb.*disabled, offline, online"):
+        build_wandb_logger(LoggingConfig(wandb="onlin"), run_dir=tmp_path, run_name="r", worker_index=0, config_dict={})
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_writes_files(tmp_path, monkeypatch):
+    # Keep wandb's own settings and caches inside the test's folder.
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    run_dir = tmp_path / "runs" / "demo"
+    logger = build_wandb_logger(
+        LoggingConfig(wandb="offline", project="diloco-test"),
+        run_dir=run_dir,
+        run_name="demo",
+        worker_index=1,
+        config_dict={"model": {"layers": 4}, "lr": 1e-3},
+    )
+    assert isinstance(logger, WandbLogger)
+    assert logger.run.name == "demo-worker-1"
+    assert logger.run.group == "demo"
+    assert logger.run.config["lr"] == 1e-3
+    logger.log({"event": "step", "step": 1, "loss": torch.tensor(3.0), "note": "dropped"}, step=1)
+    logger.log({"event": "round", "round": 1, "val_loss": 2.5}, step=2)
+    logger.finish()
+    import wandb
+
+    # run.finish() can return before wandb-core has flushed the .wandb file; teardown waits for it.
+    wandb.teardown()
+
+    run_dirs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 1
+    files = [p for p in run_dirs[0].rglob("*") if p.is_file()]
+    (log_file,) = [p for p in files if p.suffix == ".wandb"]
+    data = log_file.read_bytes()  # protobuf records: the metric names appear as plain bytes
+    assert b"step/loss" in data and b"round/val_loss" in data
+    assert b"step/note" not in data
