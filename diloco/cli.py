@@ -35,7 +35,13 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
-def _parser() -> argparse.ArgumentParser:
+def _chosen_benchmark(argv: list[str] | None) -> str | None:
+    """The NAME of ``diloco bench NAME ...``, whose flags the parser then declares."""
+    words = [word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")]
+    return words[1] if words[:1] == ["bench"] and len(words) > 1 else None
+
+
+def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description="DiLoCo training over slow links.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -96,87 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", required=True, help="PNG file to write")
 
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    overhead = bench.add_parser("overhead", help="inner-step throughput against a bare PyTorch loop")
-    overhead.add_argument("--steps", type=int, default=150, help="timed steps per repeat")
-    overhead.add_argument("--repeats", type=int, default=7)
-    quality = bench.add_parser("quality", help="DiLoCo against data-parallel training at equal tokens")
-    quality.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    quality.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    quality.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
-    quality.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
-    quality.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
-    quality.add_argument("--arms", help="comma-separated arm names (default: all)")
-    quality.add_argument("--out", default="runs/bench-quality", help="output folder")
-    quality.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    quality.add_argument("--device", default="auto", help="cpu / cuda / auto")
-    faults = bench.add_parser("faults", help="crash, cut link, slow link, join, bad and wrong-key peers, 4 workers")
-    faults.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
-    faults.add_argument("--scenarios", default="crash,cut,slow,join,bad,wrong_key", help="comma-separated")
-    faults.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    faults.add_argument("--workers", type=int, default=4)
-    faults.add_argument("--steps", type=int, default=300, help="inner steps per worker")
-    faults.add_argument("--sync-every", type=int, default=20, help="H")
-    faults.add_argument("--outage", type=float, default=20.0, help="seconds a crashed worker or a cut link stays out")
-    faults.add_argument("--join-round", type=int, default=5)
-    faults.add_argument("--rate", type=float, help="testbed link rate, Mbit/s (default 20 as root, else loopback)")
-    faults.add_argument("--out", default="runs/bench-faults", help="output folder")
-    nat = bench.add_parser("nat", help="rounds and utilization with 0-3 of 4 workers behind NAT (testbed, root)")
-    nat.add_argument("--nat", default="0,1,2,3", help="how many of the 4 workers are behind NAT, per arm")
-    nat.add_argument("--workers", type=int, default=4, help="workers per arm (default 4)")
-    nat.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
-    nat.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
-    nat.add_argument("--out", default="runs/bench-nat", help="output folder")
-    scale = bench.add_parser("scale", help="a round's cost at real model sizes against stock hivemind and gloo")
-    scale.add_argument("--sizes", default="baby,10m,85m", help="baby, 10m, 85m, llama-150m (default baby,10m,85m)")
-    scale.add_argument("--steps", type=int, default=8, help="inner steps per worker (default 8)")
-    scale.add_argument("--sync-every", type=int, default=2, help="H (default 2)")
-    scale.add_argument("--compare-rounds", type=int, default=3, help="rounds of each baseline, the first a warm-up")
-    scale.add_argument("--out", default="runs/bench-scale", help="output folder")
-    utilization = bench.add_parser(
-        "utilization", help="compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)"
-    )
-    utilization.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    utilization.add_argument("--steps", type=int, default=200, help="inner steps per training run (default 200)")
-    utilization.add_argument("--rates", default="20,5", help="link rates of the training runs, Mbit/s (default 20,5)")
-    utilization.add_argument("--codecs", default="none,int8", help="codecs of the training runs (default none,int8)")
-    utilization.add_argument("--overlaps", default="none,streaming,delayed", help="outer.overlap values")
-    utilization.add_argument("--peers", default="2,4,8", help="all-reduce group sizes (default 2,4,8)")
-    utilization.add_argument("--payload-mb", type=float, default=40.0, help="all-reduce payload, MB (default 40)")
-    utilization.add_argument("--allreduce-rate", type=float, default=20.0, help="all-reduce link rate, Mbit/s")
-    utilization.add_argument("--rounds", type=int, default=3, help="all-reduce rounds, the first a warm-up")
-    utilization.add_argument("--parts", default="training,allreduce", help="training, allreduce or both")
-    utilization.add_argument("--out", default="runs/bench-utilization", help="output folder")
-    gpu = bench.add_parser("gpu", help="one GPU: inner-step tokens/s and MFU, the outer sync's local work")
-    gpu.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too (checks the code path)")
-    gpu.add_argument("--allow-cpu", action="store_true", help="run without a CUDA device (the figures mean nothing)")
-    gpu.add_argument("--batch", type=int, help="sequences per inner step (default 16)")
-    gpu.add_argument("--steps", type=int, help="timed inner steps per repeat (default 20)")
-    gpu.add_argument("--repeats", type=int, help="repeats of the timed steps (default 3)")
-    gpu.add_argument("--sync-every", type=int, help="H, for the outer sync's share of a round (default 100)")
-    gpu.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by its name)")
-    gpu.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
-    gpu.add_argument("--out", default="runs/bench-gpu", help="output folder (gpu.json)")
-    compression = bench.add_parser("compression", help="each compression codec against dense DiLoCo (M=4, H=50)")
-    compression.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    compression.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    compression.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
-    compression.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
-    compression.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
-    compression.add_argument("--out", default="runs/bench-compression", help="output folder")
-    compression.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    compression.add_argument("--device", default="auto", help="cpu / cuda / auto")
-    compression.add_argument(
-        "--speed-values", type=int, default=10_000_000, help="values in the codec speed test (default 10M)"
-    )
+    from diloco.bench import add_benchmarks
+
+    benchmarks = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    add_benchmarks(benchmarks, _chosen_benchmark(argv))
     return parser
-
-
-def _seeds(args: argparse.Namespace) -> range:
-    """The seeds a training benchmark runs: ``--seeds`` of them from ``--first-seed``."""
-    if args.seeds < 1 or args.first_seed < 0:
-        raise UsageError(f"--seeds {args.seeds} --first-seed {args.first_seed}: need at least one seed, from 0 up")
-    return range(args.first_seed, args.first_seed + args.seeds)
 
 
 def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -326,7 +256,9 @@ def _cmd_testbed(args) -> int:
     if cfg.comm.backend != "hivemind":
         raise UsageError(f"the testbed runs real peers: comm.backend must be hivemind, not {cfg.comm.backend}")
     try:
-        nat = _numbers(args.nat, int, "--nat") if args.nat else []
+        from diloco.bench import numbers
+
+        nat = numbers(args.nat, int, "--nat") if args.nat else []
         testbed = Testbed(args.workers, up_mbit=up, down_mbit=down, nat=nat)
     except TestbedError as error:
         raise UsageError(str(error)) from None
@@ -379,102 +311,10 @@ def _cmd_plot(args) -> int:
     return 0
 
 
-def _numbers(text: str, kind: type, option: str) -> list:
-    """A comma-separated list of numbers from the command line."""
-    try:
-        return [kind(word) for word in text.split(",")]
-    except ValueError:
-        raise UsageError(f"{option}={text!r} is not a comma-separated list of {kind.__name__} numbers") from None
-
-
 def _cmd_bench(args) -> int:
-    if args.bench == "overhead":
-        from diloco.bench.overhead import run_overhead_benchmark
+    from diloco.bench import run_benchmark
 
-        return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)
-    if args.bench == "faults":
-        from diloco.bench.faults import run_faults_benchmark
-
-        return run_faults_benchmark(
-            scenarios=[s for s in args.scenarios.split(",") if s],
-            out=Path(args.out),
-            data=args.data,
-            overrides=args.overrides,
-            workers=args.workers,
-            steps=args.steps,
-            sync_every=args.sync_every,
-            outage_s=args.outage,
-            join_round=args.join_round,
-            rate_mbit=args.rate,
-        )
-    if args.bench == "nat":
-        from diloco.bench.nat import run_nat_benchmark
-
-        return run_nat_benchmark(
-            arms=_numbers(args.nat, int, "--nat"),
-            workers=args.workers,
-            rate=args.rate,
-            steps=args.steps,
-            out=Path(args.out),
-        )
-    if args.bench == "scale":
-        from diloco.bench.scale import run_scale_benchmark
-
-        return run_scale_benchmark(
-            sizes=[size for size in args.sizes.split(",") if size],
-            steps=args.steps,
-            sync_every=args.sync_every,
-            compare_rounds=args.compare_rounds,
-            out=Path(args.out),
-        )
-    if args.bench == "utilization":
-        from diloco.bench.utilization import run_utilization_benchmark
-
-        return run_utilization_benchmark(
-            data=args.data,
-            steps=args.steps,
-            rates=_numbers(args.rates, float, "--rates"),
-            codecs=args.codecs.split(","),
-            overlaps=args.overlaps.split(","),
-            peers=_numbers(args.peers, int, "--peers"),
-            payload_mb=args.payload_mb,
-            allreduce_rate=args.allreduce_rate,
-            rounds=args.rounds,
-            parts=args.parts.split(","),
-            out=Path(args.out),
-        )
-    if args.bench == "gpu":
-        from diloco.bench.gpu import NoCudaDevice, run_from_args
-
-        try:
-            return run_from_args(args)
-        except NoCudaDevice as error:
-            raise UsageError(str(error)) from None
-    if args.bench == "compression":
-        from diloco.bench.compression import run_compression_benchmark
-
-        return run_compression_benchmark(
-            data=args.data,
-            steps=args.steps,
-            seeds=_seeds(args),
-            out=Path(args.out),
-            jobs=args.jobs,
-            device=args.device,
-            overrides=args.overrides,
-            speed_values=args.speed_values,
-        )
-    from diloco.bench.quality import run_quality_benchmark
-
-    return run_quality_benchmark(
-        data=args.data,
-        steps=args.steps,
-        seeds=_seeds(args),
-        arms=args.arms.split(",") if args.arms else None,
-        out=Path(args.out),
-        jobs=args.jobs,
-        device=args.device,
-        overrides=args.overrides,
-    )
+    return run_benchmark(args)
 
 
 COMMANDS = {
@@ -493,7 +333,7 @@ COMMANDS = {
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """argparse cannot take positionals after options (``--workers 4 inner.lr=1``); collect those
     stray ``KEY=VALUE`` words as overrides, and reject anything else."""
-    parser = _parser()
+    parser = _parser(argv)
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
     if stray or (extra and not hasattr(args, "overrides")):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from diloco.bench import seeds
 from diloco.bench.arms import COMMON, Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 from diloco.compression import CODECS
 
@@ -127,3 +128,31 @@ def run_compression_benchmark(
     print(f"DDP would send {ddp_bytes:,} bytes per worker for the same {steps} steps")
     print(f"wrote {out / 'results.json'} and {out / 'compression.png'}")
     return 0
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench compression``'s flags."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
+    parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--out", default="runs/bench-compression", help="output folder")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    parser.add_argument(
+        "--speed-values", type=int, default=10_000_000, help="values in the codec speed test (default 10M)"
+    )
+
+
+def main(args) -> int:
+    return run_compression_benchmark(
+        data=args.data,
+        steps=args.steps,
+        seeds=seeds(args),
+        out=Path(args.out),
+        jobs=args.jobs,
+        device=args.device,
+        overrides=args.overrides,
+        speed_values=args.speed_values,
+    )

@@ -492,3 +492,32 @@ def run_faults_benchmark(*, scenarios: Sequence[str], out: Path, data: str | Non
     print(f"{plan.workers} workers, {plan.steps} steps, H={plan.sync_every}, {where}; out {out}", flush=True)
     run_faults(plan, scenarios, out)
     return 0
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench faults``'s flags."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every run")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated")
+    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per worker")
+    parser.add_argument("--sync-every", type=int, default=20, help="H")
+    parser.add_argument("--outage", type=float, default=20.0, help="seconds a crashed worker or a cut link stays out")
+    parser.add_argument("--join-round", type=int, default=5)
+    parser.add_argument("--rate", type=float, help="testbed link rate, Mbit/s (default 20 as root, else loopback)")
+    parser.add_argument("--out", default="runs/bench-faults", help="output folder")
+
+
+def main(args) -> int:
+    return run_faults_benchmark(
+        scenarios=[s for s in args.scenarios.split(",") if s],
+        out=Path(args.out),
+        data=args.data,
+        overrides=args.overrides,
+        workers=args.workers,
+        steps=args.steps,
+        sync_every=args.sync_every,
+        outage_s=args.outage,
+        join_round=args.join_round,
+        rate_mbit=args.rate,
+    )

@@ -288,17 +288,40 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``diloco bench gpu`` where only torch is installed: the CLI's own options, without its
-    config loader (omegaconf) and transports (hivemind)."""
-    from diloco.cli import _parse  # argparse only: no omegaconf or hivemind until a command runs
+def add_arguments(parser) -> None:
+    """``diloco bench gpu``'s flags."""
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too (checks the code path)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run without a CUDA device (the figures mean nothing)")
+    parser.add_argument("--batch", type=int, help="sequences per inner step (default 16)")
+    parser.add_argument("--steps", type=int, help="timed inner steps per repeat (default 20)")
+    parser.add_argument("--repeats", type=int, help="repeats of the timed steps (default 3)")
+    parser.add_argument("--sync-every", type=int, help="H, for the outer sync's share of a round (default 100)")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by its name)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
+    parser.add_argument("--out", default="runs/bench-gpu", help="output folder (gpu.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``diloco bench gpu``."""
+    from diloco.errors import UsageError
 
     try:
-        return run_from_args(_parse(["bench", "gpu", *(sys.argv[1:] if argv is None else argv)]))
+        return run_from_args(args)
+    except NoCudaDevice as error:
+        raise UsageError(str(error)) from None
+
+
+def standalone(argv: list[str] | None = None) -> int:
+    """``python -m diloco.bench.gpu`` where only torch is installed: the same flags, without the
+    command line's config loader (omegaconf) and transports (hivemind)."""
+    parser = argparse.ArgumentParser(prog="python -m diloco.bench.gpu", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        return run_from_args(parser.parse_args(argv))
     except NoCudaDevice as error:
         print(f"diloco: error: {error}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(standalone())

@@ -22,6 +22,8 @@ import json
 import statistics
 from pathlib import Path
 
+from diloco.bench import numbers
+
 SYNC_EVERY = 20
 
 
@@ -117,3 +119,22 @@ def run_nat_benchmark(*, arms: list[int], workers: int, rate: float, steps: int,
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print(format_table(rows, rate, workers))
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench nat``'s flags."""
+    parser.add_argument("--nat", default="0,1,2,3", help="how many of the 4 workers are behind NAT, per arm")
+    parser.add_argument("--workers", type=int, default=4, help="workers per arm (default 4)")
+    parser.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
+    parser.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
+    parser.add_argument("--out", default="runs/bench-nat", help="output folder")
+
+
+def main(args) -> int:
+    return run_nat_benchmark(
+        arms=numbers(args.nat, int, "--nat"),
+        workers=args.workers,
+        rate=args.rate,
+        steps=args.steps,
+        out=Path(args.out),
+    )

@@ -99,3 +99,13 @@ def run_overhead_benchmark(*, steps: int = 60, repeats: int = 5) -> int:
         f"worker / bare = {statistics.median(ratios):.3f} (target >= 0.97)"
     )
     return 0
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench overhead``'s flags."""
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+
+
+def main(args) -> int:
+    return run_overhead_benchmark(steps=args.steps, repeats=args.repeats)

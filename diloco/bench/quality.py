@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from diloco.bench import seeds
 from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
@@ -119,3 +120,29 @@ def run_quality_benchmark(
         print(f"Nesterov (m4-h50) beats FedAvg on every seed: {results['nesterov_beats_fedavg_every_seed']}")
     print(f"wrote {out / 'results.json'} and {out / 'quality.png'}")
     return 0
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench quality``'s flags."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
+    parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--arms", help="comma-separated arm names (default: all)")
+    parser.add_argument("--out", default="runs/bench-quality", help="output folder")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
+
+
+def main(args) -> int:
+    return run_quality_benchmark(
+        data=args.data,
+        steps=args.steps,
+        seeds=seeds(args),
+        arms=args.arms.split(",") if args.arms else None,
+        out=Path(args.out),
+        jobs=args.jobs,
+        device=args.device,
+        overrides=args.overrides,
+    )

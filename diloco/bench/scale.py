@@ -407,3 +407,22 @@ def run_scale_benchmark(*, sizes: list[str], steps: int, sync_every: int, compar
         (out / "results.json").write_text(json.dumps(rows, indent=2))
     print(format_table(rows, steps=steps, sync_every=sync_every))
     return 0 if all(row_finished(row) for row in rows) else 1
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench scale``'s flags."""
+    parser.add_argument("--sizes", default="baby,10m,85m", help="baby, 10m, 85m, llama-150m (default baby,10m,85m)")
+    parser.add_argument("--steps", type=int, default=8, help="inner steps per worker (default 8)")
+    parser.add_argument("--sync-every", type=int, default=2, help="H (default 2)")
+    parser.add_argument("--compare-rounds", type=int, default=3, help="rounds of each baseline, the first a warm-up")
+    parser.add_argument("--out", default="runs/bench-scale", help="output folder")
+
+
+def main(args) -> int:
+    return run_scale_benchmark(
+        sizes=[size for size in args.sizes.split(",") if size],
+        steps=args.steps,
+        sync_every=args.sync_every,
+        compare_rounds=args.compare_rounds,
+        out=Path(args.out),
+    )

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from diloco.bench import numbers
 from diloco.bench.arms import default_data, finished_summary
 
 WORKERS, SYNC_EVERY = 4, 50
@@ -259,3 +260,34 @@ def run_utilization_benchmark(
         print(_allreduce_table(results["allreduce"]))
     print(f"wrote {out / 'results.json'}" + (f" and {out / 'utilization.png'}" if "training" in parts else ""))
     return 0
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench utilization``'s flags."""
+    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
+    parser.add_argument("--steps", type=int, default=200, help="inner steps per training run (default 200)")
+    parser.add_argument("--rates", default="20,5", help="link rates of the training runs, Mbit/s (default 20,5)")
+    parser.add_argument("--codecs", default="none,int8", help="codecs of the training runs (default none,int8)")
+    parser.add_argument("--overlaps", default="none,streaming,delayed", help="outer.overlap values")
+    parser.add_argument("--peers", default="2,4,8", help="all-reduce group sizes (default 2,4,8)")
+    parser.add_argument("--payload-mb", type=float, default=40.0, help="all-reduce payload, MB (default 40)")
+    parser.add_argument("--allreduce-rate", type=float, default=20.0, help="all-reduce link rate, Mbit/s")
+    parser.add_argument("--rounds", type=int, default=3, help="all-reduce rounds, the first a warm-up")
+    parser.add_argument("--parts", default="training,allreduce", help="training, allreduce or both")
+    parser.add_argument("--out", default="runs/bench-utilization", help="output folder")
+
+
+def main(args) -> int:
+    return run_utilization_benchmark(
+        data=args.data,
+        steps=args.steps,
+        rates=numbers(args.rates, float, "--rates"),
+        codecs=args.codecs.split(","),
+        overlaps=args.overlaps.split(","),
+        peers=numbers(args.peers, int, "--peers"),
+        payload_mb=args.payload_mb,
+        allreduce_rate=args.allreduce_rate,
+        rounds=args.rounds,
+        parts=args.parts.split(","),
+        out=Path(args.out),
+    )
