@@ -275,7 +275,7 @@ def run_gpu_benchmark(
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run with the options of ``diloco bench gpu`` (cli.py)."""
+    """Run with the flags of ``add_arguments``."""
     size = SMOKE if args.smoke else BenchSize()
     chosen = {"batch": args.batch, "steps": args.steps, "repeats": args.repeats, "sync_every": args.sync_every}
     size = replace(size, **{key: value for key, value in chosen.items() if value is not None})

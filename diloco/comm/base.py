@@ -100,8 +100,8 @@ class PeerState:
     state: dict
 
 
-class CommBackend(abc.ABC):
-    """Averages a list of tensors across the workers of a run."""
+class Averaging(abc.ABC):
+    """How a round's tensors are averaged across the workers of a run."""
 
     simulated = False  # True for the simulator: its round times are modelled, not measured
     averages_in_background = False  # True where averaging happens elsewhere (a process, a collective library)
@@ -132,6 +132,10 @@ class CommBackend(abc.ABC):
 
         return PendingAverage.in_background(run) if self.averages_in_background else PendingAverage.finished(run())
 
+
+class StateExchange:
+    """A worker's state offered to peers that missed a round or join late, and taken from them."""
+
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:  # noqa: B027
         """Offer the worker's state after round ``round_index`` (ranked by ``rank``) to peers that
         missed the round or join late. ``state(use)`` calls ``use`` with the live state under the
@@ -146,6 +150,10 @@ class CommBackend(abc.ABC):
         after any later round, the newest and best first; None if no such peer answers within
         ``timeout_s``."""
         return None
+
+
+class Membership:
+    """Who is in the run, and what each worker tells the others about itself."""
 
     def expected_peers(self) -> int | None:
         """How many workers a round should expect now (transports that track who is alive);
@@ -171,16 +179,26 @@ class CommBackend(abc.ABC):
     def leave(self) -> None:  # noqa: B027 - optional
         """Tell the peers this worker is leaving, so that no round waits for it."""
 
-    def finish(self) -> None:  # noqa: B027 - optional
-        """Training is over: stay reachable as long as a peer may still need this worker's state."""
-
     @property
     def addresses(self) -> list[str]:
         """Addresses other workers can join this one with (empty when not networked)."""
         return []
 
+
+class Lifecycle:
+    """The end of a worker's part in the run."""
+
+    def finish(self) -> None:  # noqa: B027 - optional
+        """Training is over: stay reachable as long as a peer may still need this worker's state."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release sockets and background processes. Safe to call twice."""
+
+
+class CommBackend(Averaging, StateExchange, Membership, Lifecycle):
+    """A transport: averaging, state exchange, membership and lifecycle, the four concerns a
+    worker needs from one (hivemind serves all four; the simulator and torch.distributed average,
+    and do little of the rest)."""
 
     def __enter__(self) -> CommBackend:
         return self
