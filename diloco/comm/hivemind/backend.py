@@ -611,8 +611,13 @@ class HivemindBackend(CommBackend):
     def fetch_state(
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
     ) -> PeerState | None:
-        def wanted(offered_round: int, rank: StateRank) -> bool:
-            return (offered_round == round_index and rank > better_than) or (newer and offered_round > round_index)
+
+        def wanted(offered_round: int, rank: StateRank, everyone_offered: bool) -> bool:
+            if newer and offered_round > round_index:
+                return True
+            # an unsynced peer's state (peers 0: its round failed too) only once no synced one can
+            # come: taken before, it would leave us apart from the peers that averaged
+            return offered_round == round_index and rank > better_than and (rank.peers > 0 or everyone_offered)
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -620,7 +625,10 @@ class HivemindBackend(CommBackend):
             others = self._live_others()
             if not offers and others == 0:  # nobody live can serve a state (clients only, or alone)
                 return None
-            if any(wanted(r, rank) for r, rank in offers):
+            # every live peer has finished this round (one still in its outer step has not offered it yet)
+            finished = all(r >= round_index for r, _ in offers)
+            everyone_offered = bool(offers) and len(offers) >= (others or 0) and finished
+            if any(wanted(r, rank, everyone_offered) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
                 started = time.monotonic()
                 found = self._download_state(max(1.0, deadline - time.monotonic()))
@@ -628,7 +636,7 @@ class HivemindBackend(CommBackend):
                     metadata, tensors = found
                     offered_round = metadata.get("round", -1)
                     rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
-                    if wanted(offered_round, rank) and tensors:
+                    if wanted(offered_round, rank, everyone_offered) and tensors:
                         logger.info(
                             "downloaded the state of a peer after round %d: %d bytes in %.2f s",
                             offered_round + 1,
@@ -637,10 +645,9 @@ class HivemindBackend(CommBackend):
                         )
                         state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
                         return PeerState(offered_round, rank, state)
-            elif offers and len(offers) >= (others or 0) and all(r >= round_index for r, _ in offers):
-                # every live peer has finished this round, and none ranks above us. A peer still in
-                # its outer step has not offered this round yet: wait for it rather than take the
-                # others' offers (a dropped peer's, say) for the whole run
+            elif everyone_offered:
+                # none ranks above us. A peer still in its outer step has not offered this round
+                # yet: wait for it rather than take the others' offers (a dropped peer's, say)
                 return None
             # the others may still be finishing this round's outer step: ask again shortly
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

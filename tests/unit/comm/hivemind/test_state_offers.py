@@ -81,3 +81,38 @@ def test_only_live_peers_that_serve_state_are_waited_for():
 
     backend.roster = _PartialRoster()
     assert backend._live_others() is None  # unknown, not nobody: a client does not give up on its round
+
+
+def test_an_unsynced_peers_state_is_not_taken_while_a_peer_that_averaged_may_still_offer_one():
+    """The end of a streaming run: our average failed (we rank peers 0) and so did a dropped
+    peer's, whose fingerprint happens to rank above ours. The peer that averaged is still in its
+    outer step (its offer is of an earlier round). Taking the dropped peer's state then, as the
+    best offered so far, would end us on neither side's params: wait for the one that averaged."""
+    dropped, averaged = (5, StateRank(0, 0.9)), (5, StateRank(2, 0.5))
+    readings = iter([[dropped, (3, StateRank(0))], [dropped, (3, StateRank(0))], [dropped, averaged]])
+    latest: list[tuple[int, StateRank]] = []
+
+    def offers():
+        latest[:] = next(readings, latest)
+        return list(latest)
+
+    class _ServesTheBest:  # hivemind serves the highest priority offered
+        def load_state_from_peers(self, timeout):
+            round_index, rank = max(latest)
+            served = _Averager({"global_params": [torch.full((1,), rank.fingerprint)]}, round_index, rank)
+            return served.load_state_from_peers(timeout)
+
+    backend = HivemindBackend.__new__(HivemindBackend)
+    backend._averagers = [_ServesTheBest()]
+    backend._state_offers = offers
+    backend._live_others = lambda: 2
+    found = backend.fetch_state(5, better_than=StateRank(0, 0.3), timeout_s=10.0, newer=True)
+    assert found is not None and found.rank == StateRank(2, 0.5), found
+
+
+def test_once_every_live_peer_offers_this_round_an_unsynced_state_above_ours_is_taken():
+    """Two sides cut off from each other, each alone (peers 0): one takes the other's state."""
+    backend = _backend([[(0, StateRank(0, 0.5))]], live=2)
+    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))]
+    found = backend.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(0, 0.5)
