@@ -9,7 +9,8 @@ import-linter contract in ``pyproject.toml`` keeps it so:
 - ``cli.py``          the ``diloco`` command
 - ``bench/``          ``diloco bench overhead / quality / compression / utilization / faults / nat / scale / gpu``
 - ``tools/``          the local launcher (``diloco local``), the network testbed, ``diloco status``, ``diloco plot``
-- ``worker/``         one worker at run time: ``train.py``, the loop, read top to bottom; placement and
+- ``worker/``         one worker at run time: ``train.py``, the loop, read top to bottom; how rounds
+                      sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement and
                       sites (several GPUs as one worker); joining a live run; checkpoints; records and
                       metrics; the watchdog; memory checks; fault injection
 - ``config.py``       the typed schema and ``load_config`` (defaults <- YAML <- CLI overrides);

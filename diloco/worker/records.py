@@ -37,13 +37,6 @@ class Totals:
         self.peak_sync_bytes = max(self.peak_sync_bytes, result.bytes_sent)
 
 
-@dataclass
-class RoundCost:
-    result: SyncResult
-    comm_s: float  # the round's communication time (modelled, for a simulated transport)
-    recovered: bool = False  # the worker took a peer's state after it
-
-
 class WorkerLog:
     def __init__(
         self,

@@ -5,7 +5,8 @@
         comm.initial_peers="['/ip4/10.0.0.1/tcp/31337/p2p/12D3Koo...']"  # join it
 
 Every ``outer.sync_every`` inner steps the worker averages its pseudo-gradient with the others
-and takes an outer step (``OuterStep.sync`` in outer.py). After each round it evaluates on the
+and takes an outer step (``OuterStep.sync`` in core/outer.py); overlapped and data-parallel
+rounds plug into the same loop (sync_modes.py). After each round it evaluates on the
 held-out batches every worker shares, logs a round record (with the hash of the global params,
 which every worker must agree on) and checkpoints. Rerunning the same command resumes from the
 newest checkpoint.
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from diloco.comm import CommBackend, CommConfig, SyncResult, build_backend
+from diloco.comm import CommBackend, CommConfig, build_backend
 from diloco.comm.bounds import phase_bounds, site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
@@ -35,7 +37,14 @@ from diloco.worker.joining import catch_up_with_run, published_run
 from diloco.worker.memory import check_model_fits
 from diloco.worker.metrics import param_sha256
 from diloco.worker.placement import placement_for
-from diloco.worker.records import RoundCost, Totals, WorkerLog, totals_state
+from diloco.worker.records import Totals, WorkerLog, totals_state
+from diloco.worker.sync_modes import (
+    Accounting,
+    BlockingRounds,
+    DataParallelRounds,
+    OverlappedRounds,
+    SyncMode,
+)
 from diloco.worker.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -97,16 +106,12 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
 
     # resume: rerunning the same command continues from the newest valid checkpoint
+    parts = TrainedParts(model, inner_optimizer, outer, error_feedback, sampler)
     step, round_index, totals = 0, 0, Totals()
     checkpoints = run_dir / "checkpoints"
     if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
         placement.check_resume(checkpoints)
-        _load_model_state(model, state["model"], checkpoints)
-        inner_optimizer.load_state_dict(state["inner_optimizer"])
-        outer.load_state_dict(state["outer"])
-        error_feedback.load_state_dict(state.get("error_feedback", {}))
-        sampler.load_state_dict(state["sampler"])
-        restore_rng_state(state["rng"])
+        parts.load_state_dict(state, checkpoints)
         step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
         logger.info("worker %d resumed at step %d, after round %d", cfg.worker.index, step, round_index)
     if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
@@ -137,45 +142,39 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         config_dict=to_dict(cfg),
         wall_s_before=totals.wall_s,
     )
-    # the data-parallel baseline (outer.sync_every=0) averages gradients inside every inner step
-    # and records a round every logging.eval_every steps; DiLoCo records each outer round
-    data_parallel = cfg.outer.sync_every == 0
-    gradient_averaging = (
-        GradientAveraging(list(model.parameters()), backend, weight=batch, deadline_s=cfg.comm.deadline_s)
-        if data_parallel
-        else None
-    )
-    # outer.overlap=delayed|streaming: averages run in the background and are applied inner steps later
-    overlapped = (
-        OverlappedOuter(outer, backend, cfg.outer, deadline_s=cfg.comm.deadline_s, expected_peers=cfg.worker.count)
-        if cfg.outer.overlap != "none"
-        else None
-    )
-    if overlapped is not None and state is not None and state.get("overlap"):
-        overlapped.load_state_dict(state["overlap"])
     # what the worker is doing, for diloco status; a warning when a phase outlasts its bound
     watchdog = Watchdog(
         phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
         stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
         on_phase=backend.report_phase,
     )
-    record_every = cfg.logging.eval_every if data_parallel else cfg.outer.sync_every
-    clock = RoundClock(sync_every=record_every, round_s=cfg.outer.round_s, total_steps=cfg.inner.steps)
-    synced_params = list(model.parameters()) if data_parallel else outer.global_params
-    # between backward and the update: the data-parallel baseline's averaging, or a site's, inside it
-    average_gradients = placement.site_gradient_hook(model) or gradient_averaging
+    # a round every outer.sync_every inner steps (or outer.round_s seconds); the data-parallel
+    # baseline (sync_every 0) records one every logging.eval_every steps
+    clock = RoundClock(
+        sync_every=cfg.outer.sync_every or cfg.logging.eval_every,
+        round_s=cfg.outer.round_s,
+        total_steps=cfg.inner.steps,
+    )
+    sync = _sync_mode(
+        cfg,
+        model=model,
+        outer=outer,
+        backend=backend,
+        accounting=Accounting(totals, log),
+        watchdog=watchdog,
+        timed=clock.timed,
+        join=join,
+    )
+    sync.load_state_dict(state.get("overlap") if state is not None else None)
+    # between backward and the update: a site's gradient averaging, or the data-parallel baseline's
+    average_gradients = placement.site_gradient_hook(model) or sync.average_gradients
 
     checkpoint_writer = CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep)
 
     def save_worker_state(step: int, round_index: int) -> None:
         worker_state = {
-            "model": model.state_dict(),
-            "inner_optimizer": inner_optimizer.state_dict(),
-            "outer": outer.state_dict(copy=False),  # the writer copies it (once)
-            "error_feedback": error_feedback.state_dict(),
-            "overlap": overlapped.state_dict() if overlapped is not None else None,
-            "sampler": sampler.state_dict(),
-            "rng": capture_rng_state(),
+            **parts.state_dict(),
+            "overlap": sync.state_dict(),
             "step": step,
             "round": round_index,
             "totals": totals_state(totals, log),
@@ -186,16 +185,12 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     try:
         if on_ready is not None:
             on_ready(backend.addresses)
-        if not data_parallel and overlapped is None:
-            behind = round_index
-            with watchdog.phase("downloading state"):
-                step, round_index = catch_up_with_run(
-                    outer, backend, step, round_index, cfg=cfg, required=join, align_step=not clock.timed
-                )
-            if round_index != behind and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
-                with watchdog.phase("checkpointing"):  # took the run's final state: it is this worker's last
-                    save_worker_state(step, round_index)
-        samples_this_round, window, val_loss, unattributed_comm_s = 0, [], None, 0.0
+        behind = round_index
+        step, round_index = sync.begin(step, round_index)
+        if round_index != behind and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
+            with watchdog.phase("checkpointing"):  # took the run's final state: it is this worker's last
+                save_worker_state(step, round_index)
+        samples_this_round, val_loss = 0, None
         clock.start_round()
         while clock.running(step, round_index):
             # ---- inner step -------------------------------------------------------------
@@ -213,63 +208,30 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 precision=cfg.worker.precision,
             )
             slow_down(cfg.faults, cfg.worker.index)
-            step_s = time.perf_counter() - started
-            if gradient_averaging is not None:
-                for result, measured_s in gradient_averaging.take_rounds():
-                    step_s -= measured_s
-                    window.append(_account(result, measured_s, totals, log))
-            totals.compute_s += step_s
             step += 1
             samples_this_round += batch * ranks
+            sync.after_inner_step(step, time.perf_counter() - started)  # overlapped: syncs start and land
             backend.report_progress(round_index, step, log.live)
-            if overlapped is not None:
-                with watchdog.phase("averaging"):
-                    costs, unattributed = _overlapped_step(overlapped, step, batch, cfg.inner.steps, totals, log)
-                window.extend(costs)
-                unattributed_comm_s += unattributed
             log.step(step, round_index, loss, lr, due=step % cfg.logging.log_every == 0)
             if not clock.round_ends(step):
                 continue
 
             # ---- outer step: every H inner steps (or outer.round_s seconds), and at the end ----
-            if data_parallel or overlapped is not None:
-                result, recovered = _merge(window), any(cost.recovered for cost in window)
-                comm_s = sum(r.comm_s for r in window) + unattributed_comm_s
-                window, unattributed_comm_s = [], 0.0
-            else:
-                started = time.perf_counter()
-                with watchdog.phase("averaging"):
-                    result, taken_round = outer.sync(
-                        backend,
-                        weight=samples_this_round,
-                        round_index=round_index,
-                        deadline_s=cfg.comm.deadline_s,
-                        expected_peers=cfg.worker.count,
-                    )
-                comm_s = _account(result, time.perf_counter() - started, totals, log).comm_s
-                recovered = taken_round is not None
-                if recovered and taken_round > round_index:  # the others are rounds ahead: skip to them
-                    logger.warning(
-                        "worker %d skips from round %d to %d", cfg.worker.index, round_index + 1, taken_round + 1
-                    )
-                    if not clock.timed:  # fixed rounds end at multiples of H: keep to them
-                        step = min(cfg.inner.steps, step + (taken_round - round_index) * cfg.outer.sync_every)
-                    round_index = taken_round
-            round_index, samples_this_round = round_index + 1, 0
+            end = sync.end_round(step, round_index, weight=samples_this_round)
+            step, round_index, samples_this_round = end.step, end.round_index + 1, 0
             backend.report_progress(round_index, step, log.live)
             clock.start_round()
             with watchdog.phase("hashing"):
-                param_hash = param_sha256(synced_params)
-            # overlapped, a worker's model is the global params plus its own progress: not a cache key
-            params_key = (param_hash, held_out_hash) if overlapped is None else None
+                param_hash = param_sha256(sync.synced_params)
+            params_key = (param_hash, held_out_hash) if sync.model_is_synced else None
             with watchdog.phase("evaluating"):
                 val_loss = placement.evaluate(model, held_out, params_key)
             log.round(
                 round_index,
                 step,
-                result,
-                comm_s=comm_s,
-                recovered=recovered,
+                end.result,
+                comm_s=end.comm_s,
+                recovered=end.recovered,
                 val_loss=val_loss,
                 param_hash=param_hash,
                 phases_s=watchdog.take_spent(),  # the previous round's checkpoint is in it
@@ -293,8 +255,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             round_index,
             totals,
             val_loss=final_loss,
-            param_hash=param_sha256(synced_params),
-            param_count=sum(p.numel() for p in synced_params),
+            param_hash=param_sha256(sync.synced_params),
+            param_count=sum(p.numel() for p in sync.synced_params),
         )
     finally:
         try:
@@ -307,6 +269,76 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         backend.shutdown()
 
 
+@dataclass
+class TrainedParts:
+    """What a worker trains, each with its state in a checkpoint (and the random generators'):
+    listed once, for both directions."""
+
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+    outer: OuterStep
+    error_feedback: ErrorFeedback
+    sampler: ShardSampler
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "outer": self.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
+            "error_feedback": self.error_feedback.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": capture_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict, checkpoints: Path) -> None:
+        _load_model_state(self.model, state["model"], checkpoints)
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.outer.load_state_dict(state["outer"])
+        self.error_feedback.load_state_dict(state.get("error_feedback", {}))
+        self.sampler.load_state_dict(state["sampler"])
+        restore_rng_state(state["rng"])
+
+
+def _sync_mode(
+    cfg: Config,
+    *,
+    model: torch.nn.Module,
+    outer: OuterStep,
+    backend: CommBackend,
+    accounting: Accounting,
+    watchdog: Watchdog,
+    timed: bool,
+    join: bool,
+) -> SyncMode:
+    """The worker's rounds (sync_modes.py): data-parallel (outer.sync_every=0), overlapped
+    (outer.overlap=delayed|streaming) or blocking."""
+    deadline_s, workers = cfg.comm.deadline_s, cfg.worker.count
+    if cfg.outer.sync_every == 0:
+        weight = cfg.inner.batch_size
+        averaging = GradientAveraging(list(model.parameters()), backend, weight=weight, deadline_s=deadline_s)
+        return DataParallelRounds(averaging, accounting)
+    if cfg.outer.overlap != "none":
+        overlapped = OverlappedOuter(outer, backend, cfg.outer, deadline_s=deadline_s, expected_peers=workers)
+        return OverlappedRounds(
+            overlapped, accounting, watchdog, samples_per_step=cfg.inner.batch_size, total_steps=cfg.inner.steps
+        )
+
+    def catch_up(step: int, round_index: int) -> tuple[int, int]:
+        return catch_up_with_run(outer, backend, step, round_index, cfg=cfg, required=join, align_step=not timed)
+
+    return BlockingRounds(
+        outer,
+        backend,
+        accounting,
+        watchdog,
+        catch_up=catch_up,
+        deadline_s=deadline_s,
+        expected_peers=workers,
+        steps_per_round=0 if timed else cfg.outer.sync_every,
+        total_steps=cfg.inner.steps,
+    )
+
+
 def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints) -> None:
     try:
         model.load_state_dict(saved)
@@ -316,58 +348,6 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints) -> None:
             f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
             f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
         ) from None
-
-
-def _account(result: SyncResult, measured_s: float, totals: Totals, log: WorkerLog) -> RoundCost:
-    """Add a round to the totals. A simulated transport's modelled time replaces the time this
-    thread actually waited (for its turn), in the totals and in the worker's wall clock."""
-    comm_s = measured_s if result.simulated_s is None else result.simulated_s
-    log.discount(measured_s - comm_s)
-    totals.add_round(result, comm_s)
-    return RoundCost(result, comm_s)
-
-
-def _overlapped_step(
-    overlapped: OverlappedOuter, step: int, batch: int, last_step: int, totals: Totals, log: WorkerLog
-) -> tuple[list[RoundCost], float]:
-    """Hand inner step ``step`` to the overlapped outer steps and account for what they did.
-
-    Over a real transport all the time spent there is the outer step's (waiting for an average,
-    and the local work around it). The simulator instead takes turns there: that time leaves the
-    wall clock, and each average costs only its modelled time that compute did not hide. Returns
-    the applied averages' costs, and the time spent when nothing was applied (starting a sync)."""
-    started = time.perf_counter()
-    applied = overlapped.after_inner_step(
-        step, samples_per_step=batch, compute_s=totals.compute_s, final=step == last_step
-    )
-    spent = time.perf_counter() - started
-    simulated = overlapped.backend.simulated
-    comm_s = sum(a.wait_s for a in applied) if simulated else spent
-    log.discount(spent - comm_s)
-    costs = []
-    for k, average in enumerate(applied):
-        share = comm_s if k == 0 else 0.0  # the step's time goes to the first average applied in it
-        totals.add_round(average.result, share)
-        costs.append(RoundCost(average.result, share, average.recovered))
-    if applied:
-        return costs, 0.0
-    totals.comm_wait_s += comm_s
-    return costs, comm_s
-
-
-def _merge(window: list[RoundCost]) -> SyncResult:
-    """The data-parallel rounds since the last record, as one result."""
-    results = [cost.result for cost in window]
-    if not results:
-        return SyncResult(ok=True, peers=1, total_weight=0.0)
-    return SyncResult(
-        ok=all(r.ok for r in results),
-        peers=min(r.peers for r in results),
-        total_weight=results[-1].total_weight,
-        bytes_sent=sum(r.bytes_sent for r in results),
-        bytes_recv=sum(r.bytes_recv for r in results),
-        error=next((r.error for r in results if r.error), ""),
-    )
 
 
 def _device(name: str) -> torch.device:
