@@ -101,6 +101,11 @@ def _offer(priority: float) -> tuple[int, StateRank]:
     return int(round_index), StateRank(peers, round((rest - peers) / 0.99 * (1 << 24)) / (1 << 24))
 
 
+def _same_offer(a: tuple[int, StateRank], b: tuple[int, StateRank]) -> bool:
+    """Whether two (round, rank) are one offer as the DHT carries it (the fingerprint to 24 bits)."""
+    return _priority(*a) == _priority(*b)
+
+
 @contextlib.contextmanager
 def roster_reader(cfg: CommConfig):
     """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.initial_peers``:
@@ -612,12 +617,12 @@ class HivemindBackend(CommBackend):
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
     ) -> PeerState | None:
 
-        def wanted(offered_round: int, rank: StateRank, everyone_offered: bool) -> bool:
+        def wanted(offered_round: int, rank: StateRank, everyone_offered: bool, ours: StateRank) -> bool:
             if newer and offered_round > round_index:
                 return True
             # an unsynced peer's state (peers 0: its round failed too) only once no synced one can
             # come: taken before, it would leave us apart from the peers that averaged
-            return offered_round == round_index and rank > better_than and (rank.peers > 0 or everyone_offered)
+            return offered_round == round_index and rank > ours and (rank.peers > 0 or everyone_offered)
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -628,7 +633,12 @@ class HivemindBackend(CommBackend):
             # every live peer has finished this round (one still in its outer step has not offered it yet)
             finished = all(r >= round_index for r, _ in offers)
             everyone_offered = bool(offers) and len(offers) >= (others or 0) and finished
-            if any(wanted(r, rank, everyone_offered) for r, rank in offers):
+            ours = better_than
+            if self.client_mode and not any(_same_offer((r, rank), (round_index, better_than)) for r, rank in offers):
+                # nobody can take our state (a client serves none) and no peer that serves holds
+                # it: between states of one size, any served one wins over ours, or we stay apart
+                ours = StateRank(better_than.peers, -1.0)
+            if any(wanted(r, rank, everyone_offered, ours) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
                 started = time.monotonic()
                 found = self._download_state(max(1.0, deadline - time.monotonic()))
@@ -636,7 +646,7 @@ class HivemindBackend(CommBackend):
                     metadata, tensors = found
                     offered_round = metadata.get("round", -1)
                     rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
-                    if wanted(offered_round, rank, everyone_offered) and tensors:
+                    if wanted(offered_round, rank, everyone_offered, ours) and tensors:
                         logger.info(
                             "downloaded the state of a peer after round %d: %d bytes in %.2f s",
                             offered_round + 1,

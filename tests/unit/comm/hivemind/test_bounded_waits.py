@@ -49,6 +49,7 @@ def _backend(**attributes) -> HivemindBackend:
     backend.roster = SimpleNamespace(stage=lambda stage: None)
     backend._others_averaged = lambda round_index: False
     backend._others_gone = lambda: False
+    backend.client_mode = False
     for name, value in attributes.items():
         setattr(backend, name, value)
     return backend

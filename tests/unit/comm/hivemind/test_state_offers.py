@@ -31,6 +31,7 @@ def _backend(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> 
     last = offers_over_time[-1]
     backend._state_offers = lambda: next(reads, last)
     backend._live_others = lambda: live - 1
+    backend.client_mode = False
     return backend
 
 
@@ -106,6 +107,7 @@ def test_an_unsynced_peers_state_is_not_taken_while_a_peer_that_averaged_may_sti
     backend._averagers = [_ServesTheBest()]
     backend._state_offers = offers
     backend._live_others = lambda: 2
+    backend.client_mode = False
     found = backend.fetch_state(5, better_than=StateRank(0, 0.3), timeout_s=10.0, newer=True)
     assert found is not None and found.rank == StateRank(2, 0.5), found
 
@@ -116,3 +118,28 @@ def test_once_every_live_peer_offers_this_round_an_unsynced_state_above_ours_is_
     backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))]
     found = backend.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(0, 0.5)
+
+
+def _client(offers: list[tuple[int, StateRank]], served: tuple[int, StateRank], live: int) -> HivemindBackend:
+    backend = _backend([offers], live=live)
+    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, *served)]
+    backend.client_mode = True
+    return backend
+
+
+def test_a_client_whose_params_no_serving_peer_holds_takes_a_served_state_of_its_own_size():
+    """Every worker's round failed (each applied its own pseudo-gradient: unsynced, peers 0). The
+    public worker's fingerprint ranks below a NAT'd client's: by fingerprint alone the client keeps
+    its params and the public worker waits for a state nobody can serve (a client serves none),
+    and they stay apart for the rest of the run. The client takes the served state instead."""
+    public = (1, StateRank(0, 0.2))
+    found = _client([public], public, live=2).fetch_state(1, better_than=StateRank(0, 0.7), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(0, 0.2)
+
+
+def test_a_client_whose_params_a_serving_peer_holds_ranks_them_by_fingerprint_as_that_peer_does():
+    """A split round: our group's serving peer offers our very state (same size, same fingerprint)
+    and outranks the other group's: nothing to take, as that peer concludes too."""
+    ours, other = (1, StateRank(2, 0.7)), (1, StateRank(2, 0.2))
+    backend = _client([ours, other], other, live=3)
+    assert backend.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
