@@ -32,7 +32,9 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+_NETNS_ETC = Path("/etc/netns")  # per-namespace files that ``ip netns exec`` mounts over /etc's
 _NAME = re.compile(r"^dl[bvpn]([0-9a-z]+)s")  # every testbed object: dl + kind + owner pid (base 36) + s + number
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 _built = 0  # testbeds built by this process so far: each gets fresh names
@@ -144,6 +146,7 @@ class Testbed:
             outer = self._routers.get(i, namespace)
             inside = f"dlp{self._tag}x{i}"
             _run("ip", "netns", "add", namespace)
+            _no_resolver(namespace)
             if outer != namespace:
                 _run("ip", "netns", "add", outer)
             _run("ip", "link", "add", root_end, "type", "veth", "peer", "name", inside)
@@ -207,6 +210,7 @@ class Testbed:
             _kill_inside(namespace)
         for namespace in namespaces:
             _run("ip", "netns", "del", namespace, check=False)
+            shutil.rmtree(_NETNS_ETC / namespace, ignore_errors=True)
         for root_end in self._root_ends:
             _run("ip", "link", "del", root_end, check=False)  # deleting the namespace frees it, but lazily
         _run("ip", "link", "del", self._bridge, check=False)
@@ -217,6 +221,16 @@ class Testbed:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _no_resolver(namespace: str) -> None:
+    """Name lookups inside ``namespace`` fail at once. The machine's DNS server is out of reach
+    there, so each lookup would wait out its timeouts (10 s): gloo's store looks up the name of
+    every client that connects, which made the first worker that starts one 10 s late for its
+    first round. ``ip netns exec`` puts the files of /etc/netns/NAME over /etc's."""
+    folder = _NETNS_ETC / namespace
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
 
 def _kill_inside(namespace: str) -> None:
@@ -232,10 +246,11 @@ def _kill_inside(namespace: str) -> None:
 
 
 def leftovers() -> list[str]:
-    """Names of testbed namespaces and links that exist now (of any owner)."""
+    """Names of testbed namespaces, links and namespace files that exist now (of any owner)."""
     names = _run("ip", "netns", "list", check=False).stdout.split()
     links = re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", "show", check=False).stdout, re.MULTILINE)
-    return [name for name in [*names, *links] if _NAME.match(name)]
+    files = [path.name for path in _NETNS_ETC.iterdir()] if _NETNS_ETC.is_dir() else []  # _no_resolver's
+    return sorted({name for name in [*names, *links, *files] if _NAME.match(name)})
 
 
 def remove_stale() -> list[str]:
@@ -248,6 +263,7 @@ def remove_stale() -> list[str]:
         if name.startswith("dln"):
             _kill_inside(name)
             _run("ip", "netns", "del", name, check=False)
+            shutil.rmtree(_NETNS_ETC / name, ignore_errors=True)
         else:
             _run("ip", "link", "del", name, check=False)
         removed.append(name)
