@@ -1,6 +1,7 @@
 """One worker at run time: set-up from the config, the loop, and what it keeps and records.
 
 - ``train.py``       the worker loop, top to bottom, readable like the algorithm
+- ``build.py``       a worker set up from its config (data, model, optimizers, resumed state, transport)
 - ``sync_modes.py``  how its rounds sync: blocking, overlapped or data-parallel, one interface
 - ``placement.py``   where a worker's model lives: one process, a site's replicas, or a site's shards
 - ``sites.py``       several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites

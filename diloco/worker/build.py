@@ -1,0 +1,309 @@
+"""A worker set up from its config: data, model, optimizers, the resumed state, the transport,
+its records and how its rounds sync. ``train.py`` runs the loop over what ``build_worker`` returns.
+
+Rerunning the same command resumes from the newest valid checkpoint: ``Worker.state_dict`` lists
+what a checkpoint holds once, and ``build_worker`` loads it back part by part.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from diloco.comm import CommBackend, CommConfig, build_backend
+from diloco.comm.bounds import phase_bounds, site_limit_s
+from diloco.compression import ErrorFeedback, build_codec
+from diloco.config import Config, ConfigError, save_config, to_dict
+from diloco.core.inner import build_inner_optimizer
+from diloco.core.outer import GradientAveraging, OuterStep
+from diloco.core.overlap import OverlappedOuter, fragments_for
+from diloco.core.rounds import RoundClock
+from diloco.data.corpus import ShardSampler, load_corpus, val_batches
+from diloco.models.gpt import build_model
+from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, load_latest_checkpoint, restore_rng_state
+from diloco.worker.faults import with_bad_payloads, with_faults
+from diloco.worker.joining import catch_up_with_run, published_run
+from diloco.worker.memory import check_model_fits
+from diloco.worker.metrics import param_sha256
+from diloco.worker.placement import Placement, placement_for
+from diloco.worker.records import Totals, WorkerLog, totals_state
+from diloco.worker.sync_modes import Accounting, BlockingRounds, DataParallelRounds, OverlappedRounds, SyncMode
+from diloco.worker.watchdog import Watchdog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    """Everything one worker's loop uses. ``step``, ``round_index`` and ``totals`` are where it
+    starts: 0 for a new run, the checkpoint's for a resumed one."""
+
+    cfg: Config
+    placement: Placement  # one process, or a rank of a site (placement.py)
+    device: torch.device
+    sampler: ShardSampler  # this worker's shard of the train split
+    held_out: list  # the held-out batches every worker shares
+    held_out_hash: str
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+    outer: OuterStep  # the global params and the outer optimizer (core/outer.py)
+    error_feedback: ErrorFeedback
+    backend: CommBackend
+    log: WorkerLog
+    watchdog: Watchdog  # what the worker is doing, for diloco status; a warning when a phase outlasts its bound
+    clock: RoundClock  # when a round ends
+    sync: SyncMode  # how its rounds sync: blocking, overlapped or data-parallel (sync_modes.py)
+    average_gradients: object  # between backward and the update: a site's averaging, or the data-parallel baseline's
+    checkpoints: CheckpointWriter
+    step: int
+    round_index: int
+    totals: Totals
+
+    def state_dict(self, step: int, round_index: int) -> dict:
+        """What a checkpoint after round ``round_index`` holds (a sharded site's rank: its own shards)."""
+        state = {
+            "model": self.model.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "outer": self.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
+            "error_feedback": self.error_feedback.state_dict(),
+            "overlap": self.sync.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": capture_rng_state(),
+            "step": step,
+            "round": round_index,
+            "totals": totals_state(self.totals, self.log),
+        }
+        return self.placement.checkpoint_state(state)
+
+    def save_checkpoint(self, step: int, round_index: int) -> None:
+        with self.watchdog.phase("checkpointing"):
+            self.checkpoints.save(round_index, self.state_dict(step, round_index))  # written in the background
+
+    def close(self) -> None:
+        try:
+            self.checkpoints.wait()  # a write in progress ends whole (a crash mid-write loses only it)
+        except Exception:
+            logger.exception("the last checkpoint could not be written")
+        self.watchdog.stop()
+        self.log.close()
+        self.backend.leave()
+        self.backend.shutdown()
+
+
+def _load_trained_parts(
+    state: dict,
+    checkpoints: Path,
+    *,
+    model: torch.nn.Module,
+    inner_optimizer: torch.optim.Optimizer,
+    outer: OuterStep,
+    error_feedback: ErrorFeedback,
+    sampler: ShardSampler,
+) -> None:
+    """``Worker.state_dict`` read back into what is trained, before the transport starts (a
+    checkpoint of another model is refused at once); the sync mode's own part comes after."""
+    _load_model_state(model, state["model"], checkpoints)
+    inner_optimizer.load_state_dict(state["inner_optimizer"])
+    outer.load_state_dict(state["outer"])
+    error_feedback.load_state_dict(state.get("error_feedback", {}))
+    sampler.load_state_dict(state["sampler"])
+    restore_rng_state(state["rng"])
+
+
+def build_worker(cfg: Config, *, join: bool = False) -> Worker:
+    """Set up one worker from ``cfg``, resumed from its newest checkpoint if it has one. With
+    ``join`` a live run is required (checked before the first step, ``joining.py``)."""
+    # one process, or one rank of a site (worker.site, under torchrun) holding the whole model or
+    # (worker.site_sharding=fsdp) a shard of it: placement.py. A site's collectives wait for its
+    # slowest rank's round (comm/bounds.py)
+    site_timeout_s = site_limit_s(cfg.comm.deadline_s)
+    placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
+    if join:
+        placement.check_join()
+    device, ranks = placement.device, placement.ranks
+    run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.worker.threads:
+        torch.set_num_threads(cfg.worker.threads)
+
+    # data: this worker's shard of the train split, and the held-out batches every worker shares
+    corpus = load_corpus(cfg.data)
+    block, batch = cfg.model.block_size, cfg.inner.batch_size
+    sampler = ShardSampler(
+        corpus.train,
+        block_size=block,
+        batch_size=batch * ranks,  # a site draws one batch for all its ranks; each takes its slice
+        shard_index=cfg.worker.index,
+        num_shards=cfg.worker.shards,
+        seed=cfg.seed,
+        chunk=cfg.data.shard_chunk,
+    )
+    held_out = val_batches(
+        corpus.val,
+        block_size=block,
+        batch_size=cfg.logging.eval_batch_size,
+        num_batches=cfg.logging.eval_batches,
+        seed=cfg.seed,
+    )
+
+    # model and optimizers: refused at once if it cannot fit (memory.py); the same seed gives every
+    # worker the same initial params
+    check_model_fits(cfg.model, vocab_size=corpus.vocab_size, device=device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, vocab_size=corpus.vocab_size)
+    synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
+    inner_optimizer = build_inner_optimizer(cfg.inner, model)
+    codec = build_codec(cfg.compression)  # how pseudo-gradients travel
+    error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
+    outer = OuterStep(synced_local, cfg.outer, error_feedback=error_feedback)
+    if cfg.worker.compile:  # in place, after the optimizers: same params, same state_dict keys
+        model.compile()
+    torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
+
+    # resume: rerunning the same command continues from the newest valid checkpoint
+    step, round_index, totals = 0, 0, Totals()
+    checkpoints = run_dir / "checkpoints"
+    if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
+        placement.check_resume(checkpoints)
+        _load_trained_parts(
+            state,
+            checkpoints,
+            model=model,
+            inner_optimizer=inner_optimizer,
+            outer=outer,
+            error_feedback=error_feedback,
+            sampler=sampler,
+        )
+        step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
+        logger.info("worker %d resumed at step %d, after round %d", cfg.worker.index, step, round_index)
+    if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
+        save_config(cfg, run_dir / "config.yaml")
+
+    def open_transport(comm: CommConfig) -> CommBackend:
+        transport = build_backend(
+            comm,
+            templates=outer.global_params,
+            num_workers=cfg.worker.count,
+            slots=cfg.worker.shards,
+            worker_index=cfg.worker.index,
+            device=device,
+            codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
+            fragments=fragments_for(cfg.outer, outer.global_params),
+        )
+        return with_faults(transport, cfg.faults, cfg.worker.index)
+
+    backend = placement.connect(cfg.comm, open_transport)  # a site's ranks: through the site
+    try:
+        backend.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
+        log = WorkerLog(
+            cfg.logging if placement.leader else replace(cfg.logging, wandb="disabled"),
+            run_dir=run_dir,
+            run_name=cfg.run.name,
+            worker_index=cfg.worker.index,
+            total_steps=cfg.inner.steps,
+            tokens_per_step=batch * block * ranks,
+            config_dict=to_dict(cfg),
+            wall_s_before=totals.wall_s,
+        )
+        watchdog = Watchdog(
+            phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
+            stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
+            on_phase=backend.report_phase,
+        )
+    except BaseException:
+        backend.shutdown()
+        raise
+    # a round every outer.sync_every inner steps (or outer.round_s seconds); the data-parallel
+    # baseline (sync_every 0) records one every logging.eval_every steps
+    clock = RoundClock(
+        sync_every=cfg.outer.sync_every or cfg.logging.eval_every,
+        round_s=cfg.outer.round_s,
+        total_steps=cfg.inner.steps,
+    )
+    sync = _sync_mode(
+        cfg, model=model, outer=outer, backend=backend, accounting=Accounting(totals, log), watchdog=watchdog, join=join
+    )
+    sync.load_state_dict(state.get("overlap") if state is not None else None)
+    return Worker(
+        cfg=cfg,
+        placement=placement,
+        device=device,
+        sampler=sampler,
+        held_out=held_out,
+        held_out_hash=param_sha256(x for x, _ in held_out),
+        model=model,
+        inner_optimizer=inner_optimizer,
+        outer=outer,
+        error_feedback=error_feedback,
+        backend=backend,
+        log=log,
+        watchdog=watchdog,
+        clock=clock,
+        sync=sync,
+        average_gradients=placement.site_gradient_hook(model) or sync.average_gradients,
+        checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
+        step=step,
+        round_index=round_index,
+        totals=totals,
+    )
+
+
+def _sync_mode(
+    cfg: Config,
+    *,
+    model: torch.nn.Module,
+    outer: OuterStep,
+    backend: CommBackend,
+    accounting: Accounting,
+    watchdog: Watchdog,
+    join: bool,
+) -> SyncMode:
+    """The worker's rounds (sync_modes.py): data-parallel (outer.sync_every=0), overlapped
+    (outer.overlap=delayed|streaming) or blocking."""
+    deadline_s, workers, timed = cfg.comm.deadline_s, cfg.worker.count, cfg.outer.round_s > 0
+    if cfg.outer.sync_every == 0:
+        weight = cfg.inner.batch_size
+        averaging = GradientAveraging(list(model.parameters()), backend, weight=weight, deadline_s=deadline_s)
+        return DataParallelRounds(averaging, accounting)
+    if cfg.outer.overlap != "none":
+        overlapped = OverlappedOuter(outer, backend, cfg.outer, deadline_s=deadline_s, expected_peers=workers)
+        return OverlappedRounds(
+            overlapped, accounting, watchdog, samples_per_step=cfg.inner.batch_size, total_steps=cfg.inner.steps
+        )
+
+    def catch_up(step: int, round_index: int) -> tuple[int, int]:
+        return catch_up_with_run(outer, backend, step, round_index, cfg=cfg, required=join, align_step=not timed)
+
+    return BlockingRounds(
+        outer,
+        backend,
+        accounting,
+        watchdog,
+        catch_up=catch_up,
+        deadline_s=deadline_s,
+        expected_peers=workers,
+        steps_per_round=0 if timed else cfg.outer.sync_every,
+        total_steps=cfg.inner.steps,
+    )
+
+
+def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints: Path) -> None:
+    try:
+        model.load_state_dict(saved)
+    except RuntimeError as error:  # another architecture or size: a long message from torch
+        detail = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), str(error))
+        raise ConfigError(
+            f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
+            f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
+        ) from None
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("worker.device=cuda but no CUDA device is visible; use worker.device=cpu or auto")
+    return torch.device(name)
