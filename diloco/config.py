@@ -22,13 +22,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from diloco.comm import BACKENDS, DATA_PLANES, CommConfig
-from diloco.compression import CODECS, CompressionConfig
-from diloco.core.host_copies import GLOBAL_DEVICES
-from diloco.core.inner import INNER_OPTIMIZERS, PRECISIONS, InnerConfig
-from diloco.core.outer import OUTER_OPTIMIZERS, OuterConfig
-from diloco.core.overlap import OVERLAPS
+from diloco.compression import CompressionConfig, build_codec
+from diloco.core.inner import PRECISIONS, InnerConfig, validate_inner_config
+from diloco.core.outer import OuterConfig, validate_outer_config
+from diloco.core.overlap import validate_overlap_config
 from diloco.data.corpus import DataConfig
-from diloco.errors import ConfigError
+from diloco.errors import ConfigError, require
 from diloco.models.gpt import ModelConfig, validate_model_config
 from diloco.optional_deps import is_installed, missing_message
 from diloco.worker.checkpoint import CheckpointConfig
@@ -162,49 +161,23 @@ def _describe(error: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
-def _check_overlap(outer: OuterConfig) -> None:
-    _check(outer.overlap in OVERLAPS, f"outer.overlap={outer.overlap!r} is not one of {', '.join(OVERLAPS)}")
-    _check(outer.round_s >= 0, f"outer.round_s={outer.round_s} must be >= 0 (0 = outer.sync_every steps a round)")
-    if outer.round_s > 0:
-        _check(outer.sync_every > 0, "outer.round_s needs DiLoCo rounds (outer.sync_every > 0)")
-        _check(outer.overlap == "none", "outer.round_s works with blocking rounds only (outer.overlap=none)")
-    if outer.overlap != "none":
-        _check(outer.sync_every > 0, f"outer.overlap={outer.overlap} needs DiLoCo rounds (outer.sync_every > 0)")
-    _check(0 <= outer.mix < 1, f"outer.mix={outer.mix} must be in [0, 1)")
-    _check(outer.mix == 0 or outer.overlap == "streaming", "outer.mix applies to outer.overlap=streaming only")
-    _check(not outer.eager or outer.overlap == "delayed", "outer.eager=true applies to outer.overlap=delayed only")
-    if outer.overlap == "streaming":
-        _check(outer.fragments >= 1, f"outer.fragments={outer.fragments} must be at least 1")
-        _check(
-            outer.sync_every % outer.fragments == 0,
-            f"outer.sync_every={outer.sync_every} must be a multiple of outer.fragments={outer.fragments} "
-            "(fragments sync H/P steps apart)",
-        )
-        gap = min(outer.sync_every // outer.fragments, outer.sync_every - 1)
-        _check(
-            0 <= outer.delay_steps <= gap,
-            f"outer.delay_steps={outer.delay_steps} must be in [0, {gap}]: at most outer.sync_every / "
-            "outer.fragments, and below outer.sync_every (a whole round late is outer.overlap=delayed)",
-        )
-
-
 def _check_data(data: DataConfig) -> None:
-    _check(0 < data.val_fraction < 1, f"data.val_fraction={data.val_fraction} must be in (0, 1)")
-    _check(data.shard_chunk >= 0, f"data.shard_chunk={data.shard_chunk} must be >= 0 (0 = contiguous shards)")
-    _check(not (data.path and data.dataset), "set one of data.path (text files) and data.dataset (a HF dataset)")
+    require(0 < data.val_fraction < 1, f"data.val_fraction={data.val_fraction} must be in (0, 1)")
+    require(data.shard_chunk >= 0, f"data.shard_chunk={data.shard_chunk} must be >= 0 (0 = contiguous shards)")
+    require(not (data.path and data.dataset), "set one of data.path (text files) and data.dataset (a HF dataset)")
     has_glob = any(char in data.dataset for char in "*?[")
-    _check(
+    require(
         not data.dataset or has_glob or Path(data.dataset).expanduser().exists(),
         f"data.dataset={data.dataset!r} does not exist",
     )
-    _check(bool(data.text_field), "data.text_field must name the column that holds the text")
-    _check(
+    require(bool(data.text_field), "data.text_field must name the column that holds the text")
+    require(
         not data.tokenizer or Path(data.tokenizer).expanduser().exists(),
         f"data.tokenizer={data.tokenizer!r} does not exist (a local folder or tokenizer.json; nothing is downloaded)",
     )
     # the token cache streams a Hugging Face dataset; data.path and the embedded corpus are read into memory
-    _check(not data.token_cache or bool(data.dataset), "data.token_cache needs data.dataset (the corpus it caches)")
-    _check(
+    require(not data.token_cache or bool(data.dataset), "data.token_cache needs data.dataset (the corpus it caches)")
+    require(
         not Path(data.token_cache).expanduser().is_file(),
         f"data.token_cache={data.token_cache!r} is a file; it names a folder (created if missing)",
     )
@@ -218,103 +191,71 @@ def _check_hf_extra(cfg: Config) -> None:
         ("datasets", "data.dataset", bool(cfg.data.dataset)),
     ]
     for module, setting, needed in needs:
-        _check(not needed or is_installed(module), missing_message(module, setting))
+        require(not needed or is_installed(module), missing_message(module, setting))
 
 
 def _check_site(cfg: Config) -> None:
     """A site (several ranks as one worker) syncs across sites over hivemind, one blocking round at a time."""
     sharding = cfg.worker.site_sharding
-    _check(sharding in SITE_SHARDINGS, f"worker.site_sharding={sharding!r} is not one of {', '.join(SITE_SHARDINGS)}")
-    _check(sharding == "ddp" or cfg.worker.site, f"worker.site_sharding={sharding} needs worker.site=true")
+    require(sharding in SITE_SHARDINGS, f"worker.site_sharding={sharding!r} is not one of {', '.join(SITE_SHARDINGS)}")
+    require(sharding == "ddp" or cfg.worker.site, f"worker.site_sharding={sharding} needs worker.site=true")
     if not cfg.worker.site:
         return
     backend, overlap = cfg.comm.backend, cfg.outer.overlap
-    _check(backend == "hivemind", f"worker.site=true syncs sites over hivemind, not comm.backend={backend}")
-    _check(cfg.outer.sync_every > 0, "worker.site=true needs rounds (outer.sync_every > 0)")
-    _check(overlap == "none", f"worker.site=true runs blocking rounds: outer.overlap=none, not {overlap}")
+    require(backend == "hivemind", f"worker.site=true syncs sites over hivemind, not comm.backend={backend}")
+    require(cfg.outer.sync_every > 0, "worker.site=true needs rounds (outer.sync_every > 0)")
+    require(overlap == "none", f"worker.site=true runs blocking rounds: outer.overlap=none, not {overlap}")
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
+def _section(check, section) -> None:
+    """A section's own checks, beside its code (they raise ``ValueError``), as a ``ConfigError``."""
+    try:
+        check(section)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def validate(cfg: Config) -> None:
-    """Combinations the schema's types cannot express. Each failure names the key to change."""
+    """Combinations the schema's types cannot express. Each failure names the key to change. A
+    section's own checks live beside its code (``validate_outer_config``, ...); those across
+    sections are here."""
     _check_hf_extra(cfg)
-    try:
-        validate_model_config(cfg.model)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    _check(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
+    _section(validate_model_config, cfg.model)
+    require(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
     _check_site(cfg)
-    _check(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")
-    _check(
+    require(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")
+    require(
         0 <= cfg.worker.index < cfg.worker.shards,
         f"worker.index={cfg.worker.index} must be in [0, {cfg.worker.shards}) "
         f"(worker.count={cfg.worker.count}, worker.slots={cfg.worker.slots})",
     )
-    _check(
+    require(
         cfg.worker.device in ("cpu", "cuda", "auto"), f"worker.device={cfg.worker.device!r} is not cpu, cuda or auto"
     )
-    _check(
+    require(
         cfg.worker.precision in PRECISIONS,
         f"worker.precision={cfg.worker.precision!r} is not one of {', '.join(PRECISIONS)}",
     )
-    _check(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
-    _check(cfg.inner.steps >= 1, f"inner.steps={cfg.inner.steps} must be at least 1")
-    _check(cfg.inner.batch_size >= 1, f"inner.batch_size={cfg.inner.batch_size} must be at least 1")
-    _check(
-        cfg.inner.optimizer in INNER_OPTIMIZERS,
-        f"inner.optimizer={cfg.inner.optimizer!r} is not one of {', '.join(INNER_OPTIMIZERS)}",
-    )
-    _check(cfg.inner.lr > 0, f"inner.lr={cfg.inner.lr} must be positive")
-    _check(0 <= cfg.inner.min_lr <= cfg.inner.lr, f"inner.min_lr={cfg.inner.min_lr} must be in [0, inner.lr]")
-    _check(cfg.inner.warmup_steps >= 0, f"inner.warmup_steps={cfg.inner.warmup_steps} must be >= 0")
-    _check(cfg.inner.grad_clip >= 0, f"inner.grad_clip={cfg.inner.grad_clip} must be >= 0 (0 = off)")
-    _check(
-        cfg.outer.optimizer in OUTER_OPTIMIZERS,
-        f"outer.optimizer={cfg.outer.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}",
-    )
-    _check(cfg.outer.lr > 0, f"outer.lr={cfg.outer.lr} must be positive")
-    _check(0 <= cfg.outer.momentum < 1, f"outer.momentum={cfg.outer.momentum} must be in [0, 1)")
-    _check(
-        cfg.outer.sync_every >= 0,
-        f"outer.sync_every={cfg.outer.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
-    )
-    _check_overlap(cfg.outer)
-    _check(
-        cfg.outer.global_device in GLOBAL_DEVICES,
-        f"outer.global_device={cfg.outer.global_device!r} is not one of {', '.join(GLOBAL_DEVICES)}",
-    )
-    _check(
+    require(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
+    _section(validate_inner_config, cfg.inner)
+    _section(validate_outer_config, cfg.outer)
+    _section(validate_overlap_config, cfg.outer)
+    require(
         cfg.outer.global_device == "cpu" or cfg.outer.overlap == "none",
         f"outer.global_device={cfg.outer.global_device} works with blocking rounds only (outer.overlap=none); "
         "overlapped rounds keep the global params on the cpu",
     )
-    _check(
-        cfg.compression.name in CODECS,
-        f"compression.name={cfg.compression.name!r} is not one of {', '.join(CODECS)}",
-    )
-    _check(cfg.compression.block_size >= 1, f"compression.block_size={cfg.compression.block_size} must be at least 1")
-    _check(
-        1 <= cfg.compression.topk_chunk <= 65536,
-        f"compression.topk_chunk={cfg.compression.topk_chunk} must be in [1, 65536]",
-    )
-    _check(
-        1 <= cfg.compression.topk_k <= cfg.compression.topk_chunk,
-        f"compression.topk_k={cfg.compression.topk_k} must be in [1, compression.topk_chunk]",
-    )
-    _check(
+    _section(build_codec, cfg.compression)  # the codec checks its own settings as it is made
+    require(
         cfg.compression.name == "none" or cfg.outer.sync_every > 0,
         f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "
         "(outer.sync_every=0) sends fp32 gradients: use compression.name=none",
     )
-    _check(
+    require(
         cfg.faults.bad_payload in BAD_PAYLOADS,
         f"faults.bad_payload={cfg.faults.bad_payload!r} is not one of {', '.join(BAD_PAYLOADS[1:])} (or empty)",
     )
-    _check(
+    require(
         not (
             cfg.faults.bad_payload not in ("", "scaled")
             and cfg.comm.backend == "torchdist"
@@ -323,51 +264,51 @@ def validate(cfg: Config) -> None:
         "faults.bad_payload with comm.backend=torchdist needs a codec (compression.name): "
         "fp32 goes through a plain all-reduce there, with no payload to break",
     )
-    _check(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
-    _check(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
-    _check(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
-    _check(
+    require(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
+    require(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
+    require(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
+    require(
         cfg.comm.max_norm_ratio == 0 or cfg.comm.max_norm_ratio > 1,
         f"comm.max_norm_ratio={cfg.comm.max_norm_ratio} must be 0 (off) or above 1",
     )
-    _check(
+    require(
         math.isfinite(cfg.faults.payload_scale),
         f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",
     )
-    _check(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
-    _check(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
+    require(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
+    require(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
     bad_peers = [peer for peer in cfg.comm.initial_peers if not peer.startswith("/")]
-    _check(
+    require(
         not bad_peers,
         f"comm.initial_peers: {bad_peers[0] if bad_peers else ''!r} is not a multiaddr "
         "(like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...)",
     )
     cfg.comm.client_mode = str(cfg.comm.client_mode).lower()  # yaml's true/false arrive as booleans
-    _check(
+    require(
         cfg.comm.client_mode in CLIENT_MODES,
         f"comm.client_mode={cfg.comm.client_mode!r} is not one of {', '.join(CLIENT_MODES)}",
     )
-    _check(
+    require(
         cfg.comm.data_plane in DATA_PLANES,
         f"comm.data_plane={cfg.comm.data_plane!r} is not one of {', '.join(DATA_PLANES)}",
     )
-    _check(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
-    _check(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")
-    _check(
+    require(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
+    require(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")
+    require(
         0 < cfg.comm.request_timeout_s < cfg.comm.matchmaking_s,
         f"comm.request_timeout_s={cfg.comm.request_timeout_s} must be positive and below "
         f"comm.matchmaking_s={cfg.comm.matchmaking_s} (hivemind can deadlock otherwise)",
     )
-    _check(
+    require(
         cfg.comm.matchmaking_s < cfg.comm.deadline_s,
         f"comm.matchmaking_s={cfg.comm.matchmaking_s} must be below comm.deadline_s={cfg.comm.deadline_s}",
     )
-    _check(
+    require(
         cfg.logging.wandb in WANDB_MODES,
         f"logging.wandb={cfg.logging.wandb!r} is not one of {', '.join(WANDB_MODES)}",
     )
-    _check(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be at least 1")
-    _check(
+    require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be at least 1")
+    require(
         cfg.checkpoint.every_rounds >= 0,
         f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
     )

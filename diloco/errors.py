@@ -35,3 +35,9 @@ class CommError(UserError, RuntimeError):
 
 class PlotError(UserError, ValueError):
     """A run directory that cannot be plotted; the message names it."""
+
+
+def require(condition: bool, message: str) -> None:
+    """A setting's check, beside the code it configures: ``ConfigError(message)`` unless ``condition``."""
+    if not condition:
+        raise ConfigError(message)

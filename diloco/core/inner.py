@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diloco.errors import require
+
 INNER_OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
 
@@ -38,8 +40,23 @@ class InnerConfig:
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = no clipping
 
 
+def validate_inner_config(cfg: InnerConfig) -> None:
+    """Raise ``ConfigError`` naming the ``inner.*`` setting to change."""
+    require(cfg.steps >= 1, f"inner.steps={cfg.steps} must be at least 1")
+    require(cfg.batch_size >= 1, f"inner.batch_size={cfg.batch_size} must be at least 1")
+    require(
+        cfg.optimizer in INNER_OPTIMIZERS,
+        f"inner.optimizer={cfg.optimizer!r} is not one of {', '.join(INNER_OPTIMIZERS)}",
+    )
+    require(cfg.lr > 0, f"inner.lr={cfg.lr} must be positive")
+    require(0 <= cfg.min_lr <= cfg.lr, f"inner.min_lr={cfg.min_lr} must be in [0, inner.lr]")
+    require(cfg.warmup_steps >= 0, f"inner.warmup_steps={cfg.warmup_steps} must be >= 0")
+    require(cfg.grad_clip >= 0, f"inner.grad_clip={cfg.grad_clip} must be >= 0 (0 = off)")
+
+
 def build_inner_optimizer(cfg: InnerConfig, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW with decay on 2-D weights only (embeddings, linear layers), or plain SGD."""
+    validate_inner_config(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)

@@ -34,6 +34,7 @@ import torch
 from diloco.comm.base import CommBackend, StateRank, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
+from diloco.errors import require
 
 T = TypeVar("T")
 
@@ -55,6 +56,25 @@ class OuterConfig:
     mix: float = 0.0  # streaming: alpha; a fragment's local params = alpha x local + (1 - alpha) x new global
     eager: bool = False  # delayed: each worker's fresh pseudo-gradient stands in for its stale share
     global_device: str = "cpu"  # global params and outer optimizer state: cpu (pinned for a CUDA model) / model
+
+
+def validate_outer_config(cfg: OuterConfig) -> None:
+    """Raise ``ConfigError`` naming the ``outer.*`` setting to change (the overlapped rounds' own:
+    ``validate_overlap_config`` in overlap.py)."""
+    require(
+        cfg.optimizer in OUTER_OPTIMIZERS,
+        f"outer.optimizer={cfg.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}",
+    )
+    require(cfg.lr > 0, f"outer.lr={cfg.lr} must be positive")
+    require(0 <= cfg.momentum < 1, f"outer.momentum={cfg.momentum} must be in [0, 1)")
+    require(
+        cfg.sync_every >= 0,
+        f"outer.sync_every={cfg.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
+    )
+    require(
+        cfg.global_device in GLOBAL_DEVICES,
+        f"outer.global_device={cfg.global_device!r} is not one of {', '.join(GLOBAL_DEVICES)}",
+    )
 
 
 def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -85,8 +105,7 @@ class OuterStep:
     ):
         self.local_params = list(local_params)
         self.error_feedback = error_feedback
-        if cfg.global_device not in GLOBAL_DEVICES:
-            raise ValueError(f"outer.global_device={cfg.global_device!r} is not one of {', '.join(GLOBAL_DEVICES)}")
+        validate_outer_config(cfg)
         self.global_params = global_copy(self.local_params, cfg.global_device)
         # the optimizer's state sits beside the global params and never crosses the bus: not pinned
         self.optimizer = build_outer_optimizer(cfg, self.global_params)

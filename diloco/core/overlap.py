@@ -45,6 +45,7 @@ import torch
 from diloco.comm.base import CommBackend, PendingAverage, StateRank, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.core.outer import OuterConfig, OuterStep
+from diloco.errors import require
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,33 @@ def split_fragments(params: list[torch.Tensor], count: int) -> list[list[int]]:
     if any(not f for f in fragments):
         raise ValueError(f"outer.fragments={count}: the model has too few parameter tensors to split that finely")
     return fragments
+
+
+def validate_overlap_config(outer: OuterConfig) -> None:
+    """Raise ``ConfigError`` naming the ``outer.*`` setting of the overlapped rounds to change."""
+    require(outer.overlap in OVERLAPS, f"outer.overlap={outer.overlap!r} is not one of {', '.join(OVERLAPS)}")
+    require(outer.round_s >= 0, f"outer.round_s={outer.round_s} must be >= 0 (0 = outer.sync_every steps a round)")
+    if outer.round_s > 0:
+        require(outer.sync_every > 0, "outer.round_s needs DiLoCo rounds (outer.sync_every > 0)")
+        require(outer.overlap == "none", "outer.round_s works with blocking rounds only (outer.overlap=none)")
+    if outer.overlap != "none":
+        require(outer.sync_every > 0, f"outer.overlap={outer.overlap} needs DiLoCo rounds (outer.sync_every > 0)")
+    require(0 <= outer.mix < 1, f"outer.mix={outer.mix} must be in [0, 1)")
+    require(outer.mix == 0 or outer.overlap == "streaming", "outer.mix applies to outer.overlap=streaming only")
+    require(not outer.eager or outer.overlap == "delayed", "outer.eager=true applies to outer.overlap=delayed only")
+    if outer.overlap == "streaming":
+        require(outer.fragments >= 1, f"outer.fragments={outer.fragments} must be at least 1")
+        require(
+            outer.sync_every % outer.fragments == 0,
+            f"outer.sync_every={outer.sync_every} must be a multiple of outer.fragments={outer.fragments} "
+            "(fragments sync H/P steps apart)",
+        )
+        gap = min(outer.sync_every // outer.fragments, outer.sync_every - 1)
+        require(
+            0 <= outer.delay_steps <= gap,
+            f"outer.delay_steps={outer.delay_steps} must be in [0, {gap}]: at most outer.sync_every / "
+            "outer.fragments, and below outer.sync_every (a whole round late is outer.overlap=delayed)",
+        )
 
 
 def fragments_for(cfg: OuterConfig, params: list[torch.Tensor]) -> list[list[int]]:
