@@ -237,11 +237,11 @@ def _local_run_config(args):
 
 
 def _cmd_local(args) -> int:
-    from diloco.tools.launcher import run_inproc, run_local
+    from diloco.tools.launcher import run_local, run_simulated
 
     cfg, config_path, overrides = _local_run_config(args)
-    if cfg.comm.backend == "inproc":
-        return run_inproc(cfg, workers=args.workers)
+    if cfg.comm.backend == "simulator":
+        return run_simulated(cfg, workers=args.workers)
     return run_local(cfg, config_path, overrides, workers=args.workers)
 
 

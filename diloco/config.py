@@ -102,6 +102,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
+    if cfg.comm.backend == "inproc":  # the simulator's earlier name, kept for the commands of older results
+        cfg.comm.backend = "simulator"
     validate(cfg)
     return cfg
 

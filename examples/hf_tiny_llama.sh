@@ -33,5 +33,5 @@ print(f"   {out}: {tokenizer.get_vocab_size()} ids")
 PY
 
 echo "== llama-tiny, 2 workers, H=20"
-$DILOCO local --workers 2 --run-dir "$OUT/run" comm.backend=inproc model.kind=hf model.hf_config=llama-tiny \
+$DILOCO local --workers 2 --run-dir "$OUT/run" comm.backend=simulator model.kind=hf model.hf_config=llama-tiny \
   data.path="$TEXT" data.tokenizer="$OUT/tokenizer.json" inner.steps=200 outer.sync_every=20 "$@"

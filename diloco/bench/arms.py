@@ -3,7 +3,7 @@ in-process simulator, and the driver that runs arms x seeds, saving results afte
 
 Every arm uses the reference workload: tinyshakespeare (byte-level), model "baby", a
 fixed global batch of 48 sequences split over the workers, AdamW lr 1e-3, warm-up 50, cosine to
-1e-4, clipping 1.0, and the very same worker loop as a real run (``comm.backend=inproc``).
+1e-4, clipping 1.0, and the very same worker loop as a real run (``comm.backend=simulator``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ COMMON = [
     "logging.eval_every=50",
     "logging.log_every=100",
     "checkpoint.every_rounds=0",
-    "comm.backend=inproc",
+    "comm.backend=simulator",
 ]
 
 

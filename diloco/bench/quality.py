@@ -4,7 +4,7 @@ The reference workload: tinyshakespeare (byte-level), model "baby", a fixed glob
 of 48 sequences and a fixed number of inner steps (2000), AdamW lr 1e-3, warm-up 50, cosine to
 1e-4, clipping 1.0. Data-parallel training (DDP: 4 workers of batch 12 averaging gradients every
 step) against DiLoCo with M workers of batch 48/M. Every arm runs on the in-process simulator
-(``comm.backend=inproc``), with the very same worker loop as a real run, for each seed.
+(``comm.backend=simulator``), with the very same worker loop as a real run, for each seed.
 
     diloco bench quality                              # everything, 3 seeds (hours on 2 CPU cores)
     diloco bench quality --arms ddp,m4-h20 --seeds 1  # a part

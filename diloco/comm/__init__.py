@@ -3,7 +3,7 @@
 - ``base.py``            ``CommBackend`` (the interface), ``SyncResult``, ``CommConfig``
 - ``hivemind/``          P2P over a DHT, the production path: the backend, its bit-identical
                          averager, the gloo data plane, the roster, reachability, the run key
-- ``inproc.py``          M simulated workers in one process, with a link model
+- ``simulator.py``       M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
 - ``bounds.py``          the bound of every wait of a round
@@ -18,7 +18,7 @@ import torch
 from diloco.comm.base import CommBackend, CommConfig, SyncResult
 from diloco.compression import Codec, NoCompression
 
-BACKENDS = ("hivemind", "inproc", "torchdist")
+BACKENDS = ("hivemind", "simulator", "torchdist")
 DATA_PLANES = ("hivemind", "gloo")  # comm.data_plane (hivemind/gloo_plane.py)
 
 __all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
@@ -46,10 +46,10 @@ def build_backend(
         return TorchDistBackend(
             cfg, num_workers=num_workers, worker_index=worker_index, device=device or torch.device("cpu"), codec=codec
         )
-    if cfg.backend == "inproc":
-        from diloco.comm.inproc import InProcBackend
+    if cfg.backend == "simulator":
+        from diloco.comm.simulator import SimulatedBackend
 
-        return InProcBackend(cfg, num_workers=num_workers, worker_index=worker_index, codec=codec)
+        return SimulatedBackend(cfg, num_workers=num_workers, worker_index=worker_index, codec=codec)
     if cfg.backend == "hivemind":
         from diloco.comm.hivemind.backend import HivemindBackend
 

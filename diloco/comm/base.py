@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CommConfig:
-    backend: str = "hivemind"  # transport: hivemind (P2P over a DHT) / inproc (simulated) / torchdist (torchrun)
+    backend: str = "hivemind"  # transport: hivemind (P2P over a DHT) / simulator (M workers in one process) / torchdist
     run_id: str = "diloco"  # name of the run on the DHT; peers of another run id never average together
     initial_peers: list[str] = field(default_factory=list)  # multiaddrs of live peers; [] = start a new run
     host: str = "127.0.0.1"  # address to listen on (0.0.0.0 to accept peers from other machines)
@@ -42,8 +42,8 @@ class CommConfig:
     matchmaking_s: float = 15.0  # a round starts at once when all workers are in; else after this many seconds
     request_timeout_s: float = 3.0  # one matchmaking request; keep below matchmaking_s (hivemind deadlocks)
     startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
-    bandwidth_mbps: float = 0.0  # link rate each way: inproc link model; hivemind: a slow link reduces less; 0 unknown
-    latency_ms: float = 0.0  # inproc link model: one-way latency added to each phase of a round
+    bandwidth_mbps: float = 0.0  # link rate each way: the simulator models it; hivemind reduces less if slow; 0 unknown
+    latency_ms: float = 0.0  # the simulator's link model: one-way latency added to each phase of a round
     data_plane: str = "hivemind"  # hivemind; gloo: fp32 rounds among dialable peers through a gloo all-reduce
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it

@@ -304,7 +304,7 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
     return total / len(batches)
 
 
-# Workers simulated in one process (comm.backend=inproc) with blocking rounds hold bit-identical
+# Workers simulated in one process (comm.backend=simulator) with blocking rounds hold bit-identical
 # params after every round: each distinct set of params is evaluated once, keyed by its hash and
 # the held-out set's.
 _EVALUATED: dict[tuple[str, str], float] = {}

@@ -1,8 +1,8 @@
 """``diloco local``: a bootstrap peer and M workers on this machine, watched until they finish.
 
 ``diloco testbed`` runs the same, each worker in its own network namespace on a shaped link
-(``diloco/tools/testbed.py``). With ``comm.backend=inproc`` the M workers are threads of this
-process instead, taking turns (see ``diloco/comm/inproc.py``); the run directory they write is
+(``diloco/tools/testbed.py``). With ``comm.backend=simulator`` the M workers are threads of this
+process instead, taking turns (see ``diloco/comm/simulator.py``); the run directory they write is
 the same.
 
 Each worker is a real ``diloco train`` process in its own session (so a terminal's Ctrl-C
@@ -192,9 +192,9 @@ def _watch(progress: _Progress, total_steps: int, states, out: TextIO = sys.stdo
 
 
 def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
-    """Run M simulated workers as threads of this process (``comm.backend=inproc``), each the real
+    """Run M simulated workers as threads of this process (``comm.backend=simulator``), each the real
     ``train()`` loop; return the run's summary (also written to ``summary.json``)."""
-    from diloco.comm.inproc import forget_group, group_for
+    from diloco.comm.simulator import forget_group, group_for
     from diloco.worker.train import train
 
     run_dir = cfg.run_dir
@@ -227,8 +227,8 @@ def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
     return write_summary(run_dir)
 
 
-def run_inproc(cfg: Config, *, workers: int) -> int:
-    """``diloco local ... comm.backend=inproc``: simulate, show progress, print the summary."""
+def run_simulated(cfg: Config, *, workers: int) -> int:
+    """``diloco local ... comm.backend=simulator``: simulate, show progress, print the summary."""
     print(
         f"run directory:  {cfg.run_dir}   ({workers} simulated workers taking turns, {torch.get_num_threads()} threads)"
     )

@@ -1,5 +1,5 @@
 """The simulator tells the truth: the same seed and config give the same global params over
-hivemind (real processes) and inproc; the compression benchmark's short form. (The quality
+hivemind (real processes) and the simulator; the compression benchmark's short form. (The quality
 benchmark's short form and ``diloco plot`` run in tests/integration/test_examples.py.)"""
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from tests.conftest import TINY, read_records
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_inproc_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cli):
+def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cli):
     common = [*TINY, "inner.steps=30", "outer.sync_every=10", "checkpoint.every_rounds=1", "checkpoint.keep=5"]
-    for backend in ("hivemind", "inproc"):
+    for backend in ("hivemind", "simulator"):
         done = diloco_cli(
             "local", "--workers", "2", "--run-dir", str(tmp_path / backend), *common, f"comm.backend={backend}"
         )
         assert done.returncode == 0, done.stdout[-3000:]
     first = {
         b: read_checkpoint(tmp_path / b / "checkpoints" / "worker-0" / "round-000001.pt")
-        for b in ("hivemind", "inproc")
+        for b in ("hivemind", "simulator")
     }
     real = torch.cat([p.flatten() for p in first["hivemind"]["outer"]["global_params"]])
-    simulated = torch.cat([p.flatten() for p in first["inproc"]["outer"]["global_params"]])
+    simulated = torch.cat([p.flatten() for p in first["simulator"]["outer"]["global_params"]])
     # relative to the size of the params: both ran the same arithmetic, up to the order of float sums
     # inside torch's kernels (one thread per process against two threads in turn)
     assert ((simulated - real).norm() / real.norm()).item() < 1e-5
-    losses = {b: read_records(tmp_path / b, 0)[-1]["val_loss"] for b in ("hivemind", "inproc")}
-    assert losses["inproc"] == pytest.approx(losses["hivemind"], rel=5e-3)
+    losses = {b: read_records(tmp_path / b, 0)[-1]["val_loss"] for b in ("hivemind", "simulator")}
+    assert losses["simulator"] == pytest.approx(losses["hivemind"], rel=5e-3)
 
 
 def test_short_compression_benchmark_orders_the_codecs_by_bytes(tmp_path, diloco_cli):

@@ -114,7 +114,7 @@ def single_rank_params(tmp_path_factory) -> torch.Tensor:
     x 8 sequences), on the simulator (which agrees with hivemind to 1e-5: test_simulator.py), in
     this process; both site tests compare with it."""
     reference = tmp_path_factory.mktemp("reference")
-    cfg = load_config(None, [*COMMON, "inner.batch_size=16", "comm.backend=inproc", f"run.dir={reference}"])
+    cfg = load_config(None, [*COMMON, "inner.batch_size=16", "comm.backend=simulator", f"run.dir={reference}"])
     simulate(cfg, workers=2)
     return _flat(_global_params(reference, 0, 1))
 

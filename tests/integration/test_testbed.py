@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from diloco.comm.inproc import round_time_s
+from diloco.comm.simulator import round_time_s
 from diloco.tools.testbed import _NAME, leftovers, remove_stale, testbed_unavailable
 from tests.conftest import TINY, read_records
 

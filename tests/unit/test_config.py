@@ -84,7 +84,7 @@ def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["comm.backend=inproc"], "worker.site=true syncs sites over hivemind"),
+        (["comm.backend=simulator"], "worker.site=true syncs sites over hivemind"),
         (["outer.sync_every=0"], "worker.site=true needs rounds"),
         (["outer.overlap=delayed"], "worker.site=true runs blocking rounds"),
     ],

@@ -144,7 +144,7 @@ def test_a_bf16_worker_with_the_global_copy_beside_the_model_resumes_bit_exact(t
         "data.max_bytes=50000",
         "logging.eval_batches=1",
         "checkpoint.every_rounds=1",
-        "comm.backend=inproc",
+        "comm.backend=simulator",
         "worker.precision=bf16",
         "outer.global_device=model",
     ]

@@ -81,7 +81,7 @@ def test_llama_tiny_on_a_tokenized_dataset_trains_in_two_workers_and_its_loss_fa
             "model.block_size=32",
             f"data.dataset={text_files}",
             f"data.tokenizer={tokenizer_dir}",
-            "comm.backend=inproc",
+            "comm.backend=simulator",
             "inner.steps=30",
             "outer.sync_every=10",
             "inner.batch_size=8",

@@ -135,7 +135,7 @@ def _simulated_loss(tmp_path, name: str, *overrides: str) -> tuple[dict, float]:
         None,
         [
             *TINY,
-            "comm.backend=inproc",
+            "comm.backend=simulator",
             "inner.steps=10",
             "outer.sync_every=5",
             "checkpoint.every_rounds=0",

@@ -220,7 +220,7 @@ def test_split_fragments_balances_values_and_keeps_every_tensor_once():
 def _simulate(tmp_path, name, *overrides, workers=2):
     cfg = load_config(
         None,
-        [*TINY, "comm.backend=inproc", "inner.steps=24", "outer.sync_every=6", "checkpoint.every_rounds=0",
+        [*TINY, "comm.backend=simulator", "inner.steps=24", "outer.sync_every=6", "checkpoint.every_rounds=0",
          f"run.dir={tmp_path / name}", f"comm.run_id={name.replace('-', '_')}", *overrides],
     )  # fmt: skip
     return simulate(cfg, workers=workers)

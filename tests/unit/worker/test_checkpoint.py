@@ -146,7 +146,7 @@ def test_a_stopped_run_resumes_bit_exact(tmp_path):
         cfg = load_config(
             None,
             [*TINY, "compression.name=topk", "inner.steps=30", "outer.sync_every=10", "model.dropout=0.1"]
-            + ["comm.backend=inproc", f"comm.run_id={name}", f"run.dir={tmp_path / name}", *extra],
+            + ["comm.backend=simulator", f"comm.run_id={name}", f"run.dir={tmp_path / name}", *extra],
         )
         return simulate(cfg, workers=1)
 

@@ -1,5 +1,5 @@
 """The three sync modes' time accounting and round ends (logic only: the transport, the outer
-step and the log are stand-ins; tests/unit/comm/test_inproc.py and tests/integration/ run each
+step and the log are stand-ins; tests/unit/comm/test_simulator.py and tests/integration/ run each
 mode through the real loop)."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diloco.comm.base import Contribution
-from diloco.comm.inproc import InProcGroup, round_time_s
+from diloco.comm.simulator import SimulatedGroup, round_time_s
 from diloco.compression import NoCompression
 from diloco.config import load_config
 from diloco.core.inner import build_inner_optimizer, lr_at
@@ -28,7 +28,7 @@ def test_link_model_time_for_a_known_payload():
 
 
 def test_group_returns_the_weighted_mean_to_every_worker():
-    group, codec = InProcGroup(3), NoCompression()
+    group, codec = SimulatedGroup(3), NoCompression()
     weights = [1.0, 1.0, 2.0]
     results = [None] * 3
 
@@ -52,7 +52,7 @@ def test_group_returns_the_weighted_mean_to_every_worker():
 def test_data_parallel_baseline_equals_a_hand_written_data_parallel_loop(tmp_path):
     overrides = [
         *TINY,
-        "comm.backend=inproc",
+        "comm.backend=simulator",
         "outer.sync_every=0",
         "inner.steps=2",
         "logging.eval_every=1",
@@ -103,7 +103,7 @@ def test_simulated_run_reports_link_time_and_equal_params(tmp_path):
         None,
         [
             *TINY,
-            "comm.backend=inproc",
+            "comm.backend=simulator",
             "inner.steps=20",
             "outer.sync_every=10",
             "comm.bandwidth_mbps=10",

@@ -1,6 +1,6 @@
 """M simulated workers inside one process, taking turns, with a model of their links.
 
-``diloco local CONFIG --workers M comm.backend=inproc`` runs the very same ``train()`` loop for
+``diloco local CONFIG --workers M comm.backend=simulator`` runs the very same ``train()`` loop for
 every worker, each in its own thread; this backend is the only thing that differs. The workers
 take turns from the very start (``simulate`` in tools/launcher.py makes each thread wait for its turn
 before it even builds its model, so the shared global RNG gives every worker the same initial
@@ -33,7 +33,7 @@ import torch
 from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
 from diloco.compression import Codec
 
-_GROUPS: dict[str, InProcGroup] = {}
+_GROUPS: dict[str, SimulatedGroup] = {}
 _GROUPS_LOCK = threading.Lock()
 
 
@@ -50,7 +50,7 @@ def round_time_s(payload_bytes: int, num_workers: int, *, bandwidth_mbps: float,
     return transfer_s + 2 * latency_ms / 1000
 
 
-class InProcGroup:
+class SimulatedGroup:
     """The rendezvous of M worker threads: whose turn it is, and the round being averaged."""
 
     def __init__(self, num_workers: int):
@@ -128,12 +128,12 @@ class InProcGroup:
                 self._pass_turn(worker)
 
 
-def group_for(run_id: str, num_workers: int) -> InProcGroup:
+def group_for(run_id: str, num_workers: int) -> SimulatedGroup:
     """The process-wide group of ``run_id`` (created by the first worker that asks)."""
     with _GROUPS_LOCK:
         group = _GROUPS.get(run_id)
         if group is None or group.num_workers != num_workers:
-            group = _GROUPS[run_id] = InProcGroup(num_workers)
+            group = _GROUPS[run_id] = SimulatedGroup(num_workers)
         return group
 
 
@@ -142,8 +142,8 @@ def forget_group(run_id: str) -> None:
         _GROUPS.pop(run_id, None)
 
 
-class InProcBackend(CommBackend):
-    """One simulated worker's view of its ``InProcGroup``. Constructing it waits for the worker's turn."""
+class SimulatedBackend(CommBackend):
+    """One simulated worker's view of its ``SimulatedGroup``. Constructing it waits for the worker's turn."""
 
     simulated = True
 
