@@ -3,7 +3,7 @@
 Workers each run many local (inner) optimizer steps on their own data shard, then average
 their pseudo-gradients with their peers and apply an outer optimizer (DiLoCo,
 arXiv:2311.08105). Where things live, from the top down: a package imports only those below
-it (``config.py`` also reads the settings dataclasses of the worker's modules), and an
+it (``config/`` also reads the settings dataclasses of the worker's modules), and an
 import-linter contract in ``pyproject.toml`` keeps it so:
 
 - ``cli.py``          the ``diloco`` command
@@ -13,8 +13,8 @@ import-linter contract in ``pyproject.toml`` keeps it so:
                       sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement and
                       sites (several GPUs as one worker); joining a live run; checkpoints; records and
                       metrics; the watchdog; memory checks; fault injection
-- ``config.py``       the typed schema and ``load_config`` (defaults <- YAML <- CLI overrides);
-                      ``config_reference.py`` its reference table (docs/configuration.md)
+- ``config/``         the typed schema, ``load_config`` (defaults <- YAML <- CLI overrides), the checks
+                      across sections, and the reference table (docs/configuration.md)
 - ``core/``           the algorithm: inner steps, pseudo-gradients and the outer optimizer
                       (``core/outer.py``: **the outer step happens here**), overlapped outer steps,
                       when a round ends, the outer step's host copies

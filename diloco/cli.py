@@ -294,7 +294,7 @@ def _cmd_config(args) -> int:
 
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.show:
-        from diloco.config_reference import reference_markdown
+        from diloco.config.reference import reference_markdown
 
         given = config_path is not None or bool(overrides)
         print(reference_markdown(masked(load_config(config_path, overrides)) if given else None), end="")

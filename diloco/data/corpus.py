@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.errors import DataError
+from diloco.errors import DataError, require
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,29 @@ class DataConfig:
     max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
     shard_chunk: int = 0  # tokens: deal chunks of this size round-robin to the workers; 0 = one contiguous region each
     token_cache: str = ""  # folder: stream data.dataset once into a memory-mapped token file there; "" = in memory
+
+
+def validate_data_config(data: DataConfig) -> None:
+    """Raise ``ConfigError`` naming the ``data.*`` setting to change."""
+    require(0 < data.val_fraction < 1, f"data.val_fraction={data.val_fraction} must be in (0, 1)")
+    require(data.shard_chunk >= 0, f"data.shard_chunk={data.shard_chunk} must be >= 0 (0 = contiguous shards)")
+    require(not (data.path and data.dataset), "set one of data.path (text files) and data.dataset (a HF dataset)")
+    has_glob = any(char in data.dataset for char in "*?[")
+    require(
+        not data.dataset or has_glob or Path(data.dataset).expanduser().exists(),
+        f"data.dataset={data.dataset!r} does not exist",
+    )
+    require(bool(data.text_field), "data.text_field must name the column that holds the text")
+    require(
+        not data.tokenizer or Path(data.tokenizer).expanduser().exists(),
+        f"data.tokenizer={data.tokenizer!r} does not exist (a local folder or tokenizer.json; nothing is downloaded)",
+    )
+    # the token cache streams a Hugging Face dataset; data.path and the embedded corpus are read into memory
+    require(not data.token_cache or bool(data.dataset), "data.token_cache needs data.dataset (the corpus it caches)")
+    require(
+        not Path(data.token_cache).expanduser().is_file(),
+        f"data.token_cache={data.token_cache!r} is a file; it names a folder (created if missing)",
+    )
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from diloco.cli import _parser
 from diloco.config import load_config, masked
-from diloco.config_reference import reference_markdown
+from diloco.config.reference import reference_markdown
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 CONFIGURATION = README.parent / "docs" / "configuration.md"

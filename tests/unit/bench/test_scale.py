@@ -119,7 +119,7 @@ def test_too_few_rounds_to_measure_one_after_the_first(tmp_path, capsys):
 
 @pytest.mark.parametrize("size", sorted(scale.SIZES))
 def test_every_size_is_a_valid_config(size, tmp_path, monkeypatch):
-    monkeypatch.setattr("diloco.config.is_installed", lambda module: True)  # llama-150m: checked, not built
+    monkeypatch.setattr("diloco.config.checks.is_installed", lambda module: True)  # llama-150m: checked, not built
     overrides = scale.training_overrides(size, steps=8, sync_every=2, run_dir=tmp_path)
     cfg = load_config(scale.CONFIG, overrides)
     assert (cfg.inner.batch_size, cfg.inner.steps, cfg.outer.sync_every, cfg.checkpoint.every_rounds) == (2, 8, 2, 1)

@@ -1,0 +1,35 @@
+"""The typed configuration: its schema, loader, checks and reference.
+
+- ``schema.py``     ``Config``, composed from each section's dataclass
+- ``loading.py``    ``load_config`` (defaults <- YAML <- CLI overrides) and the config written back
+- ``checks.py``     ``validate``: the checks across sections (a section's own live beside its code)
+- ``reference.py``  the reference table of every key (docs/configuration.md), from the schema itself
+
+Each component owns its settings dataclass beside its code (``ModelConfig`` in models/gpt.py,
+``OuterConfig`` in core/outer.py, ...); ``Config`` composes them. ``load_config`` merges, in order:
+the dataclass defaults, a YAML file (a short diff from the defaults), and ``KEY=VALUE``
+overrides from the command line, with omegaconf's struct mode on so a typo is an error::
+
+    cfg = load_config("configs/tiny.yaml", ["outer.sync_every=20", "inner.lr=3e-4"])
+
+Every mistake a user can make here raises ``ConfigError`` with one line that names the key
+and what is allowed; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+from diloco.config.loading import load_config, masked, save_config, to_dict, to_yaml
+from diloco.config.schema import Config, RunConfig, WorkerConfig
+from diloco.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "RunConfig",
+    "WorkerConfig",
+    "load_config",
+    "masked",
+    "save_config",
+    "to_dict",
+    "to_yaml",
+]

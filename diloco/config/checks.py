@@ -1,0 +1,153 @@
+"""``validate``: the checks across sections, which no one section's module can make (a site
+needs hivemind and blocking rounds, a codec needs DiLoCo rounds, ...). A section's own checks
+live beside its code (``validate_outer_config`` in core/outer.py, ...) and run from here too.
+Each failure is a ``ConfigError`` of one line that names the key to change."""
+
+from __future__ import annotations
+
+import math
+
+from diloco.comm import BACKENDS, DATA_PLANES
+from diloco.compression import build_codec
+from diloco.config.schema import CLIENT_MODES, SITE_SHARDINGS, Config
+from diloco.core.inner import PRECISIONS, validate_inner_config
+from diloco.core.outer import validate_outer_config
+from diloco.core.overlap import validate_overlap_config
+from diloco.data.corpus import validate_data_config
+from diloco.errors import ConfigError, require
+from diloco.models.gpt import validate_model_config
+from diloco.optional_deps import is_installed, missing_message
+from diloco.worker.faults import BAD_PAYLOADS
+from diloco.worker.metrics import WANDB_MODES
+
+
+def _check_hf_extra(cfg: Config) -> None:
+    """Settings that need the optional ``hf`` extra, checked without importing it."""
+    needs = [
+        ("transformers", "model.kind=hf", cfg.model.kind == "hf"),
+        ("transformers", "data.tokenizer", bool(cfg.data.tokenizer)),
+        ("datasets", "data.dataset", bool(cfg.data.dataset)),
+    ]
+    for module, setting, needed in needs:
+        require(not needed or is_installed(module), missing_message(module, setting))
+
+
+def _check_site(cfg: Config) -> None:
+    """A site (several ranks as one worker) syncs across sites over hivemind, one blocking round at a time."""
+    sharding = cfg.worker.site_sharding
+    require(sharding in SITE_SHARDINGS, f"worker.site_sharding={sharding!r} is not one of {', '.join(SITE_SHARDINGS)}")
+    require(sharding == "ddp" or cfg.worker.site, f"worker.site_sharding={sharding} needs worker.site=true")
+    if not cfg.worker.site:
+        return
+    backend, overlap = cfg.comm.backend, cfg.outer.overlap
+    require(backend == "hivemind", f"worker.site=true syncs sites over hivemind, not comm.backend={backend}")
+    require(cfg.outer.sync_every > 0, "worker.site=true needs rounds (outer.sync_every > 0)")
+    require(overlap == "none", f"worker.site=true runs blocking rounds: outer.overlap=none, not {overlap}")
+
+
+def _section(check, section) -> None:
+    """A section's own checks, beside its code (they raise ``ValueError``), as a ``ConfigError``."""
+    try:
+        check(section)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def validate(cfg: Config) -> None:
+    """Combinations the schema's types cannot express. Each failure names the key to change. A
+    section's own checks live beside its code (``validate_outer_config``, ...); those across
+    sections are here."""
+    _check_hf_extra(cfg)
+    _section(validate_model_config, cfg.model)
+    require(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
+    _check_site(cfg)
+    require(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")
+    require(
+        0 <= cfg.worker.index < cfg.worker.shards,
+        f"worker.index={cfg.worker.index} must be in [0, {cfg.worker.shards}) "
+        f"(worker.count={cfg.worker.count}, worker.slots={cfg.worker.slots})",
+    )
+    require(
+        cfg.worker.device in ("cpu", "cuda", "auto"), f"worker.device={cfg.worker.device!r} is not cpu, cuda or auto"
+    )
+    require(
+        cfg.worker.precision in PRECISIONS,
+        f"worker.precision={cfg.worker.precision!r} is not one of {', '.join(PRECISIONS)}",
+    )
+    require(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
+    _section(validate_inner_config, cfg.inner)
+    _section(validate_outer_config, cfg.outer)
+    _section(validate_overlap_config, cfg.outer)
+    require(
+        cfg.outer.global_device == "cpu" or cfg.outer.overlap == "none",
+        f"outer.global_device={cfg.outer.global_device} works with blocking rounds only (outer.overlap=none); "
+        "overlapped rounds keep the global params on the cpu",
+    )
+    _section(build_codec, cfg.compression)  # the codec checks its own settings as it is made
+    require(
+        cfg.compression.name == "none" or cfg.outer.sync_every > 0,
+        f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "
+        "(outer.sync_every=0) sends fp32 gradients: use compression.name=none",
+    )
+    require(
+        cfg.faults.bad_payload in BAD_PAYLOADS,
+        f"faults.bad_payload={cfg.faults.bad_payload!r} is not one of {', '.join(BAD_PAYLOADS[1:])} (or empty)",
+    )
+    require(
+        not (
+            cfg.faults.bad_payload not in ("", "scaled")
+            and cfg.comm.backend == "torchdist"
+            and cfg.compression.name == "none"
+        ),
+        "faults.bad_payload with comm.backend=torchdist needs a codec (compression.name): "
+        "fp32 goes through a plain all-reduce there, with no payload to break",
+    )
+    require(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
+    require(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
+    require(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
+    require(
+        cfg.comm.max_norm_ratio == 0 or cfg.comm.max_norm_ratio > 1,
+        f"comm.max_norm_ratio={cfg.comm.max_norm_ratio} must be 0 (off) or above 1",
+    )
+    require(
+        math.isfinite(cfg.faults.payload_scale),
+        f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",
+    )
+    require(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
+    require(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
+    bad_peers = [peer for peer in cfg.comm.initial_peers if not peer.startswith("/")]
+    require(
+        not bad_peers,
+        f"comm.initial_peers: {bad_peers[0] if bad_peers else ''!r} is not a multiaddr "
+        "(like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...)",
+    )
+    cfg.comm.client_mode = str(cfg.comm.client_mode).lower()  # yaml's true/false arrive as booleans
+    require(
+        cfg.comm.client_mode in CLIENT_MODES,
+        f"comm.client_mode={cfg.comm.client_mode!r} is not one of {', '.join(CLIENT_MODES)}",
+    )
+    require(
+        cfg.comm.data_plane in DATA_PLANES,
+        f"comm.data_plane={cfg.comm.data_plane!r} is not one of {', '.join(DATA_PLANES)}",
+    )
+    require(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
+    require(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")
+    require(
+        0 < cfg.comm.request_timeout_s < cfg.comm.matchmaking_s,
+        f"comm.request_timeout_s={cfg.comm.request_timeout_s} must be positive and below "
+        f"comm.matchmaking_s={cfg.comm.matchmaking_s} (hivemind can deadlock otherwise)",
+    )
+    require(
+        cfg.comm.matchmaking_s < cfg.comm.deadline_s,
+        f"comm.matchmaking_s={cfg.comm.matchmaking_s} must be below comm.deadline_s={cfg.comm.deadline_s}",
+    )
+    require(
+        cfg.logging.wandb in WANDB_MODES,
+        f"logging.wandb={cfg.logging.wandb!r} is not one of {', '.join(WANDB_MODES)}",
+    )
+    require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be at least 1")
+    require(
+        cfg.checkpoint.every_rounds >= 0,
+        f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
+    )
+    validate_data_config(cfg.data)

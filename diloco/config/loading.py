@@ -1,0 +1,94 @@
+"""``load_config``: the dataclass defaults <- a YAML file <- ``KEY=VALUE`` overrides, with
+omegaconf's struct mode on so a typo is an error, then checked (checks.py); and the config
+written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from diloco.config.checks import validate
+from diloco.config.schema import Config
+from diloco.errors import ConfigError
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- ``KEY=VALUE`` overrides, validated. Raises ConfigError."""
+    schema = OmegaConf.structured(Config)
+    OmegaConf.set_struct(schema, True)
+    layers = []
+    if path is not None:
+        layers.append(_read_yaml(Path(path)))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (for example inner.lr=3e-4)")
+    # omegaconf reads a bare KEY= as null; on a command line it means the empty string
+    overrides = [f"{item}''" if item.endswith("=") else item for item in overrides]
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_describe(error)) from None
+    if cfg.comm.backend == "inproc":  # the simulator's earlier name, kept for the commands of older results
+        cfg.comm.backend = "simulator"
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (atomically) so a run records what it ran."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML, the run key masked (it is written to run directories and logs)."""
+    return OmegaConf.to_yaml(_redacted(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain containers, the run key masked."""
+    return OmegaConf.to_container(_redacted(cfg))
+
+
+def masked(cfg: Config) -> Config:
+    """A copy of the config with the run key masked, for printing."""
+    return OmegaConf.to_object(_redacted(cfg))
+
+
+def _redacted(cfg: Config):
+    conf = OmegaConf.structured(cfg)
+    if conf.comm.run_key:
+        conf.comm.run_key = "<set>"
+    return conf
+
+
+def _read_yaml(path: Path):
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as error:  # yaml.YAMLError and friends: report, don't trace
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"config file {path} is not valid YAML: {first_line}") from None
+    if loaded is None or not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"config file {path} must be a mapping of sections (model:, inner:, ...)")
+    return loaded
+
+
+def _describe(error: OmegaConfBaseException) -> str:
+    """One line from omegaconf's multi-line messages: the key, then what went wrong."""
+    key = getattr(error, "full_key", None) or ""
+    message = str(error).strip().splitlines()[0]
+    if "Key" in message and "not in" in message or "Could not override" in message:
+        return f"unknown config key {key!r} (`diloco config` prints every key)"
+    if "Value" in message and ("could not be converted" in message or "is not a" in message):
+        expected = getattr(error, "msg", message)
+        return f"{key}: {expected.splitlines()[0]}"
+    return f"{key}: {message}" if key else message
