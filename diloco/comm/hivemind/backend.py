@@ -617,12 +617,16 @@ class HivemindBackend(CommBackend):
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
     ) -> PeerState | None:
 
-        def wanted(offered_round: int, rank: StateRank, everyone_offered: bool, ours: StateRank) -> bool:
+        def wanted(offered_round: int, rank: StateRank, ours: StateRank, everyone_offered: bool) -> bool:
             if newer and offered_round > round_index:
                 return True
-            # an unsynced peer's state (peers 0: its round failed too) only once no synced one can
-            # come: taken before, it would leave us apart from the peers that averaged
-            return offered_round == round_index and rank > ours and (rank.peers > 0 or everyone_offered)
+            if offered_round != round_index or not rank > ours:
+                return False
+            # a bigger group's state at once; one that ranks above ours only by its fingerprint (a
+            # group of our size, or an unsynced peer's) once every live peer has offered the round:
+            # before, the peer that wins may still be in its outer step, and what we took would be
+            # params that nobody keeps
+            return rank.peers > ours.peers or everyone_offered
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -630,15 +634,20 @@ class HivemindBackend(CommBackend):
             others = self._live_others()
             if not offers and others == 0:  # nobody live can serve a state (clients only, or alone)
                 return None
-            # every live peer has finished this round (one still in its outer step has not offered it yet)
-            finished = all(r >= round_index for r, _ in offers)
-            everyone_offered = bool(offers) and len(offers) >= (others or 0) and finished
+            # every live peer that serves state has offered this round (one still in its outer step
+            # has not). Offers left by peers gone since are not waited for; an unread roster (None)
+            # is not "everyone"
+            everyone_offered = others is not None and sum(r >= round_index for r, _ in offers) >= others
             ours = better_than
-            if self.client_mode and not any(_same_offer((r, rank), (round_index, better_than)) for r, rank in offers):
+            if (
+                self.client_mode
+                and everyone_offered
+                and not any(_same_offer((r, rank), (round_index, better_than)) for r, rank in offers)
+            ):
                 # nobody can take our state (a client serves none) and no peer that serves holds
                 # it: between states of one size, any served one wins over ours, or we stay apart
                 ours = StateRank(better_than.peers, -1.0)
-            if any(wanted(r, rank, everyone_offered, ours) for r, rank in offers):
+            if any(wanted(r, rank, ours, everyone_offered) for r, rank in offers):
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
                 started = time.monotonic()
                 found = self._download_state(max(1.0, deadline - time.monotonic()))
@@ -646,7 +655,7 @@ class HivemindBackend(CommBackend):
                     metadata, tensors = found
                     offered_round = metadata.get("round", -1)
                     rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
-                    if wanted(offered_round, rank, everyone_offered, ours) and tensors:
+                    if wanted(offered_round, rank, ours, everyone_offered) and tensors:
                         logger.info(
                             "downloaded the state of a peer after round %d: %d bytes in %.2f s",
                             offered_round + 1,

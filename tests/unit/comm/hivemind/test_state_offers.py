@@ -35,6 +35,26 @@ def _backend(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> 
     return backend
 
 
+def _serving_the_best(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> HivemindBackend:
+    """A backend whose download serves, as hivemind does, the highest priority offered at the time."""
+    readings, latest = iter(offers_over_time), []
+
+    def offers():
+        latest[:] = next(readings, latest)
+        return list(latest)
+
+    class _ServesTheBest:
+        def load_state_from_peers(self, timeout):
+            round_index, rank = max(latest)
+            served = _Averager({"global_params": [torch.full((1,), rank.fingerprint)]}, round_index, rank)
+            return served.load_state_from_peers(timeout)
+
+    backend = _backend([[]], live=live)
+    backend._averagers = [_ServesTheBest()]
+    backend._state_offers = offers
+    return backend
+
+
 def test_priority_packs_round_and_rank_exactly():
     rank = StateRank(3, 0.25)
     assert _offer(_priority(12, rank)) == (12, rank)
@@ -90,24 +110,7 @@ def test_an_unsynced_peers_state_is_not_taken_while_a_peer_that_averaged_may_sti
     outer step (its offer is of an earlier round). Taking the dropped peer's state then, as the
     best offered so far, would end us on neither side's params: wait for the one that averaged."""
     dropped, averaged = (5, StateRank(0, 0.9)), (5, StateRank(2, 0.5))
-    readings = iter([[dropped, (3, StateRank(0))], [dropped, (3, StateRank(0))], [dropped, averaged]])
-    latest: list[tuple[int, StateRank]] = []
-
-    def offers():
-        latest[:] = next(readings, latest)
-        return list(latest)
-
-    class _ServesTheBest:  # hivemind serves the highest priority offered
-        def load_state_from_peers(self, timeout):
-            round_index, rank = max(latest)
-            served = _Averager({"global_params": [torch.full((1,), rank.fingerprint)]}, round_index, rank)
-            return served.load_state_from_peers(timeout)
-
-    backend = HivemindBackend.__new__(HivemindBackend)
-    backend._averagers = [_ServesTheBest()]
-    backend._state_offers = offers
-    backend._live_others = lambda: 2
-    backend.client_mode = False
+    backend = _serving_the_best([[dropped, (3, StateRank(0))], [dropped, (3, StateRank(0))], [dropped, averaged]], 3)
     found = backend.fetch_state(5, better_than=StateRank(0, 0.3), timeout_s=10.0, newer=True)
     assert found is not None and found.rank == StateRank(2, 0.5), found
 
@@ -143,3 +146,32 @@ def test_a_client_whose_params_a_serving_peer_holds_ranks_them_by_fingerprint_as
     ours, other = (1, StateRank(2, 0.7)), (1, StateRank(2, 0.2))
     backend = _client([ours, other], other, live=3)
     assert backend.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
+
+
+def test_a_client_waits_for_its_own_groups_serving_peer_before_taking_another_groups_state():
+    """A split round of two groups of one size. Our group's serving peer still offers its previous
+    round (its new offer is not on the DHT yet); the other group's already offers this one, below
+    our fingerprint. Lowering our rank then would take the other group's params, which its own
+    peers drop a moment later for ours: wait until every serving peer has offered."""
+    ours, other = (1, StateRank(2, 0.7)), (1, StateRank(2, 0.2))
+    backend = _client([], other, live=3)
+    readings = iter([[(0, StateRank(2, 0.9)), other], [(0, StateRank(2, 0.9)), other], [ours, other]])
+    backend._state_offers = lambda: next(readings, [ours, other])
+    assert backend.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
+
+
+def test_a_state_that_wins_only_by_its_fingerprint_is_taken_once_every_live_peer_has_offered():
+    """Every worker's round failed (three serving peers, each alone: peers 1). The one ranked
+    highest has not offered yet: taking the middle one's state would strand us on params that
+    the middle one itself drops for the highest's."""
+    middle, highest = (2, StateRank(1, 0.5)), (2, StateRank(1, 0.9))
+    backend = _serving_the_best([[middle], [middle], [middle, highest]], live=3)
+    found = backend.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(1, 0.9)
+
+
+def test_an_unread_roster_is_not_taken_for_every_peer_having_offered():
+    backend = _backend([[(0, StateRank(0, 0.5))]], live=2)
+    backend._live_others = lambda: None  # the DHT did not answer
+    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))]
+    assert backend.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=1.0) is None
