@@ -18,6 +18,7 @@ from diloco.compression.codec import HEADER_BYTES, Codec, Float16, NoCompression
 from diloco.compression.error_feedback import ErrorFeedback
 from diloco.compression.quantize import Int4, Int8
 from diloco.compression.topk import TopK
+from diloco.errors import require
 
 CODECS = ("none", "fp16", "int8", "int4", "topk")
 
@@ -43,8 +44,20 @@ class CompressionConfig:
     error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
 
 
+def validate_compression_config(cfg: CompressionConfig) -> None:
+    """Raise ``ConfigError`` naming the ``compression.*`` setting to change."""
+    require(cfg.name in CODECS, f"compression.name={cfg.name!r} is not one of {', '.join(CODECS)}")
+    require(cfg.block_size >= 1, f"compression.block_size={cfg.block_size} must be at least 1")
+    require(1 <= cfg.topk_chunk <= 65536, f"compression.topk_chunk={cfg.topk_chunk} must be in [1, 65536]")
+    require(
+        1 <= cfg.topk_k <= cfg.topk_chunk,
+        f"compression.topk_k={cfg.topk_k} must be in [1, compression.topk_chunk]",
+    )
+
+
 def build_codec(cfg: CompressionConfig) -> Codec:
-    """The codec named by ``cfg.name``; raises ValueError naming the key to fix."""
+    """The codec named by ``cfg.name``; raises ``ConfigError`` naming the key to fix."""
+    validate_compression_config(cfg)
     if cfg.name == "none":
         return NoCompression()
     if cfg.name == "fp16":

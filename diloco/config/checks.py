@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
-from diloco.compression import build_codec
+from diloco.compression import validate_compression_config
 from diloco.config.schema import CLIENT_MODES, SITE_SHARDINGS, Config
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
@@ -75,15 +75,15 @@ def validate(cfg: Config) -> None:
         f"worker.precision={cfg.worker.precision!r} is not one of {', '.join(PRECISIONS)}",
     )
     require(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
-    _section(validate_inner_config, cfg.inner)
-    _section(validate_outer_config, cfg.outer)
-    _section(validate_overlap_config, cfg.outer)
+    validate_inner_config(cfg.inner)
+    validate_outer_config(cfg.outer)
+    validate_overlap_config(cfg.outer)
     require(
         cfg.outer.global_device == "cpu" or cfg.outer.overlap == "none",
         f"outer.global_device={cfg.outer.global_device} works with blocking rounds only (outer.overlap=none); "
         "overlapped rounds keep the global params on the cpu",
     )
-    _section(build_codec, cfg.compression)  # the codec checks its own settings as it is made
+    validate_compression_config(cfg.compression)
     require(
         cfg.compression.name == "none" or cfg.outer.sync_every > 0,
         f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "

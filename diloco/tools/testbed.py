@@ -25,6 +25,7 @@ killed with -9 left behind.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -33,6 +34,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 _NETNS_ETC = Path("/etc/netns")  # per-namespace files that ``ip netns exec`` mounts over /etc's
 _NAME = re.compile(r"^dl[bvpn]([0-9a-z]+)s")  # every testbed object: dl + kind + owner pid (base 36) + s + number
@@ -229,8 +232,11 @@ def _no_resolver(namespace: str) -> None:
     every client that connects, which made the first worker that starts one 10 s late for its
     first round. ``ip netns exec`` puts the files of /etc/netns/NAME over /etc's."""
     folder = _NETNS_ETC / namespace
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    except OSError as error:  # a read-only /etc: lookups stay slow, and the testbed works all the same
+        logger.warning("name lookups in the testbed's namespaces wait for the DNS server's timeouts: %s", error)
 
 
 def _kill_inside(namespace: str) -> None:

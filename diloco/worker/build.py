@@ -7,7 +7,9 @@ what a checkpoint holds once, and ``build_worker`` loads it back part by part.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Worker:
-    """Everything one worker's loop uses. ``step``, ``round_index`` and ``totals`` are where it
-    starts: 0 for a new run, the checkpoint's for a resumed one."""
+    """Everything one worker's loop uses. ``start_step`` and ``start_round`` are where it starts
+    (0 for a new run, the checkpoint's for a resumed one); ``totals`` go on from there."""
 
     cfg: Config
     placement: Placement  # one process, or a rank of a site (placement.py)
@@ -56,10 +58,11 @@ class Worker:
     watchdog: Watchdog  # what the worker is doing, for diloco status; a warning when a phase outlasts its bound
     clock: RoundClock  # when a round ends
     sync: SyncMode  # how its rounds sync: blocking, overlapped or data-parallel (sync_modes.py)
-    average_gradients: object  # between backward and the update: a site's averaging, or the data-parallel baseline's
+    # between backward and the update: a site's averaging, or the data-parallel baseline's
+    average_gradients: Callable[[], None] | None
     checkpoints: CheckpointWriter
-    step: int
-    round_index: int
+    start_step: int
+    start_round: int
     totals: Totals
 
     def state_dict(self, step: int, round_index: int) -> dict:
@@ -196,7 +199,9 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
         return with_faults(transport, cfg.faults, cfg.worker.index)
 
     backend = placement.connect(cfg.comm, open_transport)  # a site's ranks: through the site
-    try:
+    with contextlib.ExitStack() as undo:  # should a step below fail, what started is stopped again
+        undo.callback(backend.shutdown)
+        undo.callback(backend.leave)
         backend.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
         log = WorkerLog(
             cfg.logging if placement.leader else replace(cfg.logging, wandb="disabled"),
@@ -208,47 +213,54 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
             config_dict=to_dict(cfg),
             wall_s_before=totals.wall_s,
         )
+        undo.callback(log.close)
         watchdog = Watchdog(
             phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
             stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
             on_phase=backend.report_phase,
         )
-    except BaseException:
-        backend.shutdown()
-        raise
-    # a round every outer.sync_every inner steps (or outer.round_s seconds); the data-parallel
-    # baseline (sync_every 0) records one every logging.eval_every steps
-    clock = RoundClock(
-        sync_every=cfg.outer.sync_every or cfg.logging.eval_every,
-        round_s=cfg.outer.round_s,
-        total_steps=cfg.inner.steps,
-    )
-    sync = _sync_mode(
-        cfg, model=model, outer=outer, backend=backend, accounting=Accounting(totals, log), watchdog=watchdog, join=join
-    )
-    sync.load_state_dict(state.get("overlap") if state is not None else None)
-    return Worker(
-        cfg=cfg,
-        placement=placement,
-        device=device,
-        sampler=sampler,
-        held_out=held_out,
-        held_out_hash=param_sha256(x for x, _ in held_out),
-        model=model,
-        inner_optimizer=inner_optimizer,
-        outer=outer,
-        error_feedback=error_feedback,
-        backend=backend,
-        log=log,
-        watchdog=watchdog,
-        clock=clock,
-        sync=sync,
-        average_gradients=placement.site_gradient_hook(model) or sync.average_gradients,
-        checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
-        step=step,
-        round_index=round_index,
-        totals=totals,
-    )
+        undo.callback(watchdog.stop)
+        # a round every outer.sync_every inner steps (or outer.round_s seconds); the data-parallel
+        # baseline (sync_every 0) records one every logging.eval_every steps
+        clock = RoundClock(
+            sync_every=cfg.outer.sync_every or cfg.logging.eval_every,
+            round_s=cfg.outer.round_s,
+            total_steps=cfg.inner.steps,
+        )
+        sync = _sync_mode(
+            cfg,
+            model=model,
+            outer=outer,
+            backend=backend,
+            accounting=Accounting(totals, log),
+            watchdog=watchdog,
+            join=join,
+        )
+        sync.load_state_dict(state.get("overlap") if state is not None else None)
+        worker = Worker(
+            cfg=cfg,
+            placement=placement,
+            device=device,
+            sampler=sampler,
+            held_out=held_out,
+            held_out_hash=param_sha256(x for x, _ in held_out),
+            model=model,
+            inner_optimizer=inner_optimizer,
+            outer=outer,
+            error_feedback=error_feedback,
+            backend=backend,
+            log=log,
+            watchdog=watchdog,
+            clock=clock,
+            sync=sync,
+            average_gradients=placement.site_gradient_hook(model) or sync.average_gradients,
+            checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
+            start_step=step,
+            start_round=round_index,
+            totals=totals,
+        )
+        undo.pop_all()  # all set: they are the worker's to close (Worker.close)
+    return worker
 
 
 def _sync_mode(
@@ -283,6 +295,7 @@ def _sync_mode(
         accounting,
         watchdog,
         catch_up=catch_up,
+        worker_index=cfg.worker.index,
         deadline_s=deadline_s,
         expected_peers=workers,
         steps_per_round=0 if timed else cfg.outer.sync_every,

@@ -82,7 +82,9 @@ class SyncMode:
         return step, round_index
 
     def after_inner_step(self, step: int, step_s: float) -> None:
-        """Inner step ``step`` (1-based) just ran in ``step_s`` seconds."""
+        """Inner step ``step`` (1-based) just ran in ``step_s`` seconds: counted as compute here. A
+        mode takes out what was not compute before calling this (data-parallel), and works with
+        the compute total after it (overlapped)."""
         self.accounting.totals.compute_s += step_s
 
     def end_round(self, step: int, round_index: int, *, weight: float) -> RoundEnd:
@@ -107,6 +109,7 @@ class BlockingRounds(SyncMode):
         watchdog: Watchdog,
         *,
         catch_up: Callable[[int, int], tuple[int, int]],
+        worker_index: int,
         deadline_s: float,
         expected_peers: int,
         steps_per_round: int,
@@ -115,6 +118,7 @@ class BlockingRounds(SyncMode):
         super().__init__(outer.global_params, accounting)
         self.outer, self.backend, self.watchdog = outer, backend, watchdog
         self.catch_up = catch_up  # (step, round) -> where the run is: joining.py's catch_up_with_run
+        self.worker_index = worker_index
         self.deadline_s, self.expected_peers = deadline_s, expected_peers
         # fixed rounds (not outer.round_s) end at multiples of H: a worker skipping rounds keeps to them
         self.steps_per_round, self.total_steps = steps_per_round, total_steps
@@ -137,7 +141,7 @@ class BlockingRounds(SyncMode):
             )
         comm_s = self.accounting.average(result, time.perf_counter() - started).comm_s
         if taken_round is not None and taken_round > round_index:  # the others are rounds ahead: skip to them
-            logger.warning("skipping from round %d to %d", round_index + 1, taken_round + 1)
+            logger.warning("worker %d skips from round %d to %d", self.worker_index, round_index + 1, taken_round + 1)
             if self.steps_per_round:
                 step = min(self.total_steps, step + (taken_round - round_index) * self.steps_per_round)
             round_index = taken_round

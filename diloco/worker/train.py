@@ -37,7 +37,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     worker = build_worker(cfg, join=join)  # data, model, optimizers, resumed state, transport: build.py
     model, placement, backend, held_out = worker.model, worker.placement, worker.backend, worker.held_out
     sync, clock, log, watchdog = worker.sync, worker.clock, worker.log, worker.watchdog
-    step, round_index = worker.step, worker.round_index
+    step, round_index = worker.start_step, worker.start_round
     samples_per_step = cfg.inner.batch_size * placement.ranks
     try:
         if on_ready is not None:
@@ -66,8 +66,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             slow_down(cfg.faults, cfg.worker.index)
             step += 1
             samples_this_round += samples_per_step
-            sync.after_inner_step(step, time.perf_counter() - started)  # overlapped: syncs start and land
+            step_s = time.perf_counter() - started
             backend.report_progress(round_index, step, log.live)
+            sync.after_inner_step(step, step_s)  # overlapped: syncs start and land
             log.step(step, round_index, loss, lr, due=step % cfg.logging.log_every == 0)
             if not clock.round_ends(step):
                 continue

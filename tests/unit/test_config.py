@@ -110,3 +110,10 @@ def test_a_bare_key_on_the_command_line_is_the_empty_string():
     assert load_config(None, ["data.path=", "run.dir="]).data.path == ""
     with pytest.raises(ConfigError, match="inner.lr"):
         load_config(None, ["inner.lr="])
+
+
+def test_the_simulators_earlier_name_is_still_read_as_the_simulator(tmp_path):
+    assert load_config(None, ["comm.backend=inproc"]).comm.backend == "simulator"
+    saved = tmp_path / "config.yaml"
+    saved.write_text("comm:\n  backend: inproc\n")  # a run directory's config.yaml from before
+    assert load_config(saved).comm.backend == "simulator"

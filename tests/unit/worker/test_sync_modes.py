@@ -101,6 +101,7 @@ def _blocking(taken_round, *, steps_per_round=10) -> BlockingRounds:
         accounting=_accounting(),
         watchdog=_Watchdog(),
         catch_up=lambda step, round_index: (step + 20, round_index + 2),
+        worker_index=0,
         deadline_s=10.0,
         expected_peers=2,
         steps_per_round=steps_per_round,
