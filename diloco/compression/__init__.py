@@ -42,6 +42,7 @@ class CompressionConfig:
     topk_k: int = 64  # topk: values kept in each chunk
     topk_chunk: int = 4096  # topk: chunk length (at most 65536)
     error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
+    error_decay: float = 1.0  # error feedback: what is carried over is multiplied by this each round (SparseLoCo: 0.95)
 
 
 def validate_compression_config(cfg: CompressionConfig) -> None:
@@ -53,6 +54,7 @@ def validate_compression_config(cfg: CompressionConfig) -> None:
         1 <= cfg.topk_k <= cfg.topk_chunk,
         f"compression.topk_k={cfg.topk_k} must be in [1, compression.topk_chunk]",
     )
+    require(0 <= cfg.error_decay <= 1, f"compression.error_decay={cfg.error_decay} must be in [0, 1]")
 
 
 def build_codec(cfg: CompressionConfig) -> Codec:

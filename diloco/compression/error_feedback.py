@@ -1,10 +1,12 @@
 """Error feedback: what a lossy codec did not send this round is added to the next round's.
 
-With a residual ``e`` (zero at first), a worker sends ``c = g + e`` compressed and keeps
-``e = c - decompress(compress(c))``. Over rounds, the sum of what was sent tracks the sum of
-the pseudo-gradients to within one round's residual, so a sparse or coarse codec delays
-information instead of losing it (DeMo, SparseLoCo; EF21). The residual is this worker's own
-and goes into its checkpoint, never to its peers.
+With a residual ``e`` (zero at first), a worker sends ``c = g + beta e`` compressed and keeps
+``e = c - decompress(compress(c))``. With ``beta`` = 1 (``compression.error_decay``, the
+default) the sum of what was sent tracks the sum of the pseudo-gradients to within one round's
+residual, so a sparse or coarse codec delays information instead of losing it (DeMo,
+SparseLoCo; EF21). Below 1, what was held back long ago weighs less (SparseLoCo decays it by
+0.95 a round). The residual is this worker's own and goes into its checkpoint, never to its
+peers.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ class ErrorFeedback:
     0..n-1), so that fragments of the parameters (streaming) each keep their own residuals.
     """
 
-    def __init__(self, codec: Codec, *, enabled: bool):
-        self.codec = codec
+    def __init__(self, codec: Codec, *, enabled: bool, decay: float = 1.0):
+        self.codec, self.decay = codec, decay
         self.enabled = enabled and not codec.lossless
         self.residuals: list[torch.Tensor | None] | None = None
 
@@ -42,7 +44,7 @@ class ErrorFeedback:
             residual = self.residuals[index]
             if residual is None:
                 residual = self.residuals[index] = torch.zeros_like(tensor, dtype=torch.float32)
-            value = tensor.to(torch.float32) + residual
+            value = tensor.to(torch.float32) + (residual if self.decay == 1.0 else self.decay * residual)
             residual.copy_(value - self.codec.restore(value))
             if not all_finite(residual):  # a diverged step: peers drop it, owe nothing
                 residual.zero_()

@@ -160,7 +160,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
-    error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback)
+    error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback, decay=cfg.compression.error_decay)
     outer = OuterStep(synced_local, cfg.outer, error_feedback=error_feedback)
     if cfg.worker.compile:  # in place, after the optimizers: same params, same state_dict keys
         model.compile()

@@ -187,3 +187,18 @@ def test_all_finite_finds_a_nan_or_an_infinity_and_is_not_fooled_by_a_sum_that_o
         values[517] = bad
         assert not all_finite(values)
     assert all_finite(torch.full((4,), 3e38))  # finite values whose sum is not
+
+
+def test_error_feedback_with_a_decay_carries_beta_times_the_residual_into_each_round():
+    codec, beta = codec_of("topk"), 0.95
+    feedback = ErrorFeedback(codec, enabled=True, decay=beta)
+    g = torch.Generator().manual_seed(1)
+    residual = torch.zeros(300)
+    for _ in range(3):  # by hand: c = g + beta e; e = c - restore(c)
+        x = torch.randn(300, generator=g)
+        (sent,) = feedback.apply([x])
+        expected = x + beta * residual
+        torch.testing.assert_close(sent, expected, rtol=0, atol=1e-6)
+        residual = expected - codec.restore(expected)
+        torch.testing.assert_close(feedback.residuals[0], residual, rtol=0, atol=1e-6)
+    assert not torch.equal(residual, torch.zeros(300))
