@@ -44,7 +44,7 @@ class ErrorFeedback:
             residual = self.residuals[index]
             if residual is None:
                 residual = self.residuals[index] = torch.zeros_like(tensor, dtype=torch.float32)
-            value = tensor.to(torch.float32) + (residual if self.decay == 1.0 else self.decay * residual)
+            value = tensor.to(torch.float32).add(residual, alpha=self.decay)
             residual.copy_(value - self.codec.restore(value))
             if not all_finite(residual):  # a diverged step: peers drop it, owe nothing
                 residual.zero_()

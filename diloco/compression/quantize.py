@@ -17,9 +17,7 @@ from diloco.compression.codec import Codec, frombuffer, register
 class _Blockwise(Codec):
     levels: int  # quantization levels on each side of zero
 
-    def __init__(self, block_size: int):
-        if block_size < 1:
-            raise ValueError(f"compression.block_size={block_size} must be at least 1")
+    def __init__(self, block_size: int):  # checked by build_codec (validate_compression_config)
         self.block_size = self.align = block_size
 
     def params(self) -> tuple[int, int]:

@@ -21,11 +21,7 @@ _LEVELS = torch.tensor([-1.0, -1 / 3, 1 / 3, 1.0])
 class TopK(Codec):
     name, codec_id = "topk", 4
 
-    def __init__(self, k: int, chunk: int):
-        if not 1 <= chunk <= 65536:
-            raise ValueError(f"compression.topk_chunk={chunk} must be in [1, 65536] (positions are 16-bit)")
-        if not 1 <= k <= chunk:
-            raise ValueError(f"compression.topk_k={k} must be in [1, compression.topk_chunk={chunk}]")
+    def __init__(self, k: int, chunk: int):  # checked by build_codec (validate_compression_config)
         self.k, self.chunk = k, chunk
         self.align = chunk
 

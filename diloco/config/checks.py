@@ -45,20 +45,15 @@ def _check_site(cfg: Config) -> None:
     require(overlap == "none", f"worker.site=true runs blocking rounds: outer.overlap=none, not {overlap}")
 
 
-def _section(check, section) -> None:
-    """A section's own checks, beside its code (they raise ``ValueError``), as a ``ConfigError``."""
-    try:
-        check(section)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
 def validate(cfg: Config) -> None:
     """Combinations the schema's types cannot express. Each failure names the key to change. A
     section's own checks live beside its code (``validate_outer_config``, ...); those across
     sections are here."""
     _check_hf_extra(cfg)
-    _section(validate_model_config, cfg.model)
+    try:
+        validate_model_config(cfg.model)
+    except ValueError as error:  # the model's checks raise ValueError (models/gpt.py, models/hf.py)
+        raise ConfigError(str(error)) from None
     require(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
     _check_site(cfg)
     require(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")

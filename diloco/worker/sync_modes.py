@@ -148,9 +148,22 @@ class BlockingRounds(SyncMode):
         return RoundEnd(result, comm_s, taken_round is not None, step, round_index)
 
 
-class OverlappedRounds(SyncMode):
-    """Each inner step may start a fragment's average and apply the ones due; a round's record
-    sums what was applied since the last one."""
+class _AveragesWithinSteps(SyncMode):
+    """A mode whose averages land inside inner steps: a round's record sums those since the last."""
+
+    def __init__(self, synced_params: list[torch.Tensor], accounting: Accounting):
+        super().__init__(synced_params, accounting)
+        self._window: list[RoundCost] = []  # the averages since the last record
+        self._waited_s = 0.0  # communication time since then that went to no average
+
+    def end_round(self, step: int, round_index: int, *, weight: float) -> RoundEnd:
+        window, self._window = self._window, []
+        comm_s, self._waited_s = sum(cost.comm_s for cost in window) + self._waited_s, 0.0
+        return RoundEnd(merged(window), comm_s, any(cost.recovered for cost in window), step, round_index)
+
+
+class OverlappedRounds(_AveragesWithinSteps):
+    """Each inner step may start a fragment's average and apply the ones due."""
 
     model_is_synced = False  # the model is the global params plus this worker's own progress
 
@@ -166,8 +179,6 @@ class OverlappedRounds(SyncMode):
         super().__init__(overlapped.outer.global_params, accounting)
         self.overlapped, self.watchdog = overlapped, watchdog
         self.samples_per_step, self.total_steps = samples_per_step, total_steps  # a sync's weight; the last step
-        self._window: list[RoundCost] = []
-        self._unattributed_s = 0.0  # time spent starting syncs, in steps where nothing was applied
 
     def after_inner_step(self, step: int, step_s: float) -> None:
         """Over a real transport all the time spent in ``after_inner_step`` is the outer step's
@@ -188,15 +199,9 @@ class OverlappedRounds(SyncMode):
             share = comm_s if k == 0 else 0.0
             totals.add_round(average.result, share)
             self._window.append(RoundCost(average.result, share, average.recovered))
-        if not applied:
+        if not applied:  # time spent starting syncs
             totals.comm_wait_s += comm_s
-            self._unattributed_s += comm_s
-
-    def end_round(self, step: int, round_index: int, *, weight: float) -> RoundEnd:
-        window, self._window = self._window, []
-        comm_s = sum(cost.comm_s for cost in window) + self._unattributed_s
-        self._unattributed_s = 0.0
-        return RoundEnd(merged(window), comm_s, any(cost.recovered for cost in window), step, round_index)
+            self._waited_s += comm_s
 
     def state_dict(self) -> dict:
         return self.overlapped.state_dict()
@@ -206,14 +211,13 @@ class OverlappedRounds(SyncMode):
             self.overlapped.load_state_dict(state)
 
 
-class DataParallelRounds(SyncMode):
+class DataParallelRounds(_AveragesWithinSteps):
     """The baseline: each inner step averages its gradients (``GradientAveraging``, called between
-    backward and the update); a round's record sums the averages since the last one."""
+    backward and the update)."""
 
     def __init__(self, averaging: GradientAveraging, accounting: Accounting):
         super().__init__(averaging.params, accounting)
         self.average_gradients = averaging
-        self._window: list[RoundCost] = []
 
     def after_inner_step(self, step: int, step_s: float) -> None:
         """The step's time includes its averages: that part is communication, not compute."""
@@ -221,10 +225,6 @@ class DataParallelRounds(SyncMode):
             step_s -= measured_s
             self._window.append(self.accounting.average(result, measured_s))
         super().after_inner_step(step, step_s)
-
-    def end_round(self, step: int, round_index: int, *, weight: float) -> RoundEnd:
-        window, self._window = self._window, []
-        return RoundEnd(merged(window), sum(cost.comm_s for cost in window), False, step, round_index)
 
 
 def merged(window: list[RoundCost]) -> SyncResult:
