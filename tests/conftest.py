@@ -73,3 +73,15 @@ def diloco_cli():
 
 def read_records(run_dir: Path, worker: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / f"worker-{worker}.jsonl").read_text().splitlines()]
+
+
+def log_tails(run_dir: Path, workers: int, lines: int = 30) -> str:
+    """The last warnings and records of each worker's log, for an assertion's message: what a failed
+    run did, where CI shows nothing else."""
+    tails = []
+    for worker in range(workers):
+        log = run_dir / f"worker-{worker}.log"
+        text = log.read_text() if log.exists() else ""
+        kept = [line for line in text.splitlines() if " WARN " in line or "round " in line]
+        tails.append(f"--- worker {worker}\n" + "\n".join(kept[-lines:]))
+    return "\n".join(tails)

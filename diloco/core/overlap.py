@@ -145,6 +145,9 @@ class OverlappedOuter:
         # an average failed for us since the last state taken: with several fragments our global
         # params may differ from the others' until the end-of-run catch-up
         self.drifted = False
+        # some average since the last state taken held the group's mean: a worker that drifted then
+        # still carries the others' progress, and its state ranks above one that averaged nothing
+        self.averaged_any = False
 
     def after_inner_step(self, step: int, *, samples_per_step: int, compute_s: float, final: bool) -> list[Applied]:
         """Start the syncs due after inner step ``step`` and apply the averages due; at the ``final``
@@ -206,6 +209,7 @@ class OverlappedOuter:
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
             self.drifted = self.drifted or not result.averaged or result.drifted
+            self.averaged_any = self.averaged_any or result.averaged
             recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
             applied.append(Applied(result, wait_s, recovered))
         return applied
@@ -224,7 +228,7 @@ class OverlappedOuter:
             drifted=result.drifted,
         )
         if taken is not None:
-            self.drifted = False
+            self.drifted = self.averaged_any = False
             self._restart_local(flight.fragment, fresh if self._carries_progress else None)
         return taken is not None
 
@@ -237,16 +241,18 @@ class OverlappedOuter:
 
     def _catch_up_at_the_end(self, applied: list[Applied]) -> list[Applied]:
         """After a run's last averages (several fragments): a worker whose average failed at some
-        point takes the state of a peer whose did not (ranked below every peer, as an unsynced
-        blocking worker is); the others offer theirs. Returns ``applied``, marked recovered if a
-        state was taken."""
+        point takes the state of a peer whose did not, ranked below every such peer: as a worker
+        alone (peers 1) if some average held the others' mean, else as an unsynced blocking worker
+        (peers 0). When a sync failed for every worker, a worker whose every contribution was
+        dropped then never wins over those that averaged the others. The others offer theirs.
+        Returns ``applied``, marked recovered if a state was taken."""
         # never empty: every fragment syncs at the last step; ``drifted`` counts these results too
         results = [a.result for a in applied]
         taken = self.outer.catch_up(
             self.backend,
             round_index=sum(self.syncs_started),
             failed=self.drifted,
-            peers=0 if self.drifted else min(r.peers for r in results),
+            peers=int(self.averaged_any) if self.drifted else min(r.peers for r in results),
             group=0 if self.drifted else min(r.group for r in results),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
@@ -254,7 +260,7 @@ class OverlappedOuter:
         )
         if taken is None:
             return applied
-        self.drifted = False
+        self.drifted = self.averaged_any = False
         for fragment in range(len(self.fragments)):
             self._restart_local(fragment)
         return [replace(a, recovered=True) for a in applied]
@@ -331,9 +337,11 @@ class OverlappedOuter:
             "syncs_started": list(self.syncs_started),
             "last_start_step": list(self.last_start_step),
             "drifted": self.drifted,
+            "averaged_any": self.averaged_any,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs_started = list(state["syncs_started"])
         self.last_start_step = list(state["last_start_step"])
         self.drifted = bool(state.get("drifted", False))  # checkpoints before it was saved: in step
+        self.averaged_any = bool(state.get("averaged_any", self.drifted))

@@ -622,16 +622,18 @@ class HivemindBackend(CommBackend):
                 return True
             if offered_round != round_index or not rank > ours:
                 return False
-            # a bigger group's state at once; one that ranks above ours only by its fingerprint (a
-            # group of our size, or an unsynced peer's) once every live peer has offered the round:
-            # before, the peer that wins may still be in its outer step, and what we took would be
-            # params that nobody keeps
-            return rank.peers > ours.peers or everyone_offered
+            # the state of a group of more than half the workers at once: no other can match it.
+            # Any other once every live peer has offered the round: before, the peer that wins (a
+            # bigger group, or one of ours by its fingerprint) may still be in its outer step, and
+            # what we took would be params that its owner drops a moment later for the winner's
+            return (2 * rank.peers > workers and rank.peers > ours.peers) or everyone_offered
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             offers = self._state_offers()
-            others = self._live_others()
+            live = self._live_peers()
+            others = None if live is None else live[0]
+            workers = max(self.num_workers, 0 if live is None else live[1])  # who can be in a group
             if not offers and others == 0:  # nobody live can serve a state (clients only, or alone)
                 return None
             # every live peer that serves state has offered this round (one still in its outer step
@@ -716,12 +718,19 @@ class HivemindBackend(CommBackend):
         """Live workers besides us that serve their state (not in client mode), from their roster
         records: the offers to wait for (a planned worker never seen is not waited for). None when
         the DHT did not answer."""
+        live = self._live_peers()
+        return None if live is None else live[0]
+
+    def _live_peers(self) -> tuple[int, int] | None:
+        """(``_live_others()``, live workers in all, clients and us included), from one roster read;
+        None when the DHT did not answer, or found only part of the records."""
         try:
             entries = self.roster.own_entries()
-        except Exception:  # the DHT did not answer, or found only part of the records
+        except Exception:
             logger.debug("roster read failed", exc_info=True)
             return None
-        return sum(1 for i, e in entries.items() if i != self.roster.worker_index and not e.leaving and e.serves_state)
+        live = [(i, e) for i, e in entries.items() if not e.leaving]
+        return sum(1 for i, e in live if i != self.roster.worker_index and e.serves_state), len(live)
 
     def _state_offers(self) -> list[tuple[int, StateRank]]:
         """(round, rank) of the state each other live peer offers, from the priorities it declares on the DHT."""

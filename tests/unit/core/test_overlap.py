@@ -150,10 +150,10 @@ def test_an_overlapped_average_that_never_ends_fails_at_its_bound_and_the_run_go
     assert outer.global_params[1][0].item() == 20.0 - 4 * 0.5 - 3 * 0.5
 
 
-def _streaming_that_loses_an_average(peer_state_of=None):
+def _streaming_that_loses_an_average(peer_state_of=None, lost=frozenset({(1, 0)})):
     overlapped, outer, _, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
                                          delay_steps=1)  # fmt: skip
-    backend = overlapped.backend = ScriptedWithStates({(1, 0)}, peer_state_of(outer) if peer_state_of else None)
+    backend = overlapped.backend = ScriptedWithStates(set(lost), peer_state_of(outer) if peer_state_of else None)
     applied = []
     for step in range(1, 9):
         with torch.no_grad():
@@ -176,10 +176,18 @@ def test_streaming_takes_a_peers_state_at_the_end_after_an_average_failed_for_it
     overlapped, outer, backend, local, applied = _streaming_that_loses_an_average(peers_state)
     assert [a.recovered for a in applied[4]] == [False]  # fragment 1's failed average (step 5): kept going
     assert overlapped.drifted is False and all(a.recovered for a in applied[-1])
-    assert backend.asked == [(5, 0, True)]
+    assert backend.asked == [(5, 1, True)]  # its other averages held the others' mean: ranked as alone
     assert backend.published[0] == (3, 0)  # before the last syncs: an older state, so peers wait for us
     assert [g[0].item() for g in outer.global_params] == [4.0, 17.0]
     assert [p[0].item() for p in local] == [4.0, 17.0]
+
+
+def test_a_streaming_worker_none_of_whose_averages_held_ranks_below_one_that_averaged_some():
+    # a sync that failed for every worker leaves them all apart; the one whose every contribution
+    # was dropped (peers 0) must not win that run's end over those that averaged the others (peers 1)
+    every_sync = {(0, 0), (1, 0), (0, 1), (0, 2), (1, 1)}
+    *_, backend, _, _ = _streaming_that_loses_an_average(lost=every_sync)
+    assert backend.asked == [(5, 0, True)]
 
 
 def test_streaming_without_a_failed_average_offers_its_state_and_takes_none():

@@ -30,7 +30,8 @@ def _backend(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> 
     reads = iter(offers_over_time)
     last = offers_over_time[-1]
     backend._state_offers = lambda: next(reads, last)
-    backend._live_others = lambda: live - 1
+    backend._live_peers = lambda: (live - 1, live)
+    backend.num_workers = live
     backend.client_mode = False
     return backend
 
@@ -172,6 +173,20 @@ def test_a_state_that_wins_only_by_its_fingerprint_is_taken_once_every_live_peer
 
 def test_an_unread_roster_is_not_taken_for_every_peer_having_offered():
     backend = _backend([[(0, StateRank(0, 0.5))]], live=2)
-    backend._live_others = lambda: None  # the DHT did not answer
+    backend._live_peers = lambda: None  # the DHT did not answer
     backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))]
     assert backend.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=1.0) is None
+
+
+def test_a_bigger_groups_state_is_taken_at_once_only_when_no_other_group_can_match_it():
+    """Five workers, a round split three ways (2 + 2 + us alone). The first group of two offers
+    before the second, whose fingerprint ranks higher: taking the first at once would strand us
+    on params that its own peers drop for the second's. A group of three of five is taken at once."""
+    first, second = (4, StateRank(2, 0.3)), (4, StateRank(2, 0.8))
+    backend = _serving_the_best([[first] * 2, [first] * 2, [first] * 2 + [second] * 2], live=5)
+    found = backend.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(2, 0.8), found
+    majority = (4, StateRank(3, 0.1))
+    backend = _serving_the_best([[majority] * 3], live=5)
+    found = backend.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(3, 0.1), found
