@@ -114,6 +114,15 @@ class Codec(abc.ABC):
         return _describe(self.codec_id, *self.params())
 
 
+def header_params(payload: bytes | bytearray | memoryview) -> tuple[int, int, int] | None:
+    """(codec id, param a, param b) from a payload's header, or None when it has no valid header."""
+    view = memoryview(payload).cast("B")
+    if len(view) < HEADER_BYTES:
+        return None
+    magic, version, codec_id, _, a, b = _HEADER.unpack_from(view)
+    return (codec_id, a, b) if (magic, version) == (_MAGIC, _VERSION) else None
+
+
 _NAMES: dict[int, str] = {}
 
 

@@ -3,6 +3,7 @@
 - ``schema.py``     ``Config``, composed from each section's dataclass
 - ``loading.py``    ``load_config`` (defaults <- YAML <- CLI overrides) and the config written back
 - ``checks.py``     ``validate``: the checks across sections (a section's own live beside its code)
+- ``rules.py``      the defaults an outer rule brings to other sections (``outer.optimizer=sparseloco``)
 - ``reference.py``  the reference table of every key (docs/configuration.md), from the schema itself
 
 Each component owns its settings dataclass beside its code (``ModelConfig`` in models/gpt.py,

@@ -80,6 +80,11 @@ def validate(cfg: Config) -> None:
     )
     validate_compression_config(cfg.compression)
     require(
+        cfg.outer.optimizer != "sparseloco" or (cfg.compression.name != "none" and cfg.compression.error_feedback),
+        "outer.optimizer=sparseloco takes its momentum from the error feedback of a lossy codec: "
+        f"set compression.error_feedback=true and a codec other than none (compression.name={cfg.compression.name})",
+    )
+    require(
         cfg.compression.name == "none" or cfg.outer.sync_every > 0,
         f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "
         "(outer.sync_every=0) sends fp32 gradients: use compression.name=none",

@@ -1,6 +1,6 @@
-"""``load_config``: the dataclass defaults <- a YAML file <- ``KEY=VALUE`` overrides, with
-omegaconf's struct mode on so a typo is an error, then checked (checks.py); and the config
-written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``)."""
+"""``load_config``: the dataclass defaults <- an outer rule's defaults (rules.py) <- a YAML file
+<- ``KEY=VALUE`` overrides, with omegaconf's struct mode on so a typo is an error, then checked
+(checks.py); and the config written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from diloco.config.checks import validate
+from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
 from diloco.errors import ConfigError
 
@@ -30,6 +31,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(schema, *layers)
+        defaults = rule_defaults(merged.outer.optimizer)
+        if defaults:  # an outer rule's defaults for other sections, under what the user set
+            merged = OmegaConf.merge(schema, defaults, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None

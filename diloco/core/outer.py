@@ -7,7 +7,9 @@ steps the outer optimizer, a plain ``torch.optim.Optimizer`` (DiLoCo, arXiv:2311
 Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new global ones.
 
 Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
-other optimizer need no new code here, only a line in ``build_outer_optimizer``.
+other optimizer need no new code here, only a line in ``build_outer_optimizer``. SparseLoCo
+(``outer.optimizer=sparseloco``) is a plain step whose momentum is the error feedback of its
+top-k codec (compression/error_feedback.py; the rule's defaults: config/rules.py).
 
 Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
 pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
@@ -40,12 +42,12 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
 
 
 @dataclass
 class OuterConfig:
-    optimizer: str = "nesterov"  # nesterov | sgd | adam (sgd with lr 1, momentum 0 is plain averaging)
+    optimizer: str = "nesterov"  # nesterov | sgd | adam | sparseloco (sgd with lr 1, momentum 0 is plain averaging)
     lr: float = 0.7  # outer learning rate
     momentum: float = 0.9  # SGD momentum, or Adam's beta1
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
@@ -85,6 +87,8 @@ def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> t
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.momentum, 0.999))
+    if cfg.optimizer == "sparseloco":  # the decayed error feedback stands in for momentum (diloco/config/rules.py)
+        return torch.optim.SGD(params, lr=cfg.lr)
     raise ValueError(f"outer.optimizer={cfg.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
 
 

@@ -152,7 +152,9 @@ class BadPayloadCodec(Codec):
 
     @property
     def reply_codec(self) -> Codec:
-        return self.inner  # faults.bad_payload breaks a worker's own contributions, not the averages it serves
+        return (
+            self.inner.reply_codec
+        )  # faults.bad_payload breaks a worker's own contributions, not the averages it serves
 
     def compress(self, tensor: torch.Tensor) -> bytes:
         if self.mode == "nan":

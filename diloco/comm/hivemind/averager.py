@@ -280,8 +280,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if message.weight > 0:  # the reducer says over how many contributions it averaged the part
                     self.traffic.note_contributions(int(message.weight))
                 numel = numels[part_index] if part_index < len(numels) else -1
-                try:
-                    part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
+                try:  # an average, in the codec reducers reply with
+                    part = await loop.run_in_executor(
+                        None, _decode_part, self.codec.reply_codec, message.tensor_part, numel
+                    )
                 except PayloadError as error:
                     logger.warning("reducer %s sent an unusable averaged part: %s", peer_id, error)
                     raise

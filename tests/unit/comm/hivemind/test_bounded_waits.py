@@ -80,7 +80,8 @@ def test_a_state_download_that_never_ends_gives_up_at_the_timeout():
     backend = _backend(
         _averagers=[SimpleNamespace(load_state_from_peers=load_state_from_peers)],
         _state_offers=lambda: [(3, StateRank(2))],  # a peer offers round 3, averaged by 2
-        _live_others=lambda: 1,
+        _live_peers=lambda: (1, 2),
+        num_workers=2,
     )
     started = time.monotonic()
     assert backend.fetch_state(3, better_than=StateRank(1), timeout_s=1.0) is None

@@ -1,0 +1,28 @@
+"""Outer rules that set more than the outer optimizer: the defaults they bring to other sections.
+
+``outer.optimizer=sparseloco`` (SparseLoCo, arXiv:2508.15706) is DiLoCo whose outer momentum is
+replaced by each worker's error feedback with decay: a worker keeps ``e <- beta e + delta``,
+sends the chunk-wise top-k of ``e`` with 2-bit values, keeps ``e <- e - sent``; the sparse
+contributions are averaged whole (reducers do not sparsify the average again) and the global
+params take a plain step of ``outer.lr``. So the one key stands for::
+
+    outer.lr=1.0  compression.name=topk  compression.error_feedback=true  compression.error_decay=0.95
+
+each of which a YAML file or an override still sets (``compression.topk_k``, ``topk_chunk``:
+the density, 64 of 4,096 by default). These defaults sit between the dataclasses' and the
+user's layers in ``load_config``.
+"""
+
+from __future__ import annotations
+
+RULE_DEFAULTS: dict[str, dict] = {
+    "sparseloco": {
+        "outer": {"lr": 1.0},
+        "compression": {"name": "topk", "error_feedback": True, "error_decay": 0.95},
+    },
+}
+
+
+def rule_defaults(outer_optimizer: str) -> dict:
+    """The defaults ``outer.optimizer=outer_optimizer`` brings to other sections (empty for most)."""
+    return RULE_DEFAULTS.get(outer_optimizer, {})
