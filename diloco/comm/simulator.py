@@ -66,7 +66,7 @@ class SimulatedGroup:
         self._arrived: dict[int, Contribution] = {}
         self._round_done = 0  # rounds averaged so far
         self._last: tuple[list[torch.Tensor], list[Contribution]] = ([], [])  # (means, contributions used)
-        self._reducer: tuple[Codec, list[int], dict] | None = None  # (reply codec, numel of each tensor, screening)
+        self._reducer: tuple[Codec, list[int], dict] | None = None  # (codec, numel of each tensor, screening)
 
     def wait_turn(self, worker: int) -> None:
         with self._cond:
@@ -96,7 +96,7 @@ class SimulatedGroup:
         with self._cond:
             if not self._arrived:  # the first to arrive sets the round's shapes (fragments differ)
                 screening = {"max_norm_ratio": max_norm_ratio, "clip_to_median": clip_to_median}
-                self._reducer = (codec.reply_codec, numels, screening)
+                self._reducer = (codec, numels, screening)
             self._arrived[worker] = contribution
             round_index = self._round_done
             if not self._complete_round_if_all_arrived():
