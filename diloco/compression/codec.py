@@ -13,6 +13,8 @@ decodes to non-finite values, with a ``PayloadError`` that says which.
 Codecs work on independent runs of ``align`` values from the start of the tensor (a block or a
 chunk), so compressing a slice that starts at a multiple of ``align`` gives exactly the bytes of
 that slice in the whole tensor's payload: transports may split a tensor at those boundaries.
+A codec's ``reply_codec`` is what a reducer sends averages back in: the codec itself, except for
+top-k, whose average is not sparsified again (``TopKSum`` in topk.py, sized by what it holds).
 """
 
 from __future__ import annotations

@@ -28,13 +28,14 @@ class TopK(Codec):
     def __init__(self, k: int, chunk: int):  # checked by build_codec (validate_compression_config)
         self.k, self.chunk = k, chunk
         self.align = chunk
+        self._reply_codec = TopKSum(chunk)
 
     def params(self) -> tuple[int, int]:
         return self.k, self.chunk
 
     @property
     def reply_codec(self) -> Codec:
-        return TopKSum(self.chunk)
+        return self._reply_codec
 
     def _layout(self, numel: int) -> list[tuple[int, int, int]]:
         """(number of chunks, chunk length, values kept a chunk) for the full chunks and the tail."""
@@ -101,7 +102,12 @@ class TopKSum(Codec):
     """The exact average of top-k contributions, as a reducer replies with it: in each chunk the
     ``capacity`` positions of largest magnitude (uint16, ascending) and their fp32 values, 6 bytes
     each. ``compress`` sets ``capacity`` to the most non-zeros any chunk of the tensor holds (its
-    header says which), so every kept value of every contribution comes back as it was averaged."""
+    header says which), so every kept value of every contribution comes back as it was averaged.
+
+    A reply codec, never split: its size follows what it holds, so ``payload_bytes`` is exact for
+    one capacity only (``compress`` picks it), and a slice may keep a smaller one than the whole.
+    Near dense (capacity above 2/3 of a chunk) it is larger than fp32; at 64 of 4096 that takes
+    more than 42 workers."""
 
     name, codec_id = "topk_sum", 5
 
@@ -131,14 +137,11 @@ class TopKSum(Codec):
         return Codec.compress(TopKSum(self.chunk, max([1, *counts])), flat)
 
     def decompress(self, payload: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
-        params = header_params(payload)
-        if (
-            params is not None
-            and params[0] == self.codec_id
-            and params[2] == self.chunk
-            and 1 <= params[1] <= self.chunk
-        ):
-            return Codec.decompress(TopKSum(self.chunk, params[1]), payload, numel)
+        codec_id, capacity, chunk = header_params(payload) or (-1, 0, 0)
+        if codec_id == self.codec_id and chunk == self.chunk:
+            if not 1 <= capacity <= self.chunk:
+                raise PayloadError(f"reply keeps {capacity} values a chunk, not in [1, {self.chunk}]")
+            return Codec.decompress(TopKSum(self.chunk, capacity), payload, numel)
         return super().decompress(payload, numel)  # raises, saying what is wrong with it
 
     def _encode(self, flat: torch.Tensor) -> bytes:

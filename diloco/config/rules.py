@@ -10,7 +10,9 @@ params take a plain step of ``outer.lr``. So the one key stands for::
 
 each of which a YAML file or an override still sets (``compression.topk_k``, ``topk_chunk``:
 the density, 64 of 4,096 by default). These defaults sit between the dataclasses' and the
-user's layers in ``load_config``.
+user's layers in ``load_config``, so a file that sets every key (the ``config.yaml`` a run
+writes) keeps its own: run SparseLoCo from such a file with the rule's keys set as overrides.
+``outer.momentum`` is not used by it.
 """
 
 from __future__ import annotations

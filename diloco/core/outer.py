@@ -49,7 +49,7 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
 class OuterConfig:
     optimizer: str = "nesterov"  # nesterov | sgd | adam | sparseloco (sgd with lr 1, momentum 0 is plain averaging)
     lr: float = 0.7  # outer learning rate
-    momentum: float = 0.9  # SGD momentum, or Adam's beta1
+    momentum: float = 0.9  # SGD momentum, or Adam's beta1 (sparseloco: unused, its error feedback is the momentum)
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
     round_s: float = 0.0  # > 0: a round lasts this many seconds of inner steps, as many as each worker can run; 0 = H
     overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)

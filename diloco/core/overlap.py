@@ -145,8 +145,9 @@ class OverlappedOuter:
         # an average failed for us since the last state taken: with several fragments our global
         # params may differ from the others' until the end-of-run catch-up
         self.drifted = False
-        # some average since the last state taken held the group's mean: a worker that drifted then
-        # still carries the others' progress, and its state ranks above one that averaged nothing
+        # some average since the last state taken held a group's mean (with others, not alone): a
+        # worker that drifted then still carries the others' progress, and its state ranks above
+        # one that averaged nothing
         self.averaged_any = False
 
     def after_inner_step(self, step: int, *, samples_per_step: int, compute_s: float, final: bool) -> list[Applied]:
@@ -209,7 +210,7 @@ class OverlappedOuter:
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
             self.drifted = self.drifted or not result.averaged or result.drifted
-            self.averaged_any = self.averaged_any or result.averaged
+            self.averaged_any = self.averaged_any or (result.averaged and result.peers > 1)
             recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
             applied.append(Applied(result, wait_s, recovered))
         return applied
@@ -241,11 +242,12 @@ class OverlappedOuter:
 
     def _catch_up_at_the_end(self, applied: list[Applied]) -> list[Applied]:
         """After a run's last averages (several fragments): a worker whose average failed at some
-        point takes the state of a peer whose did not, ranked below every such peer: as a worker
-        alone (peers 1) if some average held the others' mean, else as an unsynced blocking worker
-        (peers 0). When a sync failed for every worker, a worker whose every contribution was
-        dropped then never wins over those that averaged the others. The others offer theirs.
-        Returns ``applied``, marked recovered if a state was taken."""
+        point takes the state of a peer whose did not. It ranks as a worker alone (peers 1) if
+        some average held the mean of a group, else as an unsynced blocking worker (peers 0): when
+        a sync failed for every worker, one whose every contribution was dropped, or that was
+        alone all along, then never wins over those that averaged with others (between states of
+        one rank the fingerprint decides, as ever). The others offer theirs. Returns ``applied``,
+        marked recovered if a state was taken."""
         # never empty: every fragment syncs at the last step; ``drifted`` counts these results too
         results = [a.result for a in applied]
         taken = self.outer.catch_up(
@@ -344,4 +346,4 @@ class OverlappedOuter:
         self.syncs_started = list(state["syncs_started"])
         self.last_start_step = list(state["last_start_step"])
         self.drifted = bool(state.get("drifted", False))  # checkpoints before it was saved: in step
-        self.averaged_any = bool(state.get("averaged_any", self.drifted))
+        self.averaged_any = bool(state.get("averaged_any", False))

@@ -622,11 +622,17 @@ class HivemindBackend(CommBackend):
                 return True
             if offered_round != round_index or not rank > ours:
                 return False
-            # the state of a group of more than half the workers at once: no other can match it.
-            # Any other once every live peer has offered the round: before, the peer that wins (a
-            # bigger group, or one of ours by its fingerprint) may still be in its outer step, and
-            # what we took would be params that its owner drops a moment later for the winner's
-            return (2 * rank.peers > workers and rank.peers > ours.peers) or everyone_offered
+            # a bigger group's state at once when no other group can match it any more; any other
+            # once every live peer has offered the round: before, the peer that wins (a bigger
+            # group, or one of ours by its fingerprint) may still be in its outer step, and what we
+            # took would be params that its owner drops a moment later for the winner's
+            return (rank.peers > ours.peers and unmatched(rank)) or everyone_offered
+
+        def unmatched(rank: StateRank) -> bool:
+            # groups share no worker: besides that group and us, the workers not seen in a smaller
+            # one this round are too few to make another of its size
+            smaller = sum(1 for r, o in offers if r == round_index and o.peers < rank.peers)
+            return workers - rank.peers - 1 - smaller < rank.peers
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

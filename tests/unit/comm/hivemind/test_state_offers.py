@@ -190,3 +190,14 @@ def test_a_bigger_groups_state_is_taken_at_once_only_when_no_other_group_can_mat
     backend = _serving_the_best([[majority] * 3], live=5)
     found = backend.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(3, 0.1), found
+
+
+def test_a_bigger_groups_state_is_taken_at_once_when_the_workers_left_cannot_match_it():
+    """Four workers split 2 + 1 + us alone; the other one alone is still in its inner steps (no offer
+    yet). It cannot make a group of two on its own: the pair's state is taken at once, not after it."""
+    pair = (3, StateRank(2, 0.4))
+    backend = _serving_the_best([[pair, pair]], live=4)
+    readings = []
+    backend._live_peers = lambda: readings.append(1) or (3, 4)
+    found = backend.fetch_state(3, better_than=StateRank(1, 0.9), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(2, 0.4) and len(readings) == 1, found
