@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.comm.robust import norm_of, screen
-from diloco.compression import Codec, PayloadError
+from diloco.compression import Codec, PayloadError, all_finite
 from diloco.errors import CommError as CommError  # raised here; importers take it from here too
 
 # how a worker offers its state: ``read(use)`` is ``use(live state)`` under the outer step's lock, or None once stale
@@ -311,8 +311,10 @@ def average_payloads(
     means = []
     for k in range(len(numels)):
         mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
-        try:
-            means.append(codec.reply_codec.roundtrip(mean))
+        try:  # as a reducer replies with it; a codec that gathers is not compressed again
+            if codec.gathers and not all_finite(mean):
+                raise PayloadError("the mean is not finite")
+            means.append(mean if codec.gathers else codec.reply_codec.roundtrip(mean))
         except PayloadError as error:  # finite inputs can still overflow
             logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
             return [], []

@@ -13,15 +13,15 @@ The link model turns the bytes of each round into the time the round would take 
 in hivemind's butterfly all-reduce each of n workers uploads (n-1)/n of the payload to the
 reducers and then (n-1)/n back out as averaged parts, so a round costs
 
-    (n-1)/n x (payload_bytes + reply_bytes) x 8 / (bandwidth_mbps x 1e6 x GOODPUT)  +  2 x latency_ms / 1000   seconds.
+    2 (n-1)/n x payload_bytes x 8 / (bandwidth_mbps x 1e6 x GOODPUT)  +  2 x latency_ms / 1000   seconds.
 
 GOODPUT is the share of a link's bits that is payload: TCP over IPv4 with timestamps in
 1500-byte Ethernet frames carries 1448 payload bytes per 1514 on the wire. (The testbed, with
 real peers on tbf-shaped links, checks this model's round time within 25%.)
 
-(payload_bytes is what the codec makes of the tensors, reply_bytes what its reply codec makes of
-their average: the same size, except for top-k, whose average is not sparsified again.) That
-time is reported as the round's communication time, and its bytes as bytes sent and received.
+(payload_bytes is what the codec makes of the tensors; for a codec that gathers, top-k, each
+worker sends its payload to each of the others instead: (n-1) x payload_bytes.) That time is
+reported as the round's communication time, and its bytes as bytes sent and received.
 """
 
 from __future__ import annotations
@@ -42,17 +42,27 @@ GOODPUT = 1448 / 1514
 
 
 def round_time_s(
-    payload_bytes: int, num_workers: int, *, bandwidth_mbps: float, latency_ms: float, reply_bytes: int | None = None
+    payload_bytes: int, num_workers: int, *, bandwidth_mbps: float, latency_ms: float, gathers: bool = False
 ) -> float:
     """Seconds for one butterfly all-reduce of ``payload_bytes`` among ``num_workers`` on links of
-    ``bandwidth_mbps`` (each direction) and ``latency_ms``, the average coming back in
-    ``reply_bytes`` (default: as many as were sent); 0 for a single worker."""
+    ``bandwidth_mbps`` (each direction) and ``latency_ms`` (``gathers``: an all-gather of them
+    instead); 0 for a single worker."""
     if num_workers <= 1:
         return 0.0
-    reply_bytes = payload_bytes if reply_bytes is None else reply_bytes
-    volume_bytes = (num_workers - 1) / num_workers * (payload_bytes + reply_bytes)
+    volume_bytes = sent_bytes(payload_bytes, num_workers, gathers=gathers)
     transfer_s = volume_bytes * 8 / (bandwidth_mbps * 1e6 * GOODPUT) if bandwidth_mbps > 0 else 0.0
     return transfer_s + 2 * latency_ms / 1000
+
+
+def sent_bytes(payload_bytes: int, num_workers: int, *, gathers: bool = False) -> int:
+    """What each of ``num_workers`` sends (and receives) in a round of ``payload_bytes`` each: in
+    hivemind's butterfly (n-1)/n of the payload to the reducers and as much back as averages;
+    for a codec that ``gathers``, its payload to each of the others (comm/hivemind/gathered.py)."""
+    if num_workers <= 1:
+        return 0
+    if gathers:
+        return (num_workers - 1) * payload_bytes
+    return int(2 * (num_workers - 1) / num_workers * payload_bytes)
 
 
 class SimulatedGroup:
@@ -179,17 +189,10 @@ class SimulatedBackend(CommBackend):
             return SyncResult(False, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
-        # a butterfly moves (n-1)/n of each worker's payload out to the reducers and (n-1)/n of the
-        # average back, in the codec reducers reply with (top-k's: larger, it is not sparsified again)
-        payload = sum(len(p) for p in payloads)
-        reply = (
-            payload
-            if self.codec.reply_codec is self.codec
-            else sum(len(self.codec.reply_codec.compress(m)) for m in means)
-        )
-        volume = int((peers - 1) / peers * (payload + reply)) if peers > 1 else 0
+        payload, gathers = sum(len(p) for p in payloads), self.codec.gathers
+        volume = sent_bytes(payload, peers, gathers=gathers)
         seconds = round_time_s(
-            payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms, reply_bytes=reply
+            payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms, gathers=gathers
         )
         return SyncResult(True, peers, total, bytes_sent=volume, bytes_recv=volume, simulated_s=seconds)
 

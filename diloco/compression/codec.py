@@ -13,8 +13,8 @@ decodes to non-finite values, with a ``PayloadError`` that says which.
 Codecs work on independent runs of ``align`` values from the start of the tensor (a block or a
 chunk), so compressing a slice that starts at a multiple of ``align`` gives exactly the bytes of
 that slice in the whole tensor's payload: transports may split a tensor at those boundaries.
-A codec's ``reply_codec`` is what a reducer sends averages back in: the codec itself, except for
-top-k, whose average is not sparsified again (``TopKSum`` in topk.py, sized by what it holds).
+A codec that ``gathers`` (top-k) has its contributions all-gathered rather than averaged by
+reducers: the average of sparse vectors is denser than each, and is not compressed again.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class Codec(abc.ABC):
     name: ClassVar[str]
     codec_id: ClassVar[int]
     lossless: ClassVar[bool] = False
+    # every worker receives every other's payload and averages them itself (no reducer's reply)
+    gathers: ClassVar[bool] = False
     align: int = 1  # values per independent block: split points must be multiples of it
 
     def params(self) -> tuple[int, int]:
@@ -114,15 +116,6 @@ class Codec(abc.ABC):
 
     def describe(self) -> str:
         return _describe(self.codec_id, *self.params())
-
-
-def header_params(payload: bytes | bytearray | memoryview) -> tuple[int, int, int] | None:
-    """(codec id, param a, param b) from a payload's header, or None when it has no valid header."""
-    view = memoryview(payload).cast("B")
-    if len(view) < HEADER_BYTES:
-        return None
-    magic, version, codec_id, _, a, b = _HEADER.unpack_from(view)
-    return (codec_id, a, b) if (magic, version) == (_MAGIC, _VERSION) else None
 
 
 _NAMES: dict[int, str] = {}

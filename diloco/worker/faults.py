@@ -135,7 +135,7 @@ class BadPayloadCodec(Codec):
 
     def __init__(self, inner: Codec, mode: str):
         self.inner, self.mode = inner, mode
-        self.name, self.codec_id, self.align = inner.name, inner.codec_id, inner.align
+        self.name, self.codec_id, self.align, self.gathers = inner.name, inner.codec_id, inner.align, inner.gathers
         self.lossless = False  # even "none" goes through the payload path, where the fault is
 
     def params(self) -> tuple[int, int]:

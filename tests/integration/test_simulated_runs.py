@@ -48,8 +48,8 @@ def test_short_compression_benchmark_orders_the_codecs_by_bytes(tmp_path, diloco
     arms = results["arms"]
     assert sorted(arms) == sorted(["dense", "fp16", "int8", "int4", "topk", "sparseloco"])
     sent = [arms[name]["bytes_sent"] for name in ("dense", "fp16", "int8", "int4", "topk")]
-    # top-k's replies carry every value any worker kept (4 x 64 of 4096 a chunk, fp32): larger than its contributions
-    assert sent == sorted(sent, reverse=True) and sent[-1] * 10 < sent[0]
+    # top-k's payloads are all-gathered (3 x its payload against 1.5 x dense's): about 50 x fewer bytes
+    assert sent == sorted(sent, reverse=True) and sent[-1] * 30 < sent[0]
     assert arms["sparseloco"]["bytes_sent"] == pytest.approx(arms["topk"]["bytes_sent"], rel=0.2)
     assert arms["dense"]["traffic_saving_vs_ddp"] == pytest.approx(50.0, rel=1e-3)  # H = 50, both fp32
     assert arms["int8"]["ratio_to_dense"] == pytest.approx(1.0, abs=0.01)  # 8 bits lose next to nothing

@@ -4,6 +4,7 @@
                        how a round is matched, retried, and its state offered and downloaded
 - ``averager.py``      hivemind's averager made bit-identical across peers, with byte counts
                        and the robust screening of declared norms
+- ``gathered.py``      a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
 - ``gloo_plane.py``    a bulk data plane beside it: fp32 rounds through a gloo all-reduce
 - ``roster.py``        who is in the run now (heartbeats on the DHT) and the group size a round waits for
 - ``reachability.py``  whether a joining worker can be dialled (else it joins as a client)

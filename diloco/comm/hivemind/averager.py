@@ -12,7 +12,9 @@ of its pseudo-gradient, the reducer checks and decodes every part it receives (a
 drops that sender, with a log line), averages in fp32, compresses the average once and sends
 those bytes to every sender, and uses what they decode to for its own share. Part boundaries
 fall on multiples of the codec's block, so a part's payload is the same bytes the worker's
-error feedback computed for it.
+error feedback computed for it. A codec that ``gathers`` (top-k) is not averaged by the reducer:
+it sends each sender the other kept senders' payloads of the part, and every peer takes their
+mean itself (gathered.py).
 
 The runner also counts the bytes of every averaging message it sends and receives, so a round
 reports traffic measured on the wire rather than estimated.
@@ -50,7 +52,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aite
 from hivemind.utils.mpfuture import MPFuture
 
 from diloco.comm.base import StateReader
-from diloco.comm.hivemind import gloo_plane
+from diloco.comm.hivemind import gathered, gloo_plane
 from diloco.comm.hivemind.run_key import keyed_schema_hash
 from diloco.comm.robust import Screening, declared_norm, screen
 from diloco.compression import Codec, PayloadError, all_finite
@@ -163,6 +165,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
         self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
+        # a codec that gathers (gathered.py): what each sender sent of each part of our share,
+        # and what we sent each reducer of each part of theirs
+        self._kept: dict[int, dict[int, gathered.Kept]] = {}
+        self._own_payloads: dict[tuple[int, int], bytes] = {}
         # robust aggregation: who every peer drops, each kept sender's factor, and the norms declared
         self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
         self.norms = norms or {}
@@ -204,8 +210,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             as_aiter(*self._input_parts(peer_index)),
             max_prefetch=self.tensor_part_container.prefetch,
         )
-        first = True
+        first, part_index = True, 0
         async for payload in payloads:
+            if self.codec.gathers:
+                self._own_payloads[(peer_index, part_index)] = payload
+            part_index += 1
             message = averaging_pb2.AveragingData(tensor_part=_bytes_part(payload), weight=self.weight)
             if first:
                 message.code, message.group_id, first = averaging_pb2.PART_FOR_AVERAGING, self.group_id, False
@@ -221,6 +230,29 @@ class ExactAllReduceRunner(AllReduceRunner):
                 None, _compress_reply, self.codec.reply_codec, averaged
             )
         return await self._replies[part_index]
+
+    async def _gathered(self, part_index: int, numel: int) -> tuple[list[gathered.Kept], torch.Tensor]:
+        """A codec that gathers: the contributions kept for one part of our share, as every sender
+        reads them, and their mean, which we keep ourselves (made once, once the part is complete).
+        Raises PayloadError if the mean is not finite."""
+        if part_index not in self._replies:  # no await between the test and the set: one future per part
+            kept = gathered.as_received(list(self._kept.get(part_index, {}).values()))
+            scales = [self.screening.scales.get(peer, 1.0) for peer in self.sender_peer_ids]
+            self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, lambda: (kept, gathered.mean(self.codec, kept, numel, scales))
+            )
+        return await self._replies[part_index]
+
+    def _gathered_mean(self, serialized: runtime_pb2.Tensor, numel: int, own: bytes | None) -> torch.Tensor:
+        """A reducer's gathered reply to us, read as it reads it: the mean of the kept payloads."""
+        if serialized.dtype != "uint8" or serialized.compression != runtime_pb2.CompressionType.NONE:
+            raise PayloadError(f"payload is a {serialized.dtype} tensor, not the bytes of a gathered reply")
+        if numel < 0:
+            raise PayloadError("more parts than this peer reduces")
+        me = self.sender_peer_ids.index(self.peer_id)
+        kept = gathered.unpack(serialized.buffer, recipient=me, own=own)
+        scales = [self.screening.scales.get(peer, 1.0) for peer in self.sender_peer_ids]
+        return gathered.mean(self.codec, kept, numel, scales)
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -238,7 +270,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
             try:  # our part as the others would decode it
-                sent = await loop.run_in_executor(None, _as_sent, self.codec, part)
+                if self.codec.gathers:  # and its bytes, which the others take the mean from
+                    payload, sent = await loop.run_in_executor(None, _compressed_as_sent, self.codec, part)
+                    self._kept.setdefault(part_index, {})[sender_index] = gathered.Kept(
+                        sender_index, self.weight, payload
+                    )
+                else:
+                    sent = await loop.run_in_executor(None, _as_sent, self.codec, part)
                 if scale != 1.0:
                     sent = sent * scale
             except PayloadError as error:  # as a peer would, the reducer drops what it cannot read
@@ -253,7 +291,10 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             self.traffic.note_contributions(self.tensor_part_reducer.contributions.get(part_index, 0))
             try:
-                _, restored = await self._reply(part_index, averaged)
+                if self.codec.gathers:
+                    _, restored = await self._gathered(part_index, part.numel())
+                else:
+                    _, restored = await self._reply(part_index, averaged)
             except PayloadError as error:
                 logger.warning("our share's average is unusable: %s", error)
                 self.tensor_part_container.register_failed_reducer(peer_index)
@@ -280,10 +321,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if message.weight > 0:  # the reducer says over how many contributions it averaged the part
                     self.traffic.note_contributions(int(message.weight))
                 numel = numels[part_index] if part_index < len(numels) else -1
-                try:  # an average, in the codec reducers reply with
-                    part = await loop.run_in_executor(
-                        None, _decode_part, self.codec.reply_codec, message.tensor_part, numel
-                    )
+                try:  # an average, or (a codec that gathers) the payloads to take it from
+                    if self.codec.gathers:
+                        own = self._own_payloads.get((peer_index, part_index))
+                        part = await loop.run_in_executor(None, self._gathered_mean, message.tensor_part, numel, own)
+                    else:
+                        part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
                 except PayloadError as error:
                     logger.warning("reducer %s sent an unusable averaged part: %s", peer_id, error)
                     raise
@@ -326,11 +369,19 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except PayloadError as error:
                     logger.warning("dropped the contribution of peer %s: %s", sender, error)
                     break
+                if self.codec.gathers:  # what the others take this part's mean from
+                    self._kept.setdefault(parts_done, {})[sender_index] = gathered.Kept(
+                        sender_index, message.weight, bytes(message.tensor_part.buffer)
+                    )
                 try:
                     averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=message.weight)
                 except BannedException:
                     break  # the sender was dropped from this round; stop serving it
-                payload, _ = await self._reply(parts_done, averaged)
+                if self.codec.gathers:
+                    kept, _ = await self._gathered(parts_done, part.numel())
+                    payload = gathered.pack(kept, recipient=sender_index)
+                else:
+                    payload, _ = await self._reply(parts_done, averaged)
                 # over how many contributions this part was averaged, for the senders' round records
                 contributions = float(reducer.contributions.get(parts_done, 0))
                 parts_done += 1
@@ -356,6 +407,12 @@ def _compress_reply(codec: Codec, averaged: torch.Tensor) -> tuple[bytes, torch.
             raise PayloadError("payload decodes to non-finite values (NaN or inf)")
         return payload, averaged
     return payload, codec.decompress(payload, averaged.numel())
+
+
+def _compressed_as_sent(codec: Codec, part: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """Our own part's payload, and what a reducer decodes it to."""
+    payload = codec.compress(part)
+    return payload, codec.decompress(payload, part.numel())
 
 
 def _as_sent(codec: Codec, part: torch.Tensor) -> torch.Tensor:
@@ -543,9 +600,9 @@ class ExactAverager(DecentralizedAverager):
         """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``
         decodes it: [bandwidth, mode, user data]); an empty dict where unreadable (its norm: nan)."""
         found = {}
-        for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
+        for peer, declared in zip(group_info.peer_ids, group_info.gathered):
             try:
-                _, _, user_data = self.serializer.loads(gathered)
+                _, _, user_data = self.serializer.loads(declared)
                 found[peer] = self.serializer.loads(user_data)
             except Exception:  # whatever a peer put there, it is not usable
                 found[peer] = {}

@@ -202,26 +202,3 @@ def test_error_feedback_with_a_decay_carries_beta_times_the_residual_into_each_r
         residual = expected - codec.restore(expected)
         torch.testing.assert_close(feedback.residuals[0], residual, rtol=0, atol=1e-6)
     assert not torch.equal(residual, torch.zeros(300))
-
-
-@pytest.mark.parametrize("numel", [4096 * 3, 4096 * 2 + 100, 50])
-def test_the_average_of_top_k_contributions_comes_back_whole_in_as_few_bytes_as_it_needs(numel):
-    """A reducer does not sparsify the mean again (SparseLoCo averages every kept value): the reply
-    holds each position some contribution kept, exactly, sized by the busiest chunk."""
-    codec = build_codec(CompressionConfig(name="topk", topk_k=64, topk_chunk=4096))
-    g = torch.Generator().manual_seed(numel)
-    sent = [codec.roundtrip(torch.randn(numel, generator=g)) for _ in range(4)]
-    mean = sum(s * w for s, w in zip(sent, (1.0, 2.0, 3.0, 4.0))) / 10
-    reply = codec.reply_codec.compress(mean)
-    assert torch.equal(codec.reply_codec.decompress(reply, numel), mean)
-    busiest = max(int(c.count_nonzero()) for c in mean.split(4096))
-    chunks = -(-numel // 4096)
-    assert len(reply) <= HEADER_BYTES + 6 * busiest * chunks and busiest <= 4 * 64
-    with pytest.raises(PayloadError, match="bytes, expected"):
-        codec.reply_codec.decompress(reply[:-1], numel)
-    with pytest.raises(PayloadError, match="every worker must use the same"):
-        codec.decompress(reply, numel)  # a reply is not a contribution
-    averaged = average_payloads(
-        codec, [Contribution("a", [codec.compress(s)], 1.0) for s in sent], [numel], round_index=0
-    )
-    torch.testing.assert_close(averaged[0][0], sum(sent) / 4, atol=1e-7, rtol=0)
