@@ -276,7 +276,8 @@ def average_payloads(
     (``robust.screen``: one far above the median is dropped, and with ``clip_to_median`` those
     above it are scaled down to it); the weighted mean is taken in fp32, in the order given;
     and the result is what ``codec`` restores from the compressed mean. That last step is what a
-    reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves.
+    reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves
+    (a codec that ``gathers`` is not compressed again: the mean itself, checked to be finite).
     Returns the flat averaged tensors and the contributions that were used (none when nothing, or
     no usable average, came of them). hivemind's reducers follow the same rule part by part (their
     sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).

@@ -376,7 +376,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=message.weight)
                 except BannedException:
-                    break  # the sender was dropped from this round; stop serving it
+                    # the sender was dropped from this round (too late, say): not in the part's
+                    # gathered mean either (the part waits for it until this raises); stop serving it
+                    self._kept.get(parts_done, {}).pop(sender_index, None)
+                    break
                 if self.codec.gathers:
                     kept, _ = await self._gathered(parts_done, part.numel())
                     payload = gathered.pack(kept, recipient=sender_index)
@@ -489,8 +492,10 @@ class ExactAverager(DecentralizedAverager):
             start=False,
             **kwargs,
         )
-        # a join request must present the leader's schema hash: keyed, only run-key holders can
-        self.schema_hash = keyed_schema_hash(run_key, self.schema_hash)
+        # a join request must present the leader's schema hash: keyed, only run-key holders can;
+        # a codec that gathers replies in another format (gathered.py): only its like can join
+        schema = self.schema_hash + (gathered.FORMAT if codec.gathers else b"")
+        self.schema_hash = keyed_schema_hash(run_key, schema)
         if start:
             self.run_in_background(await_ready=True)
 

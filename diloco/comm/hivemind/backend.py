@@ -635,17 +635,23 @@ class HivemindBackend(CommBackend):
             return workers - rank.peers - 1 - smaller < rank.peers
 
         deadline = time.monotonic() + timeout_s
+        # a live peer that has not offered by half the time is a straggler (stuck in a sync of its
+        # own), not one finishing its outer step: the offers there are then everyone's, and it
+        # takes the winner's state itself when it comes
+        patient_until = time.monotonic() + timeout_s / 2
+        download_failed = False
         while time.monotonic() < deadline:
             offers = self._state_offers()
             live = self._live_peers()
             others = None if live is None else live[0]
             workers = max(self.num_workers, 0 if live is None else live[1])  # who can be in a group
-            if not offers and others == 0:  # nobody live can serve a state (clients only, or alone)
-                return None
+            if others == 0 and (not offers or download_failed):
+                return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
             # every live peer that serves state has offered this round (one still in its outer step
             # has not). Offers left by peers gone since are not waited for; an unread roster (None)
             # is not "everyone"
             everyone_offered = others is not None and sum(r >= round_index for r, _ in offers) >= others
+            everyone_offered = everyone_offered or (others is not None and time.monotonic() > patient_until)
             ours = better_than
             if (
                 self.client_mode
@@ -672,6 +678,7 @@ class HivemindBackend(CommBackend):
                         )
                         state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
                         return PeerState(offered_round, rank, state)
+                download_failed = True
             elif everyone_offered:
                 # none ranks above us. A peer still in its outer step has not offered this round
                 # yet: wait for it rather than take the others' offers (a dropped peer's, say)

@@ -23,6 +23,7 @@ import torch
 
 from diloco.compression import Codec, PayloadError, all_finite
 
+FORMAT = b"diloco-gathered-v1"  # in the averager's schema hash: peers replying otherwise do not match
 _COUNT = struct.Struct("<H")
 _ENTRY = struct.Struct("<HfI")
 
@@ -87,7 +88,9 @@ def mean(codec: Codec, kept: Sequence[Kept], numel: int, scales: Sequence[float]
         values = codec.decompress(entry.payload, numel)
         if scales[entry.sender] != 1.0:
             values = values * scales[entry.sender]
-        accumulator.add_(values, alpha=entry.weight)
+        # two roundings, not add_'s alpha: that is a fused multiply-add on some CPU kernels and not
+        # on others, and every peer takes this sum, on whatever CPU it has
+        accumulator.add_(values * entry.weight)
         total += entry.weight
     accumulator.div_(total)
     if not all_finite(accumulator):

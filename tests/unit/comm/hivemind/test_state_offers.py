@@ -4,6 +4,8 @@ download are stand-ins; tests/integration/test_volunteer.py runs the real thing)
 from __future__ import annotations
 
 import io
+import time
+from types import SimpleNamespace
 
 import torch
 
@@ -201,3 +203,23 @@ def test_a_bigger_groups_state_is_taken_at_once_when_the_workers_left_cannot_mat
     backend._live_peers = lambda: readings.append(1) or (3, 4)
     found = backend.fetch_state(3, better_than=StateRank(1, 0.9), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(2, 0.4) and len(readings) == 1, found
+
+
+def test_a_live_peer_that_never_offers_is_waited_for_half_the_time_then_taken_for_a_straggler():
+    """Three workers, each drifted alone (peers 1); one is stuck in a sync of its own and offers
+    nothing. Waiting for it the whole time would leave the other two apart: after half of it the
+    higher fingerprint present wins, which the other concludes too."""
+    other = (2, StateRank(1, 0.9))
+    backend = _serving_the_best([[other]], live=3)
+    started = time.monotonic()
+    found = backend.fetch_state(2, better_than=StateRank(1, 0.4), timeout_s=4.0)
+    assert found is not None and found.rank == StateRank(1, 0.9)
+    assert 2.0 <= time.monotonic() - started < 3.5
+
+
+def test_stale_offers_of_peers_gone_are_given_up_after_one_failed_download():
+    backend = _backend([[(3, StateRank(2, 0.5))]], live=1)  # nobody else live; an offer left on the DHT
+    backend._averagers = [SimpleNamespace(load_state_from_peers=lambda timeout: None)]  # its peer is gone
+    started = time.monotonic()
+    assert backend.fetch_state(3, better_than=StateRank(0, 0.1), timeout_s=10.0) is None
+    assert time.monotonic() - started < 2
