@@ -237,9 +237,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         Raises PayloadError if the mean is not finite."""
         if part_index not in self._replies:  # no await between the test and the set: one future per part
             kept = gathered.as_received(list(self._kept.get(part_index, {}).values()))
-            scales = [self.screening.scales.get(peer, 1.0) for peer in self.sender_peer_ids]
             self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
-                None, lambda: (kept, gathered.mean(self.codec, kept, numel, scales))
+                None, lambda: (kept, gathered.mean(self.codec, kept, numel, self._scales_by_sender))
             )
         return await self._replies[part_index]
 
@@ -251,8 +250,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             raise PayloadError("more parts than this peer reduces")
         me = self.sender_peer_ids.index(self.peer_id)
         kept = gathered.unpack(serialized.buffer, recipient=me, own=own)
-        scales = [self.screening.scales.get(peer, 1.0) for peer in self.sender_peer_ids]
-        return gathered.mean(self.codec, kept, numel, scales)
+        return gathered.mean(self.codec, kept, numel, self._scales_by_sender)
+
+    @property
+    def _scales_by_sender(self) -> list[float]:
+        """The screening's factor of each sender, by sender index (the same on every peer)."""
+        return [self.screening.scales.get(peer, 1.0) for peer in self.sender_peer_ids]
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         peer_index = self.ordered_peer_ids.index(peer_id)
