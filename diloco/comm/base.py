@@ -151,6 +151,13 @@ class StateExchange:
         ``timeout_s``."""
         return None
 
+    def sole_state_source(self) -> bool:
+        """Whether no other worker of the run could hold a state to take or to compare with: every
+        other live one takes states and serves none (clients), and none that served is missing (it
+        may train on apart). A worker whose round failed is then the one the others take their state
+        from, in step with them, not unsynced (``OuterStep.catch_up``). False where it is not known."""
+        return False
+
 
 class Membership:
     """Who is in the run, and what each worker tells the others about itself."""

@@ -218,8 +218,10 @@ class OuterStep:
         A worker whose round ``failed`` (it applied its own pseudo-gradient) and whose catch-up
         found no state is ``unsynced``: its global params may differ from the others'. It ranks
         itself below every peer (peers 0) until it takes a state, since averaging pseudo-gradients
-        in one group does not bring global params that differ back together. (The winner of a
-        split round also finds nobody better, but its round did not fail: it is in step.)
+        in one group does not bring global params that differ back together. A worker that is the
+        only one serving its state is never unsynced: the others are clients, which take its state.
+        (The winner of a split round also finds nobody better, but its round did not fail: it is in
+        step.)
         A round taken alone while workers that vanished may train on (``drifted``) leaves the worker
         unsynced too: when they are back, one side takes the other's state.
         Returns the round of the state taken (the local params then restart from it), or None."""
@@ -237,7 +239,8 @@ class OuterStep:
             self.unsynced = drifted or (self.unsynced and expected <= 1)
             return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
-        self.unsynced = found is None and (failed or demoted)
+        # nobody serving a state but us: the others (clients) take ours, so ours is the run's
+        self.unsynced = found is None and (failed or demoted) and not backend.sole_state_source()
         if found is None:
             logger.warning(
                 "round %d: averaged over %d of %d workers and no peer did better", round_index + 1, peers, expected

@@ -60,6 +60,9 @@ class DelegatingBackend(CommBackend):
     ) -> PeerState | None:
         return self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
 
+    def sole_state_source(self) -> bool:
+        return self.inner.sole_state_source()
+
     def expected_peers(self) -> int | None:
         return self.inner.expected_peers()
 

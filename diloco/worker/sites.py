@@ -199,6 +199,9 @@ class SiteBackend(CommBackend):
             found = self.transport.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
         return self.site.share(found)
 
+    def sole_state_source(self) -> bool:
+        return self.site.share(self.transport.sole_state_source() if self.site.leader else None)
+
     def expected_peers(self) -> int | None:
         return self.site.share(self.transport.expected_peers() if self.site.leader else None)
 
@@ -272,6 +275,9 @@ class ShardedSiteBackend(SiteBackend):
         # every shard must have taken the state of one site: one round, one site rank (its fingerprint)
         taken = set(self.site.gather(None if found is None else (found.round, found.rank)))
         return found if None not in taken and len(taken) == 1 else None
+
+    def sole_state_source(self) -> bool:
+        return all(self.site.gather(self.transport.sole_state_source()))
 
     def _site_rank(self, rank: StateRank) -> StateRank:
         """``rank`` with one fingerprint for the whole site, made from every shard's. Between groups

@@ -687,6 +687,15 @@ class HivemindBackend(CommBackend):
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
+    def sole_state_source(self) -> bool:
+        if self.client_mode:  # nobody can take our state
+            return False
+        try:
+            return self.roster.serves_alone()
+        except Exception:  # the DHT did not tell: someone may serve a state of their own
+            logger.debug("roster read failed", exc_info=True)
+            return False
+
     def _download_state(self, timeout_s: float):
         """hivemind's download of the best state offered, or None when it did not end within ``timeout_s``."""
         try:

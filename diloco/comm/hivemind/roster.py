@@ -74,6 +74,7 @@ class Roster:
         self.run: dict = {}  # the settings every worker of the run must share, once announced
         self._seen: set[int] = set()
         self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
+        self._servers_seen: set[int] = set()  # workers seen serving their state (not in client mode)
         self._clock = clock or time.monotonic
         self._last_seen: dict[int, float] = {}  # when each other worker's record was last read, by our clock
         # the other workers that were gone without leaving at the last others_gone(): they may
@@ -212,6 +213,13 @@ class Roster:
         self.vanished = vanished
         return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in vanished)
 
+    def serves_alone(self) -> bool:
+        """Whether this worker is the only one serving its state of all the run's workers it has seen:
+        every other live one is a client, and every other that served has left cleanly (one missing
+        without leaving may train on apart, with a state of its own)."""
+        self._refresh()
+        return not (self._servers_seen - self._left - {self.worker_index})
+
     def _refresh(self) -> tuple[set[int], set[int]]:
         """Read the roster: the live workers (this one included) and those leaving now; remember who
         was seen and who left. A read without this worker's own record (a DHT lookup that found only
@@ -220,6 +228,7 @@ class Roster:
         live = {i for i, entry in entries.items() if not entry.leaving} | {self.worker_index}
         leaving = {i for i, entry in entries.items() if entry.leaving}
         self._seen |= live
+        self._servers_seen |= {i for i in live if i in entries and entries[i].serves_state}
         self._left |= leaving
         self._left -= live  # one that left and is back (the same index, restarted) is live again
         now = self._clock()

@@ -223,6 +223,28 @@ def test_a_worker_that_found_no_state_takes_its_groups_state_next_round():
     assert taken is None and len(backend.asked) == 2  # in step with its group again: asks nobody
 
 
+def test_a_failed_round_leaves_the_only_worker_serving_its_state_in_step():
+    """Every other worker is a client: they take this one's state, so this one's is the run's. It
+    stays in step (its next offer ranks by its group, which a client stuck looking for a group of
+    that round reads as "the others went ahead"), and it asks nobody for a state next round."""
+
+    class _ServesAlone(_FailingBackend):
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            if round_index == 0:
+                return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+            return SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
+
+        def sole_state_source(self):
+            return True
+
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    backend = _ServesAlone()
+    _, taken = outer.sync(backend, weight=1.0, round_index=0, deadline_s=1.0, expected_peers=3)
+    assert taken is None and not outer.unsynced
+    outer.sync(backend, weight=1.0, round_index=1, deadline_s=1.0, expected_peers=3)
+    assert backend.published == [(0, 1), (1, 2)]  # ranked by its group, not demoted to 0
+
+
 def test_the_winner_of_a_split_round_finds_nobody_better_and_stays_in_step():
     """Two groups of 2 out of 4: the winning group's members find nobody better. Their round did
     not fail, so they are in step, not unsynced: the next round asks nobody for a state."""

@@ -94,6 +94,25 @@ def test_a_worker_whose_heartbeats_stopped_is_gone_a_ttl_after_its_record_expire
     assert not me.others_gone()  # it is back: groups again
 
 
+def test_a_worker_serves_alone_while_every_other_is_a_client_and_no_server_went_missing():
+    dht = _FakeDHT()
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
+    me = _roster(dht, 0, planned=3)
+    client = Roster(call, run_id="r", worker_index=1, planned=3, serves_state=False)
+    me._publish(), client._publish()
+    assert me.serves_alone()  # a client takes states, never serves one
+    server = _roster(dht, 2, planned=3)
+    server._publish()
+    assert not me.serves_alone()
+    del dht.records[2]  # gone without leaving: it may train on apart, with a state of its own
+    assert not me.serves_alone()
+    server.leave()
+    assert me.serves_alone()  # it left cleanly: its state is nobody's to take any more
+    server._leaving = False
+    server._publish()
+    assert not me.serves_alone()  # back under the same index
+
+
 def test_a_read_without_this_workers_own_record_says_nothing_of_who_is_gone():
     # a lookup from a peer in client mode may find only part of the records: were it trusted, the
     # others would look gone, and a client would give up rounds it could have averaged
