@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 _HEADER = struct.Struct("<2sBBQII")  # magic, version, codec id, numel, param a, param b
-_MAGIC, _VERSION = b"DL", 1
+_MAGIC, _VERSION = b"DL", 2  # 2: top-k positions in 12 bits
 HEADER_BYTES = _HEADER.size
 
 

@@ -2,9 +2,10 @@
 
 The tensor is cut into chunks of ``chunk`` values (the last one may be shorter and keeps
 proportionally fewer, at least one). Each chunk keeps the ``k`` values of largest magnitude:
-their positions (uint16, ascending) and their values on four levels ``{-1, -1/3, 1/3, 1}``
-times the chunk's largest kept magnitude (one fp32 scale a chunk), four values a byte. At
-k/chunk = 64/4096 that is 148 bytes for every 16 KiB of fp32, 110 x smaller. What is not sent
+their positions in the chunk (ascending; 12 bits each, two in three bytes, for chunks of at most
+4,096 values, else 16 bits) and their values on four levels ``{-1, -1/3, 1/3, 1}`` times the
+chunk's largest kept magnitude (one fp32 scale a chunk), four values a byte. At k/chunk =
+64/4096 that is 116 bytes for every 16 KiB of fp32, 141 x smaller. What is not sent
 is not lost: ``ErrorFeedback`` carries it into the next round.
 
 The average of M such contributions holds up to M x k values a chunk: it is not sparsified
@@ -32,6 +33,14 @@ class TopK(Codec):
     def params(self) -> tuple[int, int]:
         return self.k, self.chunk
 
+    @property
+    def _packed_positions(self) -> bool:
+        """Positions in 12 bits (every position of a chunk of at most 4,096 values fits)."""
+        return self.chunk <= 4096
+
+    def _position_bytes(self, kept: int) -> int:
+        return -(-3 * kept // 2) if self._packed_positions else 2 * kept
+
     def _layout(self, numel: int) -> list[tuple[int, int, int]]:
         """(number of chunks, chunk length, values kept a chunk) for the full chunks and the tail."""
         full, tail = divmod(numel, self.chunk)
@@ -43,7 +52,7 @@ class TopK(Codec):
     def body_bytes(self, numel: int) -> int:
         chunks = sum(n for n, _, _ in self._layout(numel))
         kept = sum(n * kept for n, _, kept in self._layout(numel))
-        return 4 * chunks + 2 * kept + -(-kept // 4)
+        return 4 * chunks + self._position_bytes(kept) + -(-kept // 4)
 
     def _encode(self, flat: torch.Tensor) -> bytes:
         scales, positions, codes, offset = [], [], [], 0
@@ -63,19 +72,34 @@ class TopK(Codec):
         code = torch.cat(codes)
         code = torch.nn.functional.pad(code, (0, -code.numel() % 4)).view(-1, 4)
         packed = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
-        return (
-            torch.cat(scales).numpy().tobytes()
-            + torch.cat(positions).to(torch.uint16).numpy().tobytes()
-            + packed.numpy().tobytes()
-        )
+        packed_positions = self._pack_positions(torch.cat(positions))
+        return torch.cat(scales).numpy().tobytes() + packed_positions + packed.numpy().tobytes()
+
+    def _pack_positions(self, positions: torch.Tensor) -> bytes:
+        if not self._packed_positions:
+            return positions.to(torch.uint16).numpy().tobytes()
+        pairs = torch.nn.functional.pad(positions, (0, positions.numel() % 2)).view(-1, 2)
+        low, high = pairs[:, 0], pairs[:, 1]
+        packed = torch.stack([low & 0xFF, (low >> 8) | ((high & 0xF) << 4), high >> 4], dim=1).to(torch.uint8)
+        return packed.view(-1)[: self._position_bytes(positions.numel())].numpy().tobytes()
+
+    def _unpack_positions(self, body: memoryview, kept: int) -> torch.Tensor:
+        if not self._packed_positions:
+            return frombuffer(body, torch.uint16).to(torch.int64)
+        raw = frombuffer(body, torch.uint8).to(torch.int64)
+        triples = torch.nn.functional.pad(raw, (0, -raw.numel() % 3)).view(-1, 3)
+        low = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+        high = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+        return torch.stack([low, high], dim=1).view(-1)[:kept]
 
     def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
         layout = self._layout(numel)
         chunks = sum(n for n, _, _ in layout)
         kept_total = sum(n * kept for n, _, kept in layout)
         scales = frombuffer(body[: 4 * chunks], torch.float32)
-        positions = frombuffer(body[4 * chunks : 4 * chunks + 2 * kept_total], torch.uint16).to(torch.int64)
-        packed = frombuffer(body[4 * chunks + 2 * kept_total :], torch.uint8)
+        values_at = 4 * chunks + self._position_bytes(kept_total)
+        positions = self._unpack_positions(body[4 * chunks : values_at], kept_total)
+        packed = frombuffer(body[values_at:], torch.uint8)
         codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)[:kept_total]
         out = torch.zeros(numel, dtype=torch.float32)
         offset = chunk_offset = kept_offset = 0

@@ -78,7 +78,19 @@ def test_compression_ratios():
     assert ratio["fp16"] == pytest.approx(2.0, rel=1e-4)
     assert ratio["int8"] == pytest.approx(4 / (1 + 4 / 64), rel=1e-3)  # a byte a value, a fp32 scale per 64
     assert ratio["int4"] == pytest.approx(4 / (0.5 + 4 / 64), rel=1e-3)
-    assert ratio["topk"] > 100  # 64 of 4096 kept: 16-bit positions, 2-bit values, one scale per chunk
+    # 64 of 4096 kept: 12-bit positions, 2-bit values, one fp32 scale a chunk: 116 bytes for 16 KiB
+    assert ratio["topk"] == pytest.approx(16384 / 116, rel=1e-3)
+
+
+@pytest.mark.parametrize("chunk", [4096, 8192])
+def test_topk_keeps_every_position_of_a_chunk_exactly(chunk):
+    # 12-bit positions up to chunks of 4096 (the last position, 4095, included), 16-bit above
+    codec = codec_of("topk", CompressionConfig(topk_k=3, topk_chunk=chunk))
+    x = torch.zeros(2 * chunk + 7)
+    x[[0, 1, chunk - 1, chunk, 2 * chunk - 2, 2 * chunk - 1, 2 * chunk + 6]] = torch.tensor([1.0, 1, -1, 1, 1, -1, 1])
+    assert torch.equal(codec.roundtrip(x), x)
+    position_bytes = (3 * 7 + 1) // 2 if chunk <= 4096 else 2 * 7  # 3 + 3 kept in full chunks, 1 in the tail
+    assert codec.body_bytes(x.numel()) == 4 * 3 + position_bytes + 2
 
 
 @pytest.mark.parametrize("name", CODECS)
