@@ -26,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from diloco.bench import numbers
@@ -40,8 +41,14 @@ OVERLAPS = {
 }
 
 
-def _training_overrides(data: str, steps: int, rate: float, codec: str, overlap: str, run_dir: Path) -> list[str]:
-    tag = f"{rate:g}_{codec}_{overlap}".replace(".", "_")
+def _link_name(rate: float, drop_to: float | None) -> str:
+    return f"{rate:g}" if drop_to is None else f"{rate:g}to{drop_to:g}"
+
+
+def _training_overrides(
+    data: str, steps: int, link: str, codec: str, overlap: str, run_dir: Path, comm_budget: float
+) -> list[str]:
+    tag = f"{link}_{codec}_{overlap}".replace(".", "_")
     return [
         f"data.path={data}",
         f"inner.steps={steps}",
@@ -57,17 +64,49 @@ def _training_overrides(data: str, steps: int, rate: float, codec: str, overlap:
         f"comm.run_id=util_{tag}",
         f"run.dir={run_dir}",
         f"run.name={tag}",
+        *([f"compression.comm_budget={comm_budget}"] if codec == "adaptive" else []),
     ]
 
 
-def run_training(data: str, steps: int, rate: float, codec: str, overlap: str, out: Path) -> dict:
-    """One 4-worker run in a fresh testbed; returns the row of the table."""
+def _drop_rate_after(testbed, records: Path, round_number: int, rate: float, stop: threading.Event) -> None:
+    """Reshape every link to ``rate`` once worker 0 has recorded round ``round_number`` (a link that
+    slows down mid-run: a volunteer's evening traffic, a shared uplink)."""
+    while not stop.wait(0.5):
+        found = [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
+        if any(r.get("event") == "round" and r["round"] >= round_number for r in found):
+            for worker in range(WORKERS):
+                testbed.set_rate(worker, up_mbit=rate, down_mbit=rate)
+            print(f"  the links dropped to {rate:g} Mbit/s after round {round_number}", flush=True)
+            return
+
+
+def _codecs_used(run_dir: Path) -> list[str]:
+    """The codec of each averaged round of worker 0 (compression.name=adaptive records it)."""
+    path = run_dir / "worker-0.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r["codec"] for r in records if r.get("event") == "round" and r.get("codec")]
+
+
+def run_training(
+    data: str,
+    steps: int,
+    rate: float,
+    codec: str,
+    overlap: str,
+    out: Path,
+    *,
+    drop_to: float | None = None,
+    comm_budget: float = 0.25,
+) -> dict:
+    """One 4-worker run in a fresh testbed; returns the row of the table. With ``drop_to`` the
+    links slow from ``rate`` to it halfway through the run's rounds."""
     from diloco.config import load_config
     from diloco.tools.launcher import run_local
     from diloco.tools.testbed import Testbed
 
-    run_dir = out / f"train-{rate:g}mbit-{codec}-{overlap}"
-    overrides = _training_overrides(data, steps, rate, codec, overlap, run_dir)
+    link = _link_name(rate, drop_to)
+    run_dir = out / f"train-{link}mbit-{codec}-{overlap}"
+    overrides = _training_overrides(data, steps, link, codec, overlap, run_dir, comm_budget)
     cfg = load_config(None, [*overrides, f"worker.count={WORKERS}"])
     run_dir.mkdir(parents=True, exist_ok=True)
     summary, code = finished_summary(cfg), 0  # a rerun into the same --out reuses finished runs
@@ -77,14 +116,26 @@ def run_training(data: str, steps: int, rate: float, codec: str, overlap: str, o
             open(run_dir / "launcher.log", "w") as log,
             contextlib.redirect_stdout(log),
         ):
-            code = run_local(cfg, None, overrides, workers=WORKERS, testbed=testbed)
+            stop = threading.Event()
+            if drop_to is not None:
+                records, halfway = run_dir / "worker-0.jsonl", max(1, steps // SYNC_EVERY // 2)
+                args = (testbed, records, halfway, drop_to, stop)
+                threading.Thread(target=_drop_rate_after, args=args, daemon=True).start()
+            try:
+                code = run_local(cfg, None, overrides, workers=WORKERS, testbed=testbed)
+            finally:
+                stop.set()
         summary = json.loads((run_dir / "summary.json").read_text())
     rounds = max(1, summary["rounds"])
     compute_per_round = summary["compute_s"] / rounds
-    comm_per_round = summary["bytes_sent"] * 8 / (rate * 1e6) / rounds
+    slowest = rate if drop_to is None else min(rate, drop_to)  # the bound at the slower rate
+    comm_per_round = summary["bytes_sent"] * 8 / (slowest * 1e6) / rounds
     return {
         "rate_mbit": rate,
+        "drop_to_mbit": drop_to,
+        "link": f"{rate:g} Mbit/s" if drop_to is None else f"{rate:g} -> {drop_to:g} Mbit/s",
         "codec": codec,
+        "codecs_used": _codecs_used(run_dir),
         "overlap": overlap,
         "exit_code": code,
         "compute_utilization": summary["compute_utilization"],
@@ -152,7 +203,7 @@ def _training_table(rows: list[dict]) -> str:
     for row in rows:
         ratio = f"{row['loss_ratio']:.4f}" if row.get("loss_ratio") else "-"
         lines.append(
-            f"| {row['rate_mbit']:g} Mbit/s | {row['codec']} | {row['overlap']} | {row['compute_utilization']:.3f} "
+            f"| {row['link']} | {row['codec']} | {row['overlap']} | {row['compute_utilization']:.3f} "
             f"| {row['bound']:.3f} | {row['round_s']:.1f} | {row['inner_step_ms']:.0f} | {row['final_val_loss']:.4f} "
             f"| {ratio} | {row['peak_sync_bytes']:,} | {row['bytes_sent']:,} |"
         )
@@ -175,7 +226,7 @@ def _allreduce_table(rows: list[dict]) -> str:
 def _with_loss_ratios(rows: list[dict]) -> None:
     for row in rows:
         blocking = next(
-            (r for r in rows if (r["rate_mbit"], r["codec"], r["overlap"]) == (row["rate_mbit"], row["codec"], "none")),
+            (r for r in rows if (r["link"], r["codec"], r["overlap"]) == (row["link"], row["codec"], "none")),
             None,
         )
         if blocking and row["overlap"] != "none":
@@ -187,7 +238,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['rate_mbit']:g}M {r['codec']}\n{r['overlap']}" for r in rows]
+    labels = [f"{r['link'].replace(' Mbit/s', 'M')} {r['codec']}\n{r['overlap']}" for r in rows]
     ax.bar(range(len(rows)), [r["compute_utilization"] for r in rows], label="compute utilization")
     ax.scatter(range(len(rows)), [r["bound"] for r in rows], color="black", marker="_", s=400, label="bound")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
@@ -204,7 +255,9 @@ def run_utilization_benchmark(
     data: str | None,
     steps: int,
     rates: list[float],
+    drops: list[tuple[float, float]],
     codecs: list[str],
+    comm_budget: float,
     overlaps: list[str],
     peers: list[int],
     payload_mb: float,
@@ -218,12 +271,14 @@ def run_utilization_benchmark(
 
     if (reason := testbed_unavailable()) is not None:
         raise UsageError(reason)
-    from diloco.compression import CODECS
+    from diloco.compression import ADAPTIVE, CODECS
 
-    for kind, given, known in (("overlap", overlaps, OVERLAPS), ("codec", codecs, CODECS), ("part", parts, PARTS)):
+    choices = (("overlap", overlaps, OVERLAPS), ("codec", codecs, (*CODECS, ADAPTIVE)), ("part", parts, PARTS))
+    for kind, given, known in choices:
         if unknown := sorted(set(given) - set(known)):
             raise UsageError(f"unknown {kind}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
-    if min(peers) < 2 or rounds < 2 or min(rates) <= 0 or allreduce_rate <= 0 or payload_mb <= 0 or steps < 1:
+    every_rate = [*rates, *(r for drop in drops for r in drop)]
+    if min(peers) < 2 or rounds < 2 or min(every_rate) <= 0 or allreduce_rate <= 0 or payload_mb <= 0 or steps < 1:
         raise UsageError(
             "need --peers >= 2, --rounds >= 2 (the first is a warm-up), rates and --payload-mb > 0, --steps >= 1"
         )
@@ -236,20 +291,28 @@ def run_utilization_benchmark(
     if "training" in parts:
         data_path = default_data(data)
         print(f"training: {WORKERS} workers, H={SYNC_EVERY}, {steps} inner steps, data {data_path or 'embedded'}")
-        for rate in rates:
+        links = [(rate, None) for rate in rates] + list(drops)
+        for rate, drop_to in links:
             for codec in codecs:
                 for overlap in overlaps:
-                    row = run_training(data_path, steps, rate, codec, overlap, out)
+                    row = run_training(
+                        data_path, steps, rate, codec, overlap, out, drop_to=drop_to, comm_budget=comm_budget
+                    )
                     results["training"].append(row)
                     _with_loss_ratios(results["training"])
                     save()
+                    used = f", codecs {','.join(row['codecs_used'])}" if codec == ADAPTIVE else ""
                     print(
-                        f"  {rate:g} Mbit/s {codec} {overlap}: utilization {row['compute_utilization']:.3f} "
-                        f"(bound {row['bound']:.3f}), val {row['final_val_loss']:.4f}",
+                        f"  {row['link']} {codec} {overlap}: utilization {row['compute_utilization']:.3f} "
+                        f"(bound {row['bound']:.3f}), val {row['final_val_loss']:.4f}{used}",
                         flush=True,
                     )
         _plot(results["training"], out / "utilization.png")
         print(_training_table(results["training"]))
+        for row in results["training"]:
+            if row["codecs_used"]:
+                used = ", ".join(row["codecs_used"])
+                print(f"{row['link']} {row['codec']} {row['overlap']}: the rounds' codecs {used}")
     if "allreduce" in parts:
         print(f"all-reduce: {payload_mb:g} MB fp32 at {allreduce_rate:g} Mbit/s, {rounds} rounds (first is warm-up)")
         for count in peers:
@@ -267,7 +330,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
     parser.add_argument("--steps", type=int, default=200, help="inner steps per training run (default 200)")
     parser.add_argument("--rates", default="20,5", help="link rates of the training runs, Mbit/s (default 20,5)")
-    parser.add_argument("--codecs", default="none,int8", help="codecs of the training runs (default none,int8)")
+    parser.add_argument(
+        "--drops", default="", help="links that slow down halfway through a run, as FROM:TO Mbit/s (e.g. 20:5)"
+    )
+    parser.add_argument(
+        "--codecs", default="none,int8", help="codecs of the training runs, adaptive included (default none,int8)"
+    )
+    parser.add_argument(
+        "--comm-budget", type=float, default=0.25, help="compression.comm_budget of adaptive runs (default 0.25)"
+    )
     parser.add_argument("--overlaps", default="none,streaming,delayed", help="outer.overlap values")
     parser.add_argument("--peers", default="2,4,8", help="all-reduce group sizes (default 2,4,8)")
     parser.add_argument("--payload-mb", type=float, default=40.0, help="all-reduce payload, MB (default 40)")
@@ -281,8 +352,10 @@ def main(args) -> int:
     return run_utilization_benchmark(
         data=args.data,
         steps=args.steps,
-        rates=numbers(args.rates, float, "--rates"),
+        rates=numbers(args.rates, float, "--rates") if args.rates else [],
+        drops=_drops(args.drops),
         codecs=args.codecs.split(","),
+        comm_budget=args.comm_budget,
         overlaps=args.overlaps.split(","),
         peers=numbers(args.peers, int, "--peers"),
         payload_mb=args.payload_mb,
@@ -291,3 +364,17 @@ def main(args) -> int:
         parts=args.parts.split(","),
         out=Path(args.out),
     )
+
+
+def _drops(text: str) -> list[tuple[float, float]]:
+    """``--drops 20:5,50:10`` as [(20.0, 5.0), (50.0, 10.0)]; a one-line error for anything else."""
+    from diloco.errors import UsageError
+
+    drops = []
+    for item in filter(None, text.split(",")):
+        start, _, end = item.partition(":")
+        try:
+            drops.append((float(start), float(end)))
+        except ValueError:
+            raise UsageError(f"--drops {item!r}: give FROM:TO in Mbit/s, e.g. 20:5") from None
+    return drops

@@ -68,6 +68,8 @@ class SyncResult:
     # cut off: the params may part from theirs, so the worker ranks its state below theirs
     # (unsynced, outer.py) until it takes one
     drifted: bool = False
+    # the codec the round's peers agreed on, where the transport chose it (compression.name=adaptive)
+    codec: str = ""
 
     @property
     def averaged(self) -> bool:

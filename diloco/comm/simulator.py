@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
 
 _GROUPS: dict[str, SimulatedGroup] = {}
@@ -52,17 +53,6 @@ def round_time_s(
     volume_bytes = sent_bytes(payload_bytes, num_workers, gathers=gathers)
     transfer_s = volume_bytes * 8 / (bandwidth_mbps * 1e6 * GOODPUT) if bandwidth_mbps > 0 else 0.0
     return transfer_s + 2 * latency_ms / 1000
-
-
-def sent_bytes(payload_bytes: int, num_workers: int, *, gathers: bool = False) -> int:
-    """What each of ``num_workers`` sends (and receives) in a round of ``payload_bytes`` each: in
-    hivemind's butterfly (n-1)/n of the payload to the reducers and as much back as averages;
-    for a codec that ``gathers``, its payload to each of the others (comm/hivemind/gathered.py)."""
-    if num_workers <= 1:
-        return 0
-    if gathers:
-        return (num_workers - 1) * payload_bytes
-    return int(2 * (num_workers - 1) / num_workers * payload_bytes)
 
 
 class SimulatedGroup:

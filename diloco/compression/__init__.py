@@ -3,6 +3,7 @@
 - ``codec.py``           ``Codec`` (the interface and the self-describing payload), ``none``, ``fp16``
 - ``quantize.py``        ``int8`` and ``int4``: blockwise absmax quantization
 - ``topk.py``            ``topk``: chunked top-k with 2-bit values
+- ``adaptive.py``        ``adaptive``: a codec agreed per round among candidates, to fit the link
 - ``error_feedback.py``  ``ErrorFeedback``: the residual a lossy codec carries into the next round
 
 DESIGN.md's ``Compressor`` is split in two: the stateless ``Codec`` that transports run where the
@@ -12,8 +13,9 @@ state, which goes into its checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from diloco.compression.adaptive import Adaptive
 from diloco.compression.codec import HEADER_BYTES, Codec, Float16, NoCompression, PayloadError, all_finite
 from diloco.compression.error_feedback import ErrorFeedback
 from diloco.compression.quantize import Int4, Int8
@@ -21,8 +23,11 @@ from diloco.compression.topk import TopK
 from diloco.errors import require
 
 CODECS = ("none", "fp16", "int8", "int4", "topk")
+ADAPTIVE = "adaptive"  # compression.name: one of compression.adaptive_codecs each round, to fit the link
 
 __all__ = [
+    "ADAPTIVE",
+    "Adaptive",
     "all_finite",
     "CODECS",
     "HEADER_BYTES",
@@ -37,17 +42,27 @@ __all__ = [
 
 @dataclass
 class CompressionConfig:
-    name: str = "none"  # pseudo-gradients on the wire: none (fp32) / fp16 / int8 / int4 / topk
+    name: str = "none"  # pseudo-gradients on the wire: none (fp32) / fp16 / int8 / int4 / topk / adaptive
     block_size: int = 64  # int8 / int4: values that share one scale
     topk_k: int = 64  # topk: values kept in each chunk
     topk_chunk: int = 4096  # topk: chunk length (at most 65536)
     error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
     error_decay: float = 1.0  # error feedback: what is carried over is multiplied by this each round (SparseLoCo: 0.95)
+    adaptive_codecs: list[str] = field(default_factory=lambda: list(CODECS))  # adaptive: candidates, least lossy first
+    comm_budget: float = 0.1  # adaptive: a round's transfer may take this share of the time between rounds
 
 
 def validate_compression_config(cfg: CompressionConfig) -> None:
     """Raise ``ConfigError`` naming the ``compression.*`` setting to change."""
-    require(cfg.name in CODECS, f"compression.name={cfg.name!r} is not one of {', '.join(CODECS)}")
+    names = (*CODECS, ADAPTIVE)
+    require(cfg.name in names, f"compression.name={cfg.name!r} is not one of {', '.join(names)}")
+    if cfg.name == ADAPTIVE:
+        candidates = list(cfg.adaptive_codecs)
+        require(candidates, "compression.adaptive_codecs is empty: name at least one codec")
+        for name in candidates:
+            require(name in CODECS, f"compression.adaptive_codecs: {name!r} is not one of {', '.join(CODECS)}")
+        require(len(set(candidates)) == len(candidates), "compression.adaptive_codecs names a codec twice")
+        require(cfg.comm_budget > 0, f"compression.comm_budget={cfg.comm_budget} must be above 0")
     require(cfg.block_size >= 1, f"compression.block_size={cfg.block_size} must be at least 1")
     require(1 <= cfg.topk_chunk <= 65536, f"compression.topk_chunk={cfg.topk_chunk} must be in [1, 65536]")
     require(
@@ -60,14 +75,20 @@ def validate_compression_config(cfg: CompressionConfig) -> None:
 def build_codec(cfg: CompressionConfig) -> Codec:
     """The codec named by ``cfg.name``; raises ``ConfigError`` naming the key to fix."""
     validate_compression_config(cfg)
-    if cfg.name == "none":
+    if cfg.name == ADAPTIVE:
+        return Adaptive([_build_one(cfg, name) for name in cfg.adaptive_codecs], budget=cfg.comm_budget)
+    return _build_one(cfg, cfg.name)
+
+
+def _build_one(cfg: CompressionConfig, name: str) -> Codec:
+    if name == "none":
         return NoCompression()
-    if cfg.name == "fp16":
+    if name == "fp16":
         return Float16()
-    if cfg.name == "int8":
+    if name == "int8":
         return Int8(cfg.block_size)
-    if cfg.name == "int4":
+    if name == "int4":
         return Int4(cfg.block_size)
-    if cfg.name == "topk":
+    if name == "topk":
         return TopK(cfg.topk_k, cfg.topk_chunk)
-    raise ValueError(f"compression.name={cfg.name!r} is not one of {', '.join(CODECS)}")
+    raise ValueError(f"compression.name={name!r} is not one of {', '.join(CODECS)}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import math
 import struct
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -51,6 +52,18 @@ class Codec(abc.ABC):
     # every worker receives every other's payload and averages them itself (no reducer's reply)
     gathers: ClassVar[bool] = False
     align: int = 1  # values per independent block: split points must be multiples of it
+    # the codec of each round is agreed by its peers among candidates (adaptive.py); this one makes
+    # no payload itself
+    chosen_per_round: ClassVar[bool] = False
+
+    @property
+    def candidates(self) -> tuple[Codec, ...]:
+        """The codecs a round may travel with: this one (several for one chosen per round)."""
+        return (self,)
+
+    def agreed(self, preferences: Iterable[object]) -> Codec:
+        """The codec a round travels with, given the preferences its peers declared: this one."""
+        return self
 
     def params(self) -> tuple[int, int]:
         """The codec's two header parameters (0 when unused)."""

@@ -7,6 +7,10 @@ residual, so a sparse or coarse codec delays information instead of losing it (D
 SparseLoCo; EF21). Below 1, what was held back long ago weighs less (SparseLoCo decays it by
 0.95 a round). The residual is this worker's own and goes into its checkpoint, never to its
 peers.
+
+With a codec chosen per round (``compression.name=adaptive``) the codec is known only once the
+round's group agreed on it: ``apply`` then keeps ``c`` itself, and ``settle`` makes it the
+residual of the codec the round used.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class ErrorFeedback:
     def __init__(self, codec: Codec, *, enabled: bool, decay: float = 1.0):
         self.codec, self.decay = codec, decay
         self.enabled = enabled and not codec.lossless
+        self.deferred = codec.chosen_per_round  # the residual is settled once the round names its codec
         self.residuals: list[torch.Tensor | None] | None = None
 
     @torch.no_grad()
@@ -45,11 +50,23 @@ class ErrorFeedback:
             if residual is None:
                 residual = self.residuals[index] = torch.zeros_like(tensor, dtype=torch.float32)
             value = tensor.to(torch.float32).add(residual, alpha=self.decay)
-            residual.copy_(value - self.codec.restore(value))
-            if not all_finite(residual):  # a diverged step: peers drop it, owe nothing
-                residual.zero_()
+            if self.deferred:
+                residual.copy_(value)  # ``settle`` takes off what the round's codec sent
+            else:
+                _keep_unsent(residual, value, self.codec)
             corrected.append(value)
         return corrected
+
+    @torch.no_grad()
+    def settle(self, codec_name: str, indices: Sequence[int] | None = None) -> None:
+        """After a round that averaged with a codec chosen per round (``codec_name``, one of the
+        candidates): the residuals become what that codec did not send. A no-op for a fixed codec."""
+        if not (self.enabled and self.deferred) or self.residuals is None:
+            return
+        codec = self.codec.named(codec_name)
+        for index, residual in enumerate(self.residuals):
+            if residual is not None and (indices is None or index in indices):
+                _keep_unsent(residual, residual, codec)
 
     def forget(self, indices: Sequence[int] | None = None) -> None:
         """The last round applied the corrected tensors in full (it was not averaged): nothing is owed."""
@@ -63,6 +80,17 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         residuals = state.get("residuals")
         self.residuals = None if residuals is None else [_clone(r) for r in residuals]
+
+
+def _keep_unsent(residual: torch.Tensor, value: torch.Tensor, codec: Codec) -> None:
+    """``residual`` becomes what ``codec`` does not carry of ``value``: zero where a diverged step
+    made it non-finite (its peers drop it, and nothing is owed)."""
+    restored = codec.restore(value)
+    if value is not residual:
+        residual.copy_(value)
+    residual.sub_(restored)
+    if not all_finite(residual):
+        residual.zero_()
 
 
 def _clone(residual: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
-from diloco.compression import validate_compression_config
+from diloco.compression import ADAPTIVE, validate_compression_config
 from diloco.config.schema import CLIENT_MODES, SITE_SHARDINGS, Config
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
@@ -43,6 +43,16 @@ def _check_site(cfg: Config) -> None:
     require(backend == "hivemind", f"worker.site=true syncs sites over hivemind, not comm.backend={backend}")
     require(cfg.outer.sync_every > 0, "worker.site=true needs rounds (outer.sync_every > 0)")
     require(overlap == "none", f"worker.site=true runs blocking rounds: outer.overlap=none, not {overlap}")
+
+
+def _check_adaptive(cfg: Config) -> None:
+    """A codec agreed per round needs peers that declare what they prefer (hivemind's matchmaking)
+    and one round at a time (its error feedback settles when the round names the codec)."""
+    if cfg.compression.name != ADAPTIVE:
+        return
+    backend, overlap = cfg.comm.backend, cfg.outer.overlap
+    require(backend == "hivemind", f"compression.name=adaptive needs comm.backend=hivemind, not {backend}")
+    require(overlap == "none", f"compression.name=adaptive runs blocking rounds: outer.overlap=none, not {overlap}")
 
 
 def validate(cfg: Config) -> None:
@@ -80,10 +90,12 @@ def validate(cfg: Config) -> None:
     )
     validate_compression_config(cfg.compression)
     require(
-        cfg.outer.optimizer != "sparseloco" or (cfg.compression.name != "none" and cfg.compression.error_feedback),
+        cfg.outer.optimizer != "sparseloco"
+        or (cfg.compression.name not in ("none", ADAPTIVE) and cfg.compression.error_feedback),
         "outer.optimizer=sparseloco takes its momentum from the error feedback of a lossy codec: "
         f"set compression.error_feedback=true and a codec other than none (compression.name={cfg.compression.name})",
     )
+    _check_adaptive(cfg)
     require(
         cfg.compression.name == "none" or cfg.outer.sync_every > 0,
         f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "

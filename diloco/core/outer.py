@@ -179,6 +179,8 @@ class OuterStep:
             logger.warning("round %d: averaging failed (%s)", round_index + 1, result.error)
             if self.error_feedback is not None:
                 self.error_feedback.forget()  # what it had carried over is applied now, in full
+        if result.averaged and self.error_feedback is not None:
+            self.error_feedback.settle(result.codec)  # a codec agreed per round: what it did not send
         self.apply(pseudo_gradients)
         # a worker whose contribution the group dropped ranks its state below every other (peers 0)
         peers = result.peers if result.averaged else min(result.peers, 1)

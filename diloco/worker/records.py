@@ -145,15 +145,18 @@ class WorkerLog:
             record["phases_s"] = {name: round(seconds, 4) for name, seconds in phases_s.items()}
         if result.error:
             record["error"] = result.error
+        if result.codec:  # compression.name=adaptive: the codec the round's peers agreed on
+            record["codec"] = result.codec
         self._emit(record, step)
         self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
         logger.info(
-            "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent  params %s",
+            "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent%s  params %s",
             round_number,
             val_loss,
             result.peers,
             comm_s,
             result.bytes_sent,
+            f" ({result.codec})" if result.codec else "",
             param_hash[:12],
         )
         self.restart_window()

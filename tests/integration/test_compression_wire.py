@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import multiprocessing as mp
 import queue
 
@@ -13,6 +14,7 @@ import torch
 
 from diloco.comm.base import CommConfig
 from diloco.compression import CompressionConfig, build_codec
+from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -25,8 +27,11 @@ def _tensors(index: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) * 0.01 for shape in SHAPES]
 
 
-def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: str, results: mp.Queue) -> None:
-    """One worker: for each codec, a fresh backend averages this worker's tensors once."""
+def _peer(
+    index: int, count: int, bootstrap: list[str], codecs: list[str], bad: str, results: mp.Queue, prefer: int | None
+) -> None:
+    """One worker: for each codec, a fresh backend averages this worker's tensors once. With
+    ``compression.name=adaptive`` it declares the preference ``prefer``, as if its link said so."""
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
     from diloco.comm.hivemind.backend import HivemindBackend
     from diloco.worker.faults import BadPayloadCodec
@@ -39,6 +44,8 @@ def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: 
             run_id=f"wire_{name}", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, deadline_s=40
         )
         backend = HivemindBackend(cfg, templates=_tensors(0), num_workers=count, codec=codec)
+        if prefer is not None and backend._meter is not None:
+            backend._meter.preferred = lambda **_: prefer  # a scripted measure of the link
         try:
             tensors = _tensors(index)
             result = backend.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=40)
@@ -46,12 +53,15 @@ def _peer(index: int, count: int, bootstrap: list[str], codecs: list[str], bad: 
             # as numpy arrays, sent by value: a torch tensor would travel in this peer's shared memory,
             # whose torch_shm_manager (holding this process's exit sentinel) would then outlive it for as
             # long as the test holds the tensor, and each join below would wait out its whole timeout
-            results.put((name, index, result.ok, result.bytes_sent, digest, [t.numpy() for t in tensors]))
+            arrays = [t.numpy() for t in tensors]
+            results.put((name, index, result.ok, result.bytes_sent, digest, arrays, result.codec))
         finally:
             backend.shutdown()
 
 
-def _run_peers(count: int, codecs: list[str], bad_peer: int = -1, bad: str = "") -> dict:
+def _run_peers(
+    count: int, codecs: list[str], bad_peer: int = -1, bad: str = "", preferences: list[int] | None = None
+) -> dict:
     from diloco.comm.hivemind.backend import start_dht, visible_addresses
 
     bootstrap = start_dht(CommConfig())
@@ -60,7 +70,15 @@ def _run_peers(count: int, codecs: list[str], bad_peer: int = -1, bad: str = "")
     peers = [
         context.Process(
             target=_peer,
-            args=(i, count, visible_addresses(bootstrap), codecs, bad if i == bad_peer else "", results),
+            args=(
+                i,
+                count,
+                visible_addresses(bootstrap),
+                codecs,
+                bad if i == bad_peer else "",
+                results,
+                None if preferences is None else preferences[i],
+            ),
         )
         for i in range(count)
     ]
@@ -69,9 +87,9 @@ def _run_peers(count: int, codecs: list[str], bad_peer: int = -1, bad: str = "")
             process.start()
         found: dict = {}
         for _ in range(count * len(codecs)):
-            name, index, ok, sent, digest, arrays = results.get(timeout=120)
+            name, index, ok, sent, digest, arrays, codec = results.get(timeout=120)
             tensors = [torch.from_numpy(array) for array in arrays]
-            found[(name, index)] = {"ok": ok, "sent": sent, "digest": digest, "tensors": tensors}
+            found[(name, index)] = {"ok": ok, "sent": sent, "digest": digest, "tensors": tensors, "codec": codec}
         return found
     except queue.Empty:
         pytest.fail("a peer did not report within 120 s")
@@ -123,3 +141,37 @@ def test_a_peer_with_bad_payloads_is_dropped_and_the_others_average():
     want = [(a * 1.0 + b * 2.0) / 3 for a, b in zip(_tensors(0), _tensors(1))]
     for got, expected in zip(honest[0]["tensors"], want):
         torch.testing.assert_close(got, expected, atol=3e-4, rtol=0)
+
+
+def test_peers_that_prefer_different_codecs_average_with_the_most_lossy_and_end_identical():
+    # three links that would each pick another codec: the group uses int8, the slowest's choice
+    found = _run_peers(3, ["adaptive"], preferences=[0, 2, 1])
+    peers = [found[("adaptive", i)] for i in range(3)]
+    assert all(p["ok"] and p["codec"] == "int8" for p in peers), [(p["ok"], p["codec"]) for p in peers]
+    assert peers[0]["digest"] == peers[1]["digest"] == peers[2]["digest"]
+    int8 = build_codec(CompressionConfig(name="int8"))
+    payload = sum(int8.payload_bytes(torch.Size(shape).numel()) for shape in SHAPES)
+    for peer in peers:  # 2 (n-1)/n of an int8 payload, not of fp32's
+        assert 0.97 * 4 / 3 * payload < peer["sent"] < 1.03 * 4 / 3 * payload, (peer["sent"], payload)
+    want = [(a * 1.0 + b * 2.0 + c * 3.0) / 6 for a, b, c in zip(_tensors(0), _tensors(1), _tensors(2))]
+    for got, expected in zip(peers[0]["tensors"], want):
+        torch.testing.assert_close(got, expected, atol=4e-4, rtol=0)
+
+
+def test_an_adaptive_run_agrees_on_each_rounds_codec_and_climbs_from_the_most_lossy(tmp_path, diloco_cli):
+    # a budget far above what loopback needs: from top-k (nothing measured in round 1) the choice
+    # climbs at least a codec a round; both workers must use one codec in each round, whatever
+    # each measured, and end identical
+    run_dir = tmp_path / "run"
+    done = diloco_cli(
+        "local", "--workers", "2", "--run-dir", str(run_dir), *TINY, "inner.steps=60", "outer.sync_every=10",
+        "compression.name=adaptive", "compression.comm_budget=20",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    rounds = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(2)]
+    codecs = [[(r["round"], r.get("codec")) for r in worker if r["ok"]] for worker in rounds]
+    assert codecs[0] == codecs[1] and len(codecs[0]) >= 4, rounds  # one codec a round on both
+    names = ["none", "fp16", "int8", "int4", "topk"]
+    chosen = [names.index(codec) for _, codec in codecs[0]]
+    assert chosen[0] == 4 and chosen[-1] < 4, codecs
+    assert json.loads((run_dir / "summary.json").read_text())["params_agree"]

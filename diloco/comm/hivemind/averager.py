@@ -39,6 +39,7 @@ import logging
 import math
 import multiprocessing as mp
 import signal
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import torch
@@ -80,13 +81,17 @@ class _TrafficCounters:
         self._serving = mp.Value(ctypes.c_int64, 0)  # senders this peer is still streaming averaged parts to
         self._least = mp.Value(ctypes.c_int64, _NOT_SEEN)  # the fewest contributions in a part of this round
         self._most = mp.Value(ctypes.c_int64, 0)  # the most
+        self._transfer_us = mp.Value(ctypes.c_int64, 0)  # time in all-reduces, from the group's start to our end
 
-    def add(self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0) -> None:
+    def add(
+        self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0, transfer_s: float = 0.0
+    ) -> None:
         for counter, amount in (
             (self._sent, sent),
             (self._recv, recv),
             (self._failed_values, failed_values),
             (self._own_drops, own_drops),
+            (self._transfer_us, round(transfer_s * 1e6)),
         ):
             if amount:
                 with counter.get_lock():
@@ -112,6 +117,10 @@ class _TrafficCounters:
         with self._serving.get_lock():
             self._serving.value += change
             return self._serving.value
+
+    def transfer_s(self) -> float:
+        """Seconds spent in all-reduces so far (the link's share of the rounds: comm/link_meter.py)."""
+        return self._transfer_us.value / 1e6
 
     def read(self) -> tuple[int, int, int, int]:
         """(bytes sent, bytes received, values whose reducer failed, rounds in which our own
@@ -497,7 +506,7 @@ class ExactAverager(DecentralizedAverager):
         )
         # a join request must present the leader's schema hash: keyed, only run-key holders can;
         # a codec that gathers replies in another format (gathered.py): only its like can join
-        schema = self.schema_hash + (gathered.FORMAT if codec.gathers else b"")
+        schema = self.schema_hash + (gathered.FORMAT if any(c.gathers for c in codec.candidates) else b"")
         self.schema_hash = keyed_schema_hash(run_key, schema)
         if start:
             self.run_in_background(await_ready=True)
@@ -567,7 +576,8 @@ class ExactAverager(DecentralizedAverager):
     ):
         group_id = group_info.group_id if group_id is None else group_id
         declared = self._user_data(group_info)
-        if gloo_plane.carries(self.codec, list(declared.values())):
+        codec = self.codec.agreed(data.get("codec") for data in declared.values())  # the round's (adaptive.py)
+        if gloo_plane.carries(codec, list(declared.values())):
             # the workers average this group's vectors through the data plane, not through us
             self._running_groups[group_id].set_result(None)
             return
@@ -578,6 +588,7 @@ class ExactAverager(DecentralizedAverager):
                 logger.warning("dropped our own contribution: %s", reason)
             else:
                 logger.warning("dropped the contribution of peer %s: %s", peer, reason)
+        started = time.monotonic()
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -586,7 +597,7 @@ class ExactAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             traffic=self.traffic,
-            codec=self.codec,
+            codec=codec,
             screening=screening,
             norms=norms,
             **kwargs,
@@ -602,7 +613,9 @@ class ExactAverager(DecentralizedAverager):
                     tensor.copy_(averaged)
                 self._state_updated.set()
         finally:
-            self.traffic.add(failed_values=runner.tensor_part_container.failed_size)
+            self.traffic.add(
+                failed_values=runner.tensor_part_container.failed_size, transfer_s=time.monotonic() - started
+            )
 
     def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
         """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``

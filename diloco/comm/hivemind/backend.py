@@ -38,6 +38,7 @@ from diloco.comm.hivemind import gloo_plane, reachability
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.roster import HEARTBEAT_S, Roster, RosterEntry
 from diloco.comm.hivemind.run_key import RunKeyValidator, resolve_run_key
+from diloco.comm.link_meter import LinkMeter
 from diloco.comm.robust import declared_norm, norm_of, screen
 from diloco.compression import Codec, all_finite
 
@@ -213,6 +214,9 @@ class HivemindBackend(CommBackend):
             self.shutdown()
             raise
         self._published: tuple[int, int] | None = None  # (round, peers) of the state we offer
+        # compression.name=adaptive: the link's measure, and when the last round ended (compute since)
+        self._meter = LinkMeter(codec) if codec.chosen_per_round else None
+        self._last_round_end = time.monotonic()
         self._was_alone = False
         self._said_unreachable_run = False
 
@@ -335,6 +339,7 @@ class HivemindBackend(CommBackend):
             return self._average(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
         finally:
             busy.release()
+            self._last_round_end = time.monotonic()
 
     def _average(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
@@ -425,14 +430,28 @@ class HivemindBackend(CommBackend):
 
     def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
         """Nobody to talk to, but the result is what the codec makes of it, as always."""
-        alone = [Contribution("self", [self.codec.compress(t) for t in tensors], weight)]
-        means, used = average_payloads(self.codec, alone, [t.numel() for t in tensors], round_index=round_index)
+        codec = self.codec.agreed([self._preference(tensors, peers=1)])
+        alone = [Contribution("self", [codec.compress(t) for t in tensors], weight)]
+        means, used = average_payloads(codec, alone, [t.numel() for t in tensors], round_index=round_index)
         if not used:
             return SyncResult(False, 1, weight, error="our own contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
         drifted = self.num_workers > 1 and bool(self.roster.vanished)
-        return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted)
+        return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted, codec=self._named(codec))
+
+    def _preference(self, tensors: Sequence[torch.Tensor], *, peers: int) -> int | None:
+        """The codec this worker prefers for its next round (compression.name=adaptive), else None."""
+        if self._meter is None:
+            return None
+        between_rounds_s = time.monotonic() - self._last_round_end
+        return self._meter.preferred(
+            numel=sum(t.numel() for t in tensors), peers=peers, between_rounds_s=between_rounds_s
+        )
+
+    def _named(self, codec: Codec) -> str:
+        """What a round's result says of its codec: its name where it was agreed per round."""
+        return codec.name if self.codec.chosen_per_round else ""
 
     def _await_step(self, control, round_index: int, *, limit: float):
         """The step's result. A worker still looking for a group when a peer already offers the
@@ -489,16 +508,21 @@ class HivemindBackend(CommBackend):
         sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
         averager.traffic.take_contributions()  # what an earlier round left
         # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
-        norm = norm_of(tensors if self.codec.lossless else [self.codec.restore(t) for t in tensors])
+        # (a codec agreed per round is not known yet: the norm of the tensors themselves then)
+        exact = self.codec.lossless or self.codec.chosen_per_round
+        norm = norm_of(tensors if exact else [self.codec.restore(t) for t in tensors])
+        preference = self._preference(tensors, peers=max(2, expected))
+        transfer_before = averager.traffic.transfer_s()
         try:
             averager.set_group(group_bits, target_group_size=max(2, expected), timeout_s=self._control_s)
             with averager.tensors_within(self._control_s) as buffers:
                 for buffer, tensor in zip(buffers, tensors):
                     buffer.copy_(tensor)
             plane = self._plane.declaration() if self._plane is not None else {}
-            control = averager.step(
-                weight=weight, gather={"weight": weight, "norm": norm, **plane}, timeout=timeout_s, wait=False
-            )
+            declared = {"weight": weight, "norm": norm, **plane}
+            if preference is not None:
+                declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
+            control = averager.step(weight=weight, gather=declared, timeout=timeout_s, wait=False)
             gathered = self._await_step(control, round_index, limit=limit)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
@@ -516,8 +540,11 @@ class HivemindBackend(CommBackend):
             max_norm_ratio=self.cfg.max_norm_ratio,
             clip_to_median=self.cfg.clip_to_median,
         )
-        if gloo_plane.carries(self.codec, list(gathered.values())):  # hivemind found the group; gloo averages
-            return self._average_over_plane(self._flats[self._averagers.index(averager)], tensors, gathered, screening)
+        codec = self.codec.agreed(g.get("codec") for g in gathered.values())  # as every peer of the group does
+        if gloo_plane.carries(codec, list(gathered.values())):  # hivemind found the group; gloo averages
+            flat = self._flats[self._averagers.index(averager)]
+            result = self._average_over_plane(flat, tensors, gathered, screening)
+            return dataclasses.replace(result, codec=self._named(codec))
         if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
             screening.dropped.setdefault(self._dht.peer_id, "our payload is unusable (see the averager's log)")
         if self._dht.peer_id in screening.dropped:  # the others refused our contribution: no retry
@@ -542,10 +569,23 @@ class HivemindBackend(CommBackend):
             # a reducer averaged a part without some sender (it could not reach it, or it came late):
             # every worker holds the same mean, but that part is of fewer workers: not ok on any of them
             error = f"part of the vector was averaged over only {least} of {most} contributions"
-            return SyncResult(False, least, total_weight, sent, recv, error=error, group=len(gathered), partial=True)
+            return SyncResult(
+                False,
+                least,
+                total_weight,
+                sent,
+                recv,
+                error=error,
+                group=len(gathered),
+                partial=True,
+                codec=self._named(codec),
+            )
+        if self._meter is not None:
+            self._meter.record(codec, sent + recv, averager.traffic.transfer_s() - transfer_before)
         # every part over the same contributions: fewer than kept when every reducer refused one it
         # could not decode (the sender then knows: its own reducer refused it too)
-        return SyncResult(True, min(least, len(kept)), total_weight, sent, recv, group=len(gathered))
+        named = self._named(codec)
+        return SyncResult(True, min(least, len(kept)), total_weight, sent, recv, group=len(gathered), codec=named)
 
     def _average_over_plane(self, flat: torch.Tensor, tensors, gathered: dict, screening) -> SyncResult:
         """The group's weighted mean through the data plane (gloo_plane.py): every peer scales its

@@ -1,0 +1,67 @@
+"""Compression chosen per round to fit the link: ``compression.name=adaptive``.
+
+``Adaptive`` holds the candidate codecs, least lossy first (``compression.adaptive_codecs``:
+none, fp16, int8, int4, topk). Before each round every worker says which one it prefers (the
+transport measures its link: comm/link_meter.py); the peers of a round declare their
+preferences when the group forms, and the group takes the most lossy of them
+(``Adaptive.agreed``): the slowest link decides, and every peer computes the same choice from
+the same declarations, so a round never mixes codecs.
+
+Error feedback cannot know the round's codec before the round (``ErrorFeedback`` keeps the
+corrected tensors and settles what was not sent once the round says which codec it used).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from diloco.compression.codec import Codec
+
+
+class Adaptive(Codec):
+    """A codec chosen per round among ``candidates`` (least lossy first). It makes no payload
+    itself: a transport asks ``agreed`` for the round's codec and uses that one."""
+
+    name, codec_id = "adaptive", 0
+    chosen_per_round = True
+
+    def __init__(self, candidates: Sequence[Codec], *, budget: float):
+        if not candidates:
+            raise ValueError("an adaptive codec needs at least one candidate")
+        self._candidates = tuple(candidates)
+        self.budget = (
+            budget  # compression.comm_budget: a round's transfer may take this share of the time between rounds
+        )
+        self.align = math.lcm(*(c.align for c in self._candidates))
+
+    @property
+    def candidates(self) -> tuple[Codec, ...]:
+        return self._candidates
+
+    def agreed(self, preferences: Iterable[object]) -> Codec:
+        """The round's codec from the preferences its peers declared: the most lossy of them (an
+        index into ``candidates``; what is not a valid index is ignored; none: the most lossy)."""
+        valid = [p for p in preferences if isinstance(p, int) and 0 <= p < len(self.candidates)]
+        return self.candidates[max(valid) if valid else len(self.candidates) - 1]
+
+    def named(self, name: str) -> Codec:
+        """The candidate called ``name`` (a round's result names the codec it used)."""
+        for codec in self.candidates:
+            if codec.name == name:
+                return codec
+        raise ValueError(f"{name!r} is not one of the adaptive codecs {[c.name for c in self.candidates]}")
+
+    def body_bytes(self, numel: int) -> int:  # the least lossy's: what a part is sized for
+        return self.candidates[0].body_bytes(numel)
+
+    def _encode(self, flat: torch.Tensor) -> bytes:
+        raise TypeError("an adaptive codec compresses with the round's agreed codec (Adaptive.agreed)")
+
+    def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
+        raise TypeError("an adaptive codec decompresses with the round's agreed codec (Adaptive.agreed)")
+
+    def describe(self) -> str:
+        return "adaptive(" + ", ".join(c.describe() for c in self.candidates) + ")"

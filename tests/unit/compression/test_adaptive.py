@@ -1,0 +1,115 @@
+"""The codec chosen per round (compression.name=adaptive): how peers agree, how a worker's
+preference follows its link, and error feedback settled with the round's codec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.comm.link_meter import LinkMeter, round_bytes
+from diloco.compression import CompressionConfig, ErrorFeedback, build_codec
+from diloco.errors import ConfigError
+
+NUMEL = 1 << 20
+
+
+def _adaptive(**overrides):
+    return build_codec(CompressionConfig(name="adaptive", **overrides))
+
+
+def test_a_group_takes_the_most_lossy_preference_its_peers_declared():
+    codec = _adaptive()
+    names = [c.name for c in codec.candidates]
+    assert names == ["none", "fp16", "int8", "int4", "topk"]
+    assert codec.agreed([0, 2, 1]).name == "int8"  # the slowest link decides
+    assert codec.agreed([0, None, "x", 99, -1]).name == "none"  # what is not a candidate's index is ignored
+    assert codec.agreed([]).name == "topk"  # nobody said: the most lossy, which fits any link
+    # every peer reads the same declarations, in whatever order: the same codec
+    assert {codec.agreed(order).name for order in ([3, 1, 0], [0, 3, 1], [1, 0, 3])} == {"int4"}
+    assert codec.align % 4096 == 0 and codec.align % 64 == 0  # hivemind's parts suit every candidate
+
+
+def test_a_workers_preference_starts_most_lossy_takes_what_fits_and_falls_when_the_link_slows():
+    codec = _adaptive(comm_budget=0.1)
+    meter = LinkMeter(codec)
+    between_rounds_s = 10.0  # compute: a transfer may take 1 s
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=between_rounds_s) == 4  # nothing measured
+    # a fast link (400 MB/s): the small top-k round took a moment, far under its budget. The
+    # throughput measured on it would allow fp32 already; the choice climbs one codec a round
+    fast = 400e6
+    chosen = []
+    last = codec.candidates[4]
+    for _ in range(5):
+        moved = round_bytes(last, NUMEL, 4)
+        meter.record(last, moved, moved / fast)
+        index = meter.preferred(numel=NUMEL, peers=4, between_rounds_s=between_rounds_s)
+        chosen.append(codec.candidates[index].name)
+        last = codec.candidates[index]
+    assert chosen == ["none", "none", "none", "none", "none"]  # the estimate allows fp32 at once
+    # a link of 2 MB/s: fp32's round (about 12.6 MB) took 6 s; int4's (1.8 MB) fits in 1 s at that rate
+    slow = 2e6
+    moved = round_bytes(last, NUMEL, 4)
+    meter.record(last, moved, moved / slow)
+    index = meter.preferred(numel=NUMEL, peers=4, between_rounds_s=between_rounds_s)
+    assert codec.candidates[index].name == "int4"
+    int4_s, int8_s = (round_bytes(codec.candidates[i], NUMEL, 4) / slow for i in (3, 2))
+    assert int4_s <= 1.0 < int8_s
+
+
+def test_a_pessimistic_measure_still_lets_the_choice_climb_while_a_round_takes_under_half_its_budget():
+    codec = _adaptive(comm_budget=0.1)
+    meter = LinkMeter(codec)
+    # a round of top-k that took 0.3 s for its few bytes (latency, not bandwidth): by that rate
+    # nothing less lossy fits, but 0.3 s is under half the 1 s allowed
+    meter.record(codec.candidates[4], round_bytes(codec.candidates[4], NUMEL, 4), 0.3)
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=10.0) == 3
+    meter.record(codec.candidates[3], round_bytes(codec.candidates[3], NUMEL, 4), 0.8)  # over half: by the rate
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=10.0) == 3
+
+
+def test_error_feedback_settled_with_the_rounds_codec_is_the_fixed_codecs_bit_for_bit():
+    torch.manual_seed(0)
+    rounds = [[torch.randn(5000), torch.randn(300)] for _ in range(3)]
+    for name in ("int8", "topk", "none"):
+        fixed = ErrorFeedback(build_codec(CompressionConfig(name=name)), enabled=True, decay=0.95)
+        chosen = ErrorFeedback(_adaptive(), enabled=True, decay=0.95)
+        for tensors in rounds:
+            sent_fixed = fixed.apply(tensors)
+            sent_chosen = chosen.apply(tensors)
+            chosen.settle(name)
+            for a, b in zip(sent_fixed, sent_chosen):
+                assert torch.equal(a, b)
+            if fixed.residuals is not None:
+                for a, b in zip(fixed.residuals, chosen.residuals):
+                    assert torch.equal(a, b)
+            else:
+                assert all(not r.any() for r in chosen.residuals)  # fp32 sends everything
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"adaptive_codecs": []}, "adaptive_codecs is empty"),
+        ({"adaptive_codecs": ["none", "gzip"]}, "'gzip' is not one of"),
+        ({"adaptive_codecs": ["int8", "int8"]}, "names a codec twice"),
+        ({"comm_budget": 0.0}, "comm_budget=0.0 must be above 0"),
+    ],
+)
+def test_bad_adaptive_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _adaptive(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["comm.backend=simulator"], "compression.name=adaptive needs comm.backend=hivemind, not simulator"),
+        (["outer.overlap=streaming"], "runs blocking rounds: outer.overlap=none, not streaming"),
+        (["outer.optimizer=sparseloco"], "outer.optimizer=sparseloco takes its momentum"),
+    ],
+)
+def test_adaptive_compression_is_refused_where_its_peers_cannot_agree_per_round(overrides, message):
+    from diloco.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["compression.name=adaptive", "comm.backend=hivemind", *overrides])
