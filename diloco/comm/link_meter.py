@@ -7,11 +7,15 @@ wait is not the link's). Before the next round the worker prefers the least loss
 whose bytes, at that throughput, move within ``compression.comm_budget`` of the time between its
 rounds (its compute).
 
-The first round prefers the most lossy codec: nothing is measured yet, and it fits any link. A
+Before its first measured round a worker declares no preference: its group's measured peers
+decide, and a group where nobody has measured yet (a run's first round) takes the most lossy
+codec, which fits any link. A
 throughput measured on a small payload is pessimistic (latency weighs more), so while a round's
-transfer took at most half its budget the next preference is at least one codec less lossy than
-the last round's: the choice climbs a codec a round on a link that allows it, and falls at once
-to what fits when the link slows down.
+transfer took at most half its budget, and the next less lossy codec is predicted within twice
+it, the next preference is at least that codec: the choice climbs a codec a round on a link
+that allows it, and falls at once to what fits when the link slows down. A round whose transfer
+failed is measured too (its bytes over its time): a codec that cannot finish is not tried again
+while the link stays as slow.
 """
 
 from __future__ import annotations
@@ -42,20 +46,22 @@ class LinkMeter:
             self.last = self.codecs.candidates.index(codec)
             self.throughput, self.last_transfer_s = moved_bytes / transfer_s, transfer_s
 
-    def preferred(self, *, numel: int, peers: int, between_rounds_s: float) -> int:
-        """The index (into the candidates) of the codec to declare for the next round."""
+    def preferred(self, *, numel: int, peers: int, between_rounds_s: float) -> int | None:
+        """The index (into the candidates) of the codec to declare for the next round; None before
+        anything is measured (the worker then leaves the choice to its peers)."""
         most_lossy = len(self.codecs.candidates) - 1
         if self.last is None:
-            return most_lossy
+            return None
         allowed_s = self.codecs.budget * between_rounds_s
-        fits = next(
-            (
-                index
-                for index, codec in enumerate(self.codecs.candidates)
-                if round_bytes(codec, numel, peers) / self.throughput <= allowed_s
-            ),
-            most_lossy,
-        )
-        if self.last_transfer_s <= allowed_s / 2:  # room to spare: one codec less lossy at least
-            fits = min(fits, max(0, self.last - 1))
+
+        def predicted(index: int) -> float:
+            return round_bytes(self.codecs.candidates[index], numel, peers) / self.throughput
+
+        fits = next((index for index in range(most_lossy + 1) if predicted(index) <= allowed_s), most_lossy)
+        less_lossy = max(0, self.last - 1)
+        if (
+            self.last_transfer_s <= allowed_s / 2  # room to spare,
+            and predicted(less_lossy) <= 2 * allowed_s  # and the measure, pessimistic, is not far off
+        ):
+            fits = min(fits, less_lossy)
         return fits

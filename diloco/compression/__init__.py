@@ -62,6 +62,11 @@ def validate_compression_config(cfg: CompressionConfig) -> None:
         for name in candidates:
             require(name in CODECS, f"compression.adaptive_codecs: {name!r} is not one of {', '.join(CODECS)}")
         require(len(set(candidates)) == len(candidates), "compression.adaptive_codecs names a codec twice")
+        require(
+            candidates == sorted(candidates, key=CODECS.index),
+            f"compression.adaptive_codecs={candidates} must run from least to most lossy, "
+            f"in the order {', '.join(CODECS)}",
+        )
         require(cfg.comm_budget > 0, f"compression.comm_budget={cfg.comm_budget} must be above 0")
     require(cfg.block_size >= 1, f"compression.block_size={cfg.block_size} must be at least 1")
     require(1 <= cfg.topk_chunk <= 65536, f"compression.topk_chunk={cfg.topk_chunk} must be in [1, 65536]")

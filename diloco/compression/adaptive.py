@@ -41,10 +41,18 @@ class Adaptive(Codec):
     def candidates(self) -> tuple[Codec, ...]:
         return self._candidates
 
-    def agreed(self, preferences: Iterable[object]) -> Codec:
-        """The round's codec from the preferences its peers declared: the most lossy of them (an
-        index into ``candidates``; what is not a valid index is ignored; none: the most lossy)."""
-        valid = [p for p in preferences if isinstance(p, int) and 0 <= p < len(self.candidates)]
+    def agreed(self, declarations: Iterable[object]) -> Codec:
+        """The round's codec from what its peers declared at matchmaking (each a dict whose
+        ``"codec"`` is the index of its preference): the most lossy of them. What is not a
+        candidate's index, or not a dict, is ignored; with nothing valid, the most lossy."""
+        valid = [
+            d["codec"]
+            for d in declarations
+            if isinstance(d, dict)
+            and isinstance(d.get("codec"), int)
+            and not isinstance(d["codec"], bool)
+            and 0 <= d["codec"] < len(self.candidates)
+        ]
         return self.candidates[max(valid) if valid else len(self.candidates) - 1]
 
     def named(self, name: str) -> Codec:

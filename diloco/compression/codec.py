@@ -61,8 +61,8 @@ class Codec(abc.ABC):
         """The codecs a round may travel with: this one (several for one chosen per round)."""
         return (self,)
 
-    def agreed(self, preferences: Iterable[object]) -> Codec:
-        """The codec a round travels with, given the preferences its peers declared: this one."""
+    def agreed(self, declarations: Iterable[object]) -> Codec:
+        """The codec a round travels with, given what its peers declared at matchmaking: this one."""
         return self
 
     def params(self) -> tuple[int, int]:

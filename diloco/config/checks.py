@@ -53,6 +53,10 @@ def _check_adaptive(cfg: Config) -> None:
     backend, overlap = cfg.comm.backend, cfg.outer.overlap
     require(backend == "hivemind", f"compression.name=adaptive needs comm.backend=hivemind, not {backend}")
     require(overlap == "none", f"compression.name=adaptive runs blocking rounds: outer.overlap=none, not {overlap}")
+    require(
+        not cfg.faults.bad_payload,
+        "faults.bad_payload breaks a fixed codec's payloads: set a compression.name other than adaptive",
+    )
 
 
 def validate(cfg: Config) -> None:

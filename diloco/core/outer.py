@@ -196,6 +196,7 @@ class OuterStep:
             timeout_s=remaining,
             newer=True,
             drifted=result.drifted,
+            grouped=result.group > 1,
         )
 
     def catch_up(
@@ -210,6 +211,7 @@ class OuterStep:
         newer: bool = False,
         failed: bool = False,
         drifted: bool = False,
+        grouped: bool = False,
     ) -> int | None:
         """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
         if fewer than expected took part, take the state of a peer that ranks higher (a bigger
@@ -221,7 +223,8 @@ class OuterStep:
         found no state is ``unsynced``: its global params may differ from the others'. It ranks
         itself below every peer (peers 0) until it takes a state, since averaging pseudo-gradients
         in one group does not bring global params that differ back together. A worker that is the
-        only one serving its state is never unsynced: the others are clients, which take its state.
+        only one serving its state is not unsynced, the others being clients, which take its state,
+        unless a group formed (``grouped``) and averaged without it: then they moved on apart.
         (The winner of a split round also finds nobody better, but its round did not fail: it is in
         step.)
         A round taken alone while workers that vanished may train on (``drifted``) leaves the worker
@@ -230,6 +233,7 @@ class OuterStep:
         live = backend.expected_peers()
         expected = expected_peers if live is None else live
         demoted = self.unsynced and expected > 1
+        own_peers = peers
         if demoted:
             peers = 0
         # the fingerprint only tells apart groups of one size, which a round that everyone
@@ -242,7 +246,11 @@ class OuterStep:
             return None  # everyone, or too few left outside our group to rank higher
         found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
         # nobody serving a state but us: the others (clients) take ours, so ours is the run's
-        self.unsynced = found is None and (failed or demoted) and not backend.sole_state_source()
+        in_step = (failed or demoted) and found is None and not (grouped and failed) and backend.sole_state_source()
+        self.unsynced = found is None and (failed or demoted) and not in_step
+        if in_step and demoted:  # offered as unsynced a moment ago: offered again as what it is
+            rank = StateRank(own_peers, rank.fingerprint if own_peers < expected else 0.0)
+            backend.publish_state(round_index, rank, self.offered_state())
         if found is None:
             logger.warning(
                 "round %d: averaged over %d of %d workers and no peer did better", round_index + 1, peers, expected

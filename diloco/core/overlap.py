@@ -259,6 +259,7 @@ class OverlappedOuter:
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
             newer=True,
+            grouped=self.averaged_any,
         )
         if taken is None:
             return applied

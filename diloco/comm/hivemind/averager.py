@@ -82,6 +82,7 @@ class _TrafficCounters:
         self._least = mp.Value(ctypes.c_int64, _NOT_SEEN)  # the fewest contributions in a part of this round
         self._most = mp.Value(ctypes.c_int64, 0)  # the most
         self._transfer_us = mp.Value(ctypes.c_int64, 0)  # time in all-reduces, from the group's start to our end
+        self._codec = mp.Value(ctypes.c_int64, 0)  # the candidate the last all-reduce used (codec.candidates)
 
     def add(
         self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0, transfer_s: float = 0.0
@@ -117,6 +118,12 @@ class _TrafficCounters:
         with self._serving.get_lock():
             self._serving.value += change
             return self._serving.value
+
+    def used_codec(self, index: int | None = None) -> int:
+        """The index (in ``Codec.candidates``) of the codec the last all-reduce used, after setting it."""
+        if index is not None:
+            self._codec.value = index
+        return self._codec.value
 
     def transfer_s(self) -> float:
         """Seconds spent in all-reduces so far (the link's share of the rounds: comm/link_meter.py)."""
@@ -505,8 +512,11 @@ class ExactAverager(DecentralizedAverager):
             **kwargs,
         )
         # a join request must present the leader's schema hash: keyed, only run-key holders can;
-        # a codec that gathers replies in another format (gathered.py): only its like can join
+        # a codec that gathers replies in another format (gathered.py): only its like can join, and
+        # a codec chosen per round only peers of the same candidates
         schema = self.schema_hash + (gathered.FORMAT if any(c.gathers for c in codec.candidates) else b"")
+        if codec.chosen_per_round:  # peers agree on a codec by index: only those of the same candidates
+            schema += codec.describe().encode()
         self.schema_hash = keyed_schema_hash(run_key, schema)
         if start:
             self.run_in_background(await_ready=True)
@@ -576,7 +586,8 @@ class ExactAverager(DecentralizedAverager):
     ):
         group_id = group_info.group_id if group_id is None else group_id
         declared = self._user_data(group_info)
-        codec = self.codec.agreed(data.get("codec") for data in declared.values())  # the round's (adaptive.py)
+        codec = self.codec.agreed(declared.values())  # the round's (compression/adaptive.py)
+        self.traffic.used_codec(self.codec.candidates.index(codec))
         if gloo_plane.carries(codec, list(declared.values())):
             # the workers average this group's vectors through the data plane, not through us
             self._running_groups[group_id].set_result(None)

@@ -328,18 +328,20 @@ class HivemindBackend(CommBackend):
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        if self._alone():
-            return self._average_alone(tensors, weight, round_index=round_index)
-        # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
-        # still hold the averager; the round fails at once rather than queue behind it
-        busy = self._busy[fragment]
-        if not busy.acquire(blocking=False):
-            return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
         try:
-            return self._average(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
+            if self._alone():
+                return self._average_alone(tensors, weight, round_index=round_index)
+            # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
+            # still hold the averager; the round fails at once rather than queue behind it
+            busy = self._busy[fragment]
+            if not busy.acquire(blocking=False):
+                return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
+            try:
+                return self._average(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
+            finally:
+                busy.release()
         finally:
-            busy.release()
-            self._last_round_end = time.monotonic()
+            self._last_round_end = time.monotonic()  # the time to the next round is compute
 
     def _average(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
@@ -430,7 +432,7 @@ class HivemindBackend(CommBackend):
 
     def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
         """Nobody to talk to, but the result is what the codec makes of it, as always."""
-        codec = self.codec.agreed([self._preference(tensors, peers=1)])
+        codec = self.codec.agreed([{"codec": self._preference(tensors, peers=1)}])
         alone = [Contribution("self", [codec.compress(t) for t in tensors], weight)]
         means, used = average_payloads(codec, alone, [t.numel() for t in tensors], round_index=round_index)
         if not used:
@@ -441,13 +443,19 @@ class HivemindBackend(CommBackend):
         return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted, codec=self._named(codec))
 
     def _preference(self, tensors: Sequence[torch.Tensor], *, peers: int) -> int | None:
-        """The codec this worker prefers for its next round (compression.name=adaptive), else None."""
+        """The codec this worker prefers for its next round (compression.name=adaptive); None for
+        a fixed codec, or before its link was measured."""
         if self._meter is None:
             return None
         between_rounds_s = time.monotonic() - self._last_round_end
         return self._meter.preferred(
             numel=sum(t.numel() for t in tensors), peers=peers, between_rounds_s=between_rounds_s
         )
+
+    def _measure(self, codec: Codec, moved_bytes: int, transfer_s: float) -> None:
+        """A round's transfer, for the next preference (compression.name=adaptive)."""
+        if self._meter is not None:
+            self._meter.record(codec, moved_bytes, transfer_s)
 
     def _named(self, codec: Codec) -> str:
         """What a round's result says of its codec: its name where it was agreed per round."""
@@ -532,7 +540,11 @@ class HivemindBackend(CommBackend):
             self.roster.stage(None)
         sent, recv, failed, drops = averager.traffic.read()
         sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
+        transfer_s = averager.traffic.transfer_s() - transfer_before
         if failure:
+            # a transfer that did not finish says the link is too slow for the codec it used (the
+            # averager's process says which; nothing is measured when no all-reduce began)
+            self._measure(self.codec.candidates[averager.traffic.used_codec()], sent + recv, transfer_s)
             return SyncResult(False, 1, weight, sent, recv, error=failure)
         # the group's screening (robust.py), which every peer computes alike from what it gathered
         screening = screen(
@@ -540,11 +552,13 @@ class HivemindBackend(CommBackend):
             max_norm_ratio=self.cfg.max_norm_ratio,
             clip_to_median=self.cfg.clip_to_median,
         )
-        codec = self.codec.agreed(g.get("codec") for g in gathered.values())  # as every peer of the group does
+        codec = self.codec.agreed(gathered.values())  # as every peer of the group does
         if gloo_plane.carries(codec, list(gathered.values())):  # hivemind found the group; gloo averages
-            flat = self._flats[self._averagers.index(averager)]
+            flat, started = self._flats[self._averagers.index(averager)], time.monotonic()
             result = self._average_over_plane(flat, tensors, gathered, screening)
+            self._measure(codec, result.bytes_sent + result.bytes_recv, time.monotonic() - started)
             return dataclasses.replace(result, codec=self._named(codec))
+        self._measure(codec, sent + recv, transfer_s)
         if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
             screening.dropped.setdefault(self._dht.peer_id, "our payload is unusable (see the averager's log)")
         if self._dht.peer_id in screening.dropped:  # the others refused our contribution: no retry
@@ -580,8 +594,6 @@ class HivemindBackend(CommBackend):
                 partial=True,
                 codec=self._named(codec),
             )
-        if self._meter is not None:
-            self._meter.record(codec, sent + recv, averager.traffic.transfer_s() - transfer_before)
         # every part over the same contributions: fewer than kept when every reducer refused one it
         # could not decode (the sender then knows: its own reducer refused it too)
         named = self._named(codec)

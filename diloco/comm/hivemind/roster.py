@@ -214,10 +214,13 @@ class Roster:
         return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in vanished)
 
     def serves_alone(self) -> bool:
-        """Whether this worker is the only one serving its state of all the run's workers it has seen:
-        every other live one is a client, and every other that served has left cleanly (one missing
-        without leaving may train on apart, with a state of its own)."""
+        """Whether this worker is the only one of the run serving its state: every other live one is
+        a client, every other that served has left cleanly (one missing without leaving may train
+        on apart, with a state of its own), and every planned worker has been seen (one not seen yet,
+        or not since this worker started, may serve a state of its own)."""
         self._refresh()
+        if set(range(self.planned)) - self._seen:
+            return False
         return not (self._servers_seen - self._left - {self.worker_index})
 
     def _refresh(self) -> tuple[set[int], set[int]]:

@@ -21,19 +21,25 @@ def test_a_group_takes_the_most_lossy_preference_its_peers_declared():
     codec = _adaptive()
     names = [c.name for c in codec.candidates]
     assert names == ["none", "fp16", "int8", "int4", "topk"]
-    assert codec.agreed([0, 2, 1]).name == "int8"  # the slowest link decides
-    assert codec.agreed([0, None, "x", 99, -1]).name == "none"  # what is not a candidate's index is ignored
+
+    def declared(*preferences):
+        return [{"weight": 1.0, "codec": p} for p in preferences]
+
+    assert codec.agreed(declared(0, 2, 1)).name == "int8"  # the slowest link decides
+    # what is not a candidate's index, or not a peer's dict, is ignored
+    assert codec.agreed([*declared(0, None, "x", 99, -1, True), "garbage", None, {}]).name == "none"
     assert codec.agreed([]).name == "topk"  # nobody said: the most lossy, which fits any link
     # every peer reads the same declarations, in whatever order: the same codec
-    assert {codec.agreed(order).name for order in ([3, 1, 0], [0, 3, 1], [1, 0, 3])} == {"int4"}
+    orders = (declared(3, 1, 0), declared(0, 3, 1), declared(1, 0, 3))
+    assert {codec.agreed(order).name for order in orders} == {"int4"}
     assert codec.align % 4096 == 0 and codec.align % 64 == 0  # hivemind's parts suit every candidate
 
 
-def test_a_workers_preference_starts_most_lossy_takes_what_fits_and_falls_when_the_link_slows():
+def test_a_workers_preference_waits_for_a_measure_takes_what_fits_and_falls_when_the_link_slows():
     codec = _adaptive(comm_budget=0.1)
     meter = LinkMeter(codec)
     between_rounds_s = 10.0  # compute: a transfer may take 1 s
-    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=between_rounds_s) == 4  # nothing measured
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=between_rounds_s) is None  # nothing measured
     # a fast link (400 MB/s): the small top-k round took a moment, far under its budget. The
     # throughput measured on it would allow fp32 already; the choice climbs one codec a round
     fast = 400e6
@@ -60,11 +66,25 @@ def test_a_pessimistic_measure_still_lets_the_choice_climb_while_a_round_takes_u
     codec = _adaptive(comm_budget=0.1)
     meter = LinkMeter(codec)
     # a round of top-k that took 0.3 s for its few bytes (latency, not bandwidth): by that rate
-    # nothing less lossy fits, but 0.3 s is under half the 1 s allowed
+    # int4 does not fit the 2 s allowed, but is predicted within twice it, and 0.3 s is under half
     meter.record(codec.candidates[4], round_bytes(codec.candidates[4], NUMEL, 4), 0.3)
-    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=10.0) == 3
-    meter.record(codec.candidates[3], round_bytes(codec.candidates[3], NUMEL, 4), 0.8)  # over half: by the rate
-    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=10.0) == 3
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=20.0) == 3
+    meter.record(codec.candidates[3], round_bytes(codec.candidates[3], NUMEL, 4), 1.5)  # over half: by the rate
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=20.0) == 3
+
+
+def test_no_climb_to_a_codec_predicted_far_over_the_budget_nor_back_to_one_whose_round_failed():
+    codec = _adaptive(comm_budget=0.1)
+    meter = LinkMeter(codec)
+    topk, int4 = codec.candidates[4], codec.candidates[3]
+    rate = 200e3  # bytes a second
+    # top-k's round took under half the 2 s allowed, but int4's would take ~8 s: stay
+    meter.record(topk, round_bytes(topk, NUMEL, 4), round_bytes(topk, NUMEL, 4) / rate)
+    assert meter.last_transfer_s < 1.0 and round_bytes(int4, NUMEL, 4) / rate > 4.0
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=20.0) == 4
+    # an int4 round that failed after 20 s, a third of it through: int4 is not tried again
+    meter.record(int4, round_bytes(int4, NUMEL, 4) // 3, 20.0)
+    assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=20.0) == 4
 
 
 def test_error_feedback_settled_with_the_rounds_codec_is_the_fixed_codecs_bit_for_bit():
@@ -92,6 +112,7 @@ def test_error_feedback_settled_with_the_rounds_codec_is_the_fixed_codecs_bit_fo
         ({"adaptive_codecs": []}, "adaptive_codecs is empty"),
         ({"adaptive_codecs": ["none", "gzip"]}, "'gzip' is not one of"),
         ({"adaptive_codecs": ["int8", "int8"]}, "names a codec twice"),
+        ({"adaptive_codecs": ["topk", "none"]}, "must run from least to most lossy"),
         ({"comm_budget": 0.0}, "comm_budget=0.0 must be above 0"),
     ],
 )
@@ -106,6 +127,7 @@ def test_bad_adaptive_settings_name_the_key(overrides, message):
         (["comm.backend=simulator"], "compression.name=adaptive needs comm.backend=hivemind, not simulator"),
         (["outer.overlap=streaming"], "runs blocking rounds: outer.overlap=none, not streaming"),
         (["outer.optimizer=sparseloco"], "outer.optimizer=sparseloco takes its momentum"),
+        (["faults.bad_payload=nan"], "faults.bad_payload breaks a fixed codec's payloads"),
     ],
 )
 def test_adaptive_compression_is_refused_where_its_peers_cannot_agree_per_round(overrides, message):

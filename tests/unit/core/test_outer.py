@@ -245,6 +245,46 @@ def test_a_failed_round_leaves_the_only_worker_serving_its_state_in_step():
     assert backend.published == [(0, 1), (1, 2)]  # ranked by its group, not demoted to 0
 
 
+def test_the_only_server_unsynced_before_the_clients_showed_up_is_in_step_once_it_averages_with_them():
+    """Round 0 failed before the clients were seen (one might have served a state of its own):
+    unsynced. Round 1 averaged with them, who took its state: in step, and offered again with its
+    group's rank, not the unsynced one it was offered with a moment before."""
+
+    class _ClientsLate(_FailingBackend):
+        sole = False
+
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            if round_index == 0:
+                return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+            return SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
+
+        def sole_state_source(self):
+            return self.sole
+
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    backend = _ClientsLate()
+    outer.sync(backend, weight=1.0, round_index=0, deadline_s=1.0, expected_peers=3)
+    assert outer.unsynced
+    backend.sole = True
+    outer.sync(backend, weight=1.0, round_index=1, deadline_s=1.0, expected_peers=3)
+    assert not outer.unsynced and backend.published == [(0, 1), (1, 0), (1, 2)]
+
+
+def test_the_only_server_whose_contribution_its_group_dropped_is_unsynced():
+    """The clients averaged without it (its norm was screened out): they moved on apart from it."""
+
+    class _Dropped(_FailingBackend):
+        def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+            return SyncResult(ok=False, peers=0, total_weight=weight, error="the group dropped ours", group=3)
+
+        def sole_state_source(self):
+            return True
+
+    outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
+    outer.sync(_Dropped(), weight=1.0, round_index=0, deadline_s=1.0, expected_peers=3)
+    assert outer.unsynced
+
+
 def test_the_winner_of_a_split_round_finds_nobody_better_and_stays_in_step():
     """Two groups of 2 out of 4: the winning group's members find nobody better. Their round did
     not fail, so they are in step, not unsynced: the next round asks nobody for a state."""

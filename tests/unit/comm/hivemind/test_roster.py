@@ -100,7 +100,10 @@ def test_a_worker_serves_alone_while_every_other_is_a_client_and_no_server_went_
     me = _roster(dht, 0, planned=3)
     client = Roster(call, run_id="r", worker_index=1, planned=3, serves_state=False)
     me._publish(), client._publish()
-    assert me.serves_alone()  # a client takes states, never serves one
+    assert not me.serves_alone()  # worker 2 of the plan not seen yet: it may serve a state of its own
+    other_client = Roster(call, run_id="r", worker_index=2, planned=3, serves_state=False)
+    other_client._publish()
+    assert me.serves_alone()  # clients take states, never serve one
     server = _roster(dht, 2, planned=3)
     server._publish()
     assert not me.serves_alone()
