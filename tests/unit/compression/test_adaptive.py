@@ -13,14 +13,21 @@ from diloco.errors import ConfigError
 NUMEL = 1 << 20
 
 
+ALL = ["none", "fp16", "int8", "int4", "topk"]
+
+
 def _adaptive(**overrides):
-    return build_codec(CompressionConfig(name="adaptive", **overrides))
+    return build_codec(CompressionConfig(name="adaptive", **{"adaptive_codecs": ALL, **overrides}))
 
 
 def test_a_group_takes_the_most_lossy_preference_its_peers_declared():
+    assert [c.name for c in build_codec(CompressionConfig(name="adaptive")).candidates] == [
+        "none",
+        "fp16",
+        "int8",
+        "int4",
+    ]
     codec = _adaptive()
-    names = [c.name for c in codec.candidates]
-    assert names == ["none", "fp16", "int8", "int4", "topk"]
 
     def declared(*preferences):
         return [{"weight": 1.0, "codec": p} for p in preferences]
