@@ -23,16 +23,26 @@ def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cl
             "local", "--workers", "2", "--run-dir", str(tmp_path / backend), *common, f"comm.backend={backend}"
         )
         assert done.returncode == 0, done.stdout[-3000:]
-    first = {
-        b: read_checkpoint(tmp_path / b / "checkpoints" / "worker-0" / "round-000001.pt")
-        for b in ("hivemind", "simulator")
-    }
+    # compared after the last round of the run's unbroken start over hivemind: under load hivemind
+    # can lose a round (a reducer's part, a group one peer never saw: seen in CI), which the
+    # worker recovers from by taking a peer's state, and the simulator, which loses nothing, then
+    # rightly differs. The first round is whole nearly always; the test needs one
+    rounds = [[r for r in read_records(tmp_path / "hivemind", w) if r["event"] == "round"] for w in range(2)]
+    whole = 0
+    while whole < min(map(len, rounds)) and all(r[whole]["ok"] and r[whole]["peers"] == 2 for r in rounds):
+        whole += 1
+    assert whole >= 1, rounds
+    name = f"round-{whole:06d}.pt"
+    first = {b: read_checkpoint(tmp_path / b / "checkpoints" / "worker-0" / name) for b in ("hivemind", "simulator")}
     real = torch.cat([p.flatten() for p in first["hivemind"]["outer"]["global_params"]])
     simulated = torch.cat([p.flatten() for p in first["simulator"]["outer"]["global_params"]])
     # relative to the size of the params: both ran the same arithmetic, up to the order of float sums
     # inside torch's kernels (one thread per process against two threads in turn)
     assert ((simulated - real).norm() / real.norm()).item() < 1e-5
-    losses = {b: read_records(tmp_path / b, 0)[-1]["val_loss"] for b in ("hivemind", "simulator")}
+    losses = {
+        b: next(r["val_loss"] for r in read_records(tmp_path / b, 0) if r["event"] == "round" and r["round"] == whole)
+        for b in ("hivemind", "simulator")
+    }
     assert losses["simulator"] == pytest.approx(losses["hivemind"], rel=5e-3)
 
 
