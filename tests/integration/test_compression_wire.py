@@ -169,9 +169,12 @@ def test_an_adaptive_run_agrees_on_each_rounds_codec_and_climbs_from_the_most_lo
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     rounds = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(2)]
-    codecs = [[(r["round"], r.get("codec")) for r in worker if r["ok"]] for worker in rounds]
-    assert codecs[0] == codecs[1] and len(codecs[0]) >= 4, rounds  # one codec a round on both
+    # the rounds both averaged (under load hivemind can lose a part of one for one worker, seen in
+    # CI: it then takes the other's state): one codec a round on both
+    codecs = [{r["round"]: r.get("codec") for r in worker if r["ok"]} for worker in rounds]
+    both = sorted(set(codecs[0]) & set(codecs[1]))
+    assert len(both) >= 4 and all(codecs[0][n] == codecs[1][n] for n in both), rounds
     names = ["none", "fp16", "int8", "int4"]  # the default candidates
-    chosen = [names.index(codec) for _, codec in codecs[0]]
-    assert chosen[0] == 3 and chosen[-1] < 3, codecs
+    chosen = [names.index(codecs[0][n]) for n in both]
+    assert (both[0] > 1 or chosen[0] == 3) and chosen[-1] < 3, codecs  # round 1: nobody measured
     assert json.loads((run_dir / "summary.json").read_text())["params_agree"]
