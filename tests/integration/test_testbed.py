@@ -43,15 +43,19 @@ def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(dilo
     assert done.returncode == 0, done.stdout[-3000:]
     assert "links up 0.5 Mbit/s, down 0.5 Mbit/s" in done.stdout
     rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
-    assert len(rounds) == 2 and all(r["peers"] == 2 for r in rounds)
+    theirs = [r for r in read_records(run_dir, 1) if r["event"] == "round"]
+    assert len(rounds) == len(theirs) == 2
+    # the rounds both averaged whole: under load hivemind can lose a reducer's part for one worker
+    # (seen in CI), whose round then also waits for the state it takes
+    by_round = [(a, b) for a, b in zip(rounds, theirs) if a["ok"] and b["ok"] and a["peers"] == b["peers"] == 2]
+    assert by_round, (rounds, theirs)
     # two workers: each sends half its payload out and half back as averages, all over its own link
-    payload = rounds[0]["bytes_sent"]
+    payload = by_round[0][0]["bytes_sent"]
     model_s = round_time_s(payload, 2, bandwidth_mbps=rate_mbit, latency_ms=0)
     assert model_s > 5, "the model is too small for the link to show"
     # a round's time on the link: the later of the two to arrive waits for no one, so the lesser
     # comm_s of the two (worker 0's alone also counted its wait for a worker 1 slowed by a busy CI)
-    by_round = zip(rounds, (r for r in read_records(run_dir, 1) if r["event"] == "round"), strict=True)
-    measured_s = statistics.median(min(mine["comm_s"], theirs["comm_s"]) for mine, theirs in by_round)
+    measured_s = statistics.median(min(mine["comm_s"], other["comm_s"]) for mine, other in by_round)
     # within the noise of 2 shared cores (a round's own work adds to the link's time), not 2 x off
     assert 0.75 <= measured_s / model_s <= 1.5, (measured_s, model_s)
     assert set(leftovers()) <= before
