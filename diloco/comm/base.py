@@ -286,7 +286,7 @@ def average_payloads(
     above it are scaled down to it); the weighted mean is taken in fp32, in the order given;
     and the result is what ``codec`` restores from the compressed mean. That last step is what a
     reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves
-    (a codec that ``gathers`` is not compressed again: the mean itself, checked to be finite).
+    (a codec that ``gathers`` is not compressed again: its ``gathered_mean``, checked to be finite).
     Returns the flat averaged tensors and the contributions that were used (none when nothing, or
     no usable average, came of them). hivemind's reducers follow the same rule part by part (their
     sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
@@ -320,11 +320,15 @@ def average_payloads(
     total = sum(c.weight for c in used)
     means = []
     for k in range(len(numels)):
-        mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
         try:  # as a reducer replies with it; a codec that gathers is not compressed again
-            if codec.gathers and not all_finite(mean):
-                raise PayloadError("the mean is not finite")
-            means.append(mean if codec.gathers else codec.reply_codec.roundtrip(mean))
+            if codec.gathers:  # every peer takes the gathered mean itself, as hivemind's do
+                mean = codec.gathered_mean(((values[k], c.weight) for values, c in zip(decoded, used)), numels[k])
+                if not all_finite(mean):
+                    raise PayloadError("the mean is not finite")
+                means.append(mean)
+                continue
+            mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
+            means.append(codec.reply_codec.roundtrip(mean))
         except PayloadError as error:  # finite inputs can still overflow
             logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
             return [], []

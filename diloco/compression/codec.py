@@ -14,7 +14,8 @@ Codecs work on independent runs of ``align`` values from the start of the tensor
 chunk), so compressing a slice that starts at a multiple of ``align`` gives exactly the bytes of
 that slice in the whole tensor's payload: transports may split a tensor at those boundaries.
 A codec that ``gathers`` (top-k) has its contributions all-gathered rather than averaged by
-reducers: the average of sparse vectors is denser than each, and is not compressed again.
+reducers: the average of sparse vectors is denser than each, and is not compressed again; every
+peer takes it itself, as the codec's ``gathered_mean`` says.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ class Codec(abc.ABC):
     def params(self) -> tuple[int, int]:
         """The codec's two header parameters (0 when unused)."""
         return 0, 0
+
+    def gathered_mean(self, contributions: Iterable[tuple[torch.Tensor, float]], numel: int) -> torch.Tensor:
+        """For a codec that ``gathers``: the mean every peer takes of the decoded contributions
+        ``(values, weight)``, summed in the order given (so the same inputs in the same order give
+        every peer the same bits). Here the weighted mean of all of them."""
+        total, accumulator = 0.0, torch.zeros(numel, dtype=torch.float32)
+        for values, weight in contributions:
+            # two roundings, not add_'s alpha: that is a fused multiply-add on some CPU kernels and
+            # not on others, and every peer takes this sum, on whatever CPU it has
+            accumulator.add_(values * weight)
+            total += weight
+        return accumulator.div_(total)
 
     @abc.abstractmethod
     def body_bytes(self, numel: int) -> int:

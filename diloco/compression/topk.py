@@ -10,7 +10,11 @@ is not lost: ``ErrorFeedback`` carries it into the next round.
 
 The average of M such contributions holds up to M x k values a chunk: it is not sparsified
 again. The contributions are all-gathered instead (``gathers``), as SparseLoCo does: every
-worker receives every other worker's payload and takes their mean itself.
+worker receives every other worker's payload and takes their mean itself, value by value over
+the contributions that carry the value (``gathered_mean``): a value one worker of four sent
+moves the params by what that worker sent, not by a quarter of it. (A mean over all M would
+shrink every rarely chosen value M-fold; at 64 of 4,096 most values are chosen by one worker a
+round, and that mean trained markedly worse.)
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ class TopK(Codec):
         if tail:
             layout.append((1, tail, min(tail, max(1, -(-self.k * tail // self.chunk)))))
         return layout
+
+    def gathered_mean(self, contributions, numel: int) -> torch.Tensor:
+        """Value by value, the weighted mean over the contributions whose payload carries the value
+        (a kept value is never zero unless its whole chunk was); zero where none does."""
+        total, carried = torch.zeros(numel, dtype=torch.float32), torch.zeros(numel, dtype=torch.float32)
+        for values, weight in contributions:
+            total.add_(values * weight)  # two roundings, as Codec.gathered_mean says
+            carried.add_((values != 0).to(torch.float32) * weight)
+        return total.div_(carried.masked_fill_(carried == 0, 1.0))
 
     def body_bytes(self, numel: int) -> int:
         chunks = sum(n for n, _, _ in self._layout(numel))

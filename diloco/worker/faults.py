@@ -153,6 +153,9 @@ class BadPayloadCodec(Codec):
     def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
         return self.inner._decode(body, numel)
 
+    def gathered_mean(self, contributions, numel: int) -> torch.Tensor:
+        return self.inner.gathered_mean(contributions, numel)
+
     @property
     def reply_codec(self) -> Codec:
         return (

@@ -4,9 +4,10 @@ The mean of M sparse contributions holds up to M x k values a chunk; sending it 
 than the contributions themselves (6 bytes a value against under 2). So for a codec that
 ``gathers``, a reducer answers each sender of a part with the payloads of the part's other kept
 senders as they arrived, with their weights, and every peer (the reducer too) takes the mean
-itself: each payload decoded, scaled by the screening's factor, summed in sender order, divided
-by the sum of the weights. The same bytes in the same order give every peer the same mean, bit
-for bit; what a worker receives in all is the others' payloads, (M-1) x its own: an all-gather.
+itself: each payload decoded, scaled by the screening's factor, averaged in sender order as the
+codec's ``gathered_mean`` says (top-k: each value over the senders that carry it). The same
+bytes in the same order give every peer the same mean, bit for bit; what a worker receives in
+all is the others' payloads, (M-1) x its own: an all-gather.
 
 A reply's body: the number of entries (uint16), then per entry in sender order its sender index
 (uint16), weight (float32) and payload length (uint32, 0 for the recipient's own payload, which
@@ -23,7 +24,7 @@ import torch
 
 from diloco.compression import Codec, PayloadError, all_finite
 
-FORMAT = b"diloco-gathered-v1"  # in the averager's schema hash: peers replying otherwise do not match
+FORMAT = b"diloco-gathered-v2"  # in the averager's schema hash: peers that average otherwise do not match
 _COUNT = struct.Struct("<H")
 _ENTRY = struct.Struct("<HfI")
 
@@ -77,25 +78,24 @@ def unpack(reply: bytes | memoryview, *, recipient: int, own: bytes | None) -> l
 
 
 def mean(codec: Codec, kept: Sequence[Kept], numel: int, scales: Sequence[float]) -> torch.Tensor:
-    """The weighted mean of the ``kept`` payloads (in the order given: sender order), each scaled
-    by ``scales[sender]``. Raises ``PayloadError`` if a payload is bad or the mean is not finite."""
+    """The mean of the ``kept`` payloads as ``codec.gathered_mean`` takes it (in the order given:
+    sender order), each scaled by ``scales[sender]``. Raises ``PayloadError`` if a payload is bad
+    or the mean is not finite."""
     if not kept:
         raise PayloadError("gathered reply holds no contribution")
-    total, accumulator = 0.0, torch.zeros(numel, dtype=torch.float32)
     for entry in kept:
         if not (entry.weight > 0 and entry.sender < len(scales)):
             raise PayloadError(f"gathered reply has sender {entry.sender} with weight {entry.weight}")
-        values = codec.decompress(entry.payload, numel)
-        if scales[entry.sender] != 1.0:
-            values = values * scales[entry.sender]
-        # two roundings, not add_'s alpha: that is a fused multiply-add on some CPU kernels and not
-        # on others, and every peer takes this sum, on whatever CPU it has
-        accumulator.add_(values * entry.weight)
-        total += entry.weight
-    accumulator.div_(total)
-    if not all_finite(accumulator):
+
+    def decoded():
+        for entry in kept:
+            values = codec.decompress(entry.payload, numel)
+            yield (values * scales[entry.sender] if scales[entry.sender] != 1.0 else values), entry.weight
+
+    result = codec.gathered_mean(decoded(), numel)
+    if not all_finite(result):
         raise PayloadError("gathered mean is not finite")
-    return accumulator
+    return result
 
 
 def as_received(kept: Sequence[Kept]) -> list[Kept]:
