@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 _HEADER = struct.Struct("<2sBBQII")  # magic, version, codec id, numel, param a, param b
-_MAGIC, _VERSION = b"DL", 2  # 2: top-k positions in 12 bits
+_MAGIC, _VERSION = b"DL", 3  # 3: top-k positions Elias-Fano coded
 HEADER_BYTES = _HEADER.size
 
 

@@ -72,9 +72,9 @@ def test_a_workers_preference_waits_for_a_measure_takes_what_fits_and_falls_when
 def test_a_pessimistic_measure_still_lets_the_choice_climb_while_a_round_takes_under_half_its_budget():
     codec = _adaptive(comm_budget=0.1)
     meter = LinkMeter(codec)
-    # a round of top-k that took 0.3 s for its few bytes (latency, not bandwidth): by that rate
-    # int4 does not fit the 2 s allowed, but is predicted within twice it, and 0.3 s is under half
-    meter.record(codec.candidates[4], round_bytes(codec.candidates[4], NUMEL, 4), 0.3)
+    # a round of top-k that took 0.2 s for its few bytes (latency, not bandwidth): by that rate
+    # int4 does not fit the 2 s allowed, but is predicted within twice it, and 0.2 s is under half
+    meter.record(codec.candidates[4], round_bytes(codec.candidates[4], NUMEL, 4), 0.2)
     assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=20.0) == 3
     meter.record(codec.candidates[3], round_bytes(codec.candidates[3], NUMEL, 4), 1.5)  # over half: by the rate
     assert meter.preferred(numel=NUMEL, peers=4, between_rounds_s=20.0) == 3

@@ -78,19 +78,45 @@ def test_compression_ratios():
     assert ratio["fp16"] == pytest.approx(2.0, rel=1e-4)
     assert ratio["int8"] == pytest.approx(4 / (1 + 4 / 64), rel=1e-3)  # a byte a value, a fp32 scale per 64
     assert ratio["int4"] == pytest.approx(4 / (0.5 + 4 / 64), rel=1e-3)
-    # 64 of 4096 kept: 12-bit positions, 2-bit values, one fp32 scale a chunk: 116 bytes for 16 KiB
-    assert ratio["topk"] == pytest.approx(16384 / 116, rel=1e-3)
+    # 64 of 4096 kept: Elias-Fano positions (6 low bits each, a 128-bit upper bitmap: 512 bits),
+    # 2-bit values, one fp32 scale a chunk: 84 bytes for 16 KiB
+    assert ratio["topk"] == pytest.approx(16384 / 84, rel=1e-3)
 
 
-@pytest.mark.parametrize("chunk", [4096, 8192])
+@pytest.mark.parametrize("chunk", [4096, 8192, 65536])
 def test_topk_keeps_every_position_of_a_chunk_exactly(chunk):
-    # 12-bit positions up to chunks of 4096 (the last position, 4095, included), 16-bit above
+    # the first and last positions of each chunk, and neighbours, survive the position code
     codec = codec_of("topk", CompressionConfig(topk_k=3, topk_chunk=chunk))
     x = torch.zeros(2 * chunk + 7)
     x[[0, 1, chunk - 1, chunk, 2 * chunk - 2, 2 * chunk - 1, 2 * chunk + 6]] = torch.tensor([1.0, 1, -1, 1, 1, -1, 1])
     assert torch.equal(codec.roundtrip(x), x)
-    position_bytes = (3 * 7 + 1) // 2 if chunk <= 4096 else 2 * 7  # 3 + 3 kept in full chunks, 1 in the tail
-    assert codec.body_bytes(x.numel()) == 4 * 3 + position_bytes + 2
+    low = (chunk // 3).bit_length() - 1  # Elias-Fano: low bits a position, and an upper bitmap a chunk
+    tail_bits = 2 + 1 + (6 >> 2) + 1  # the tail of 7 keeps 1
+    position_bits = 2 * (3 * low + 3 + ((chunk - 1) >> low) + 1) + tail_bits  # 3 kept in each full chunk
+    assert codec.body_bytes(x.numel()) == 4 * 3 + -(-position_bits // 8) + 2
+
+
+@pytest.mark.parametrize(("k", "chunk"), [(64, 4096), (1, 64), (64, 64), (5, 17)])
+def test_topk_positions_round_trip_for_any_choice(k, chunk):
+    codec = codec_of("topk", CompressionConfig(topk_k=k, topk_chunk=chunk))
+    g = torch.Generator().manual_seed(k)
+    for x in (torch.randn(7 * chunk + chunk // 2 + 1, generator=g), torch.randn(3 * chunk, generator=g) ** 9):
+        restored = codec.roundtrip(x)
+        for start in range(0, x.numel(), chunk):  # each chunk keeps exactly its largest values, at their places
+            piece, kept = x[start : start + chunk], restored[start : start + chunk]
+            expected = min(piece.numel(), max(1, -(-k * piece.numel() // chunk)))
+            assert int((kept != 0).sum()) == expected
+            assert set(kept.nonzero().view(-1).tolist()) == set(piece.abs().topk(expected).indices.tolist())
+        assert len(codec.compress(x)) == codec.payload_bytes(x.numel())
+
+
+def test_topk_positions_that_do_not_decode_to_k_a_chunk_are_refused():
+    codec = codec_of("topk", CompressionConfig(topk_k=4, topk_chunk=64))
+    x = torch.randn(128)
+    payload = bytearray(codec.compress(x))
+    payload[HEADER_BYTES + 4 * 2 + 2] ^= 0x10  # a bit of the first chunk's upper bitmap
+    with pytest.raises(PayloadError, match="top-k positions"):
+        codec.decompress(bytes(payload), 128)
 
 
 @pytest.mark.parametrize("name", CODECS)
