@@ -16,7 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.compression.adaptive import Adaptive
-from diloco.compression.codec import HEADER_BYTES, Codec, Float16, NoCompression, PayloadError, all_finite
+from diloco.compression.codec import (
+    HEADER_BYTES,
+    PAYLOAD_FORMAT,
+    Codec,
+    Float16,
+    NoCompression,
+    PayloadError,
+    all_finite,
+)
 from diloco.compression.error_feedback import ErrorFeedback
 from diloco.compression.quantize import Int4, Int8
 from diloco.compression.topk import TopK
@@ -34,6 +42,7 @@ __all__ = [
     "all_finite",
     "CODECS",
     "HEADER_BYTES",
+    "PAYLOAD_FORMAT",
     "Codec",
     "NoCompression",
     "CompressionConfig",

@@ -31,6 +31,7 @@ import torch
 _HEADER = struct.Struct("<2sBBQII")  # magic, version, codec id, numel, param a, param b
 _MAGIC, _VERSION = b"DL", 3  # 3: top-k positions Elias-Fano coded
 HEADER_BYTES = _HEADER.size
+PAYLOAD_FORMAT = b"diloco-payload-v%d" % _VERSION  # in hivemind's schema hash: other versions do not match
 
 
 class PayloadError(ValueError):

@@ -3,8 +3,8 @@
 ``outer.optimizer=sparseloco`` (SparseLoCo, arXiv:2508.15706) is DiLoCo whose outer momentum is
 replaced by each worker's error feedback with decay: a worker keeps ``e <- beta e + delta``,
 sends the chunk-wise top-k of ``e`` with 2-bit values, keeps ``e <- e - sent``; the sparse
-contributions are averaged whole (reducers do not sparsify the average again) and the global
-params take a plain step of ``outer.lr``. So the one key stands for::
+contributions are all-gathered and averaged value by value over the workers that sent each value
+(not sparsified again) and the global params take a plain step of ``outer.lr``. So the one key stands for::
 
     outer.lr=1.0  compression.name=topk  compression.error_feedback=true  compression.error_decay=0.95
 

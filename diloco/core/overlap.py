@@ -326,7 +326,10 @@ class OverlappedOuter:
     def _eager(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """Stale mean + (w/W)(own fresh - own stale): our own share of the average, brought up to date.
         For the last step's own average (``fresh`` None) the share applied eagerly is taken back out,
-        so that over the run each own pseudo-gradient counts once (the first one is applied alone)."""
+        so that over the run each own pseudo-gradient counts once (the first one is applied alone).
+        (w/W is the share of a mean over every worker; top-k's mean is taken value by value over the
+        workers that sent the value, where our share is larger: with it the correction is the same
+        approximation a lossy codec makes of the own stale contribution.)"""
         share = flight.weight / result.total_weight if result.averaged and result.total_weight > 0 else 1.0
         gradient = []
         for k, mean in enumerate(flight.averaged):

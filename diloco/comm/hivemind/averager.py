@@ -56,7 +56,7 @@ from diloco.comm.base import StateReader
 from diloco.comm.hivemind import gathered, gloo_plane
 from diloco.comm.hivemind.run_key import keyed_schema_hash
 from diloco.comm.robust import Screening, declared_norm, screen
-from diloco.compression import Codec, PayloadError, all_finite
+from diloco.compression import PAYLOAD_FORMAT, Codec, PayloadError, all_finite
 from diloco.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -512,9 +512,11 @@ class ExactAverager(DecentralizedAverager):
             **kwargs,
         )
         # a join request must present the leader's schema hash: keyed, only run-key holders can;
-        # a codec that gathers replies in another format (gathered.py): only its like can join, and
-        # a codec chosen per round only peers of the same candidates
-        schema = self.schema_hash + (gathered.FORMAT if any(c.gathers for c in codec.candidates) else b"")
+        # only peers of the same payload format can join; a codec that gathers replies in another
+        # format (gathered.py): only its like can join, and a codec chosen per round only peers of
+        # the same candidates
+        schema = self.schema_hash + PAYLOAD_FORMAT
+        schema += gathered.FORMAT if any(c.gathers for c in codec.candidates) else b""
         if codec.chosen_per_round:  # peers agree on a codec by index: only those of the same candidates
             schema += codec.describe().encode()
         self.schema_hash = keyed_schema_hash(run_key, schema)

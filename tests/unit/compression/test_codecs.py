@@ -240,3 +240,32 @@ def test_error_feedback_with_a_decay_carries_beta_times_the_residual_into_each_r
         residual = expected - codec.restore(expected)
         torch.testing.assert_close(feedback.residuals[0], residual, rtol=0, atol=1e-6)
     assert not torch.equal(residual, torch.zeros(300))
+
+
+def test_topk_gathered_mean_takes_each_value_over_the_senders_that_carry_it():
+    codec = codec_of("topk", CompressionConfig(topk_k=2, topk_chunk=8))
+    a = torch.tensor([3.0, 0, 0, 0, 0, 0, 1, 0])
+    b = torch.tensor([1.0, 0, 5, 0, 0, 0, 0, 0])
+    silent = torch.zeros(8)  # a chunk whose scale is 0 carries nothing
+    mean = codec.gathered_mean([(a, 1.0), (b, 3.0), (silent, 2.0)], 8)
+    assert torch.equal(mean, torch.tensor([(3 + 3 * 1) / 4, 0, 5, 0, 0, 0, 1, 0]))  # alone: what was sent
+    again = codec.gathered_mean([(a, 1.0), (b, 3.0), (silent, 2.0)], 8)
+    assert torch.equal(mean, again)
+    dense = codec_of("int8").gathered_mean([(a, 1.0), (b, 3.0)], 8)  # another codec: over all of them
+    assert torch.equal(dense, (a + 3 * b) / 4)
+
+
+def test_topk_positions_out_of_range_or_out_of_order_are_refused():
+    codec = codec_of("topk", CompressionConfig(topk_k=2, topk_chunk=5))  # low bits 1, upper bitmap 2 + 3 bits
+    x = torch.tensor([5.0, 0, 0, 0, 4])
+    payload = bytearray(codec.compress(x))
+    # one chunk: its scale (4 bytes), then the bits from the lowest: the low bits of positions 0
+    # and 4 (0, 0), then the upper bitmap, a one at h + i for h = 0 and 2 (1 0 0 1 0)
+    position_byte = HEADER_BYTES + 4
+    assert payload[position_byte] == 0b0010_0100
+    payload[position_byte] = 0b0010_0110  # the second position's low bit set: 5, out of a chunk of 5
+    with pytest.raises(PayloadError, match="out of range or out of order"):
+        codec.decompress(bytes(payload), 5)
+    payload[position_byte] = 0b0000_1101  # h 0 and 0, low bits 1 then 0: positions 1, then 0
+    with pytest.raises(PayloadError, match="out of range or out of order"):
+        codec.decompress(bytes(payload), 5)
