@@ -5,8 +5,8 @@ proportionally fewer, at least one). Each chunk keeps the ``k`` values of larges
 their positions in the chunk (ascending, Elias-Fano coded: about 2 + log2(chunk / k) bits each,
 below) and their values on four levels ``{-1, -1/3, 1/3, 1}`` times the chunk's largest kept
 magnitude (one fp32 scale a chunk), four values a byte. At k/chunk = 64/4096 that is 84 bytes for
-every 16 KiB of fp32, 195 x smaller. What is not sent
-is not lost: ``ErrorFeedback`` carries it into the next round.
+every 16 KiB of fp32, 195 x smaller. What is not sent is not lost: ``ErrorFeedback`` carries it
+into the next round.
 
 The average of M such contributions holds up to M x k values a chunk: it is not sparsified
 again. The contributions are all-gathered instead (``gathers``), as SparseLoCo does: every
