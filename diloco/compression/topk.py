@@ -14,7 +14,8 @@ worker receives every other worker's payload and takes their mean itself, value 
 the contributions that carry the value (``gathered_mean``): a value one worker of four sent
 moves the params by what that worker sent, not by a quarter of it. (A mean over all M would
 shrink every rarely chosen value M-fold; at 64 of 4,096 most values are chosen by one worker a
-round, and that mean trained markedly worse.)
+round, and under SparseLoCo's plain outer step that mean trained markedly worse; under a
+momentum outer step the full per-value step overshoots instead: use top-k through SparseLoCo.)
 """
 
 from __future__ import annotations
