@@ -2,7 +2,7 @@
 
 - ``codec.py``           ``Codec`` (the interface and the self-describing payload), ``none``, ``fp16``
 - ``quantize.py``        ``int8`` and ``int4``: blockwise absmax quantization
-- ``topk.py``            ``topk``: chunked top-k with 2-bit values
+- ``topk.py``            ``topk``: chunked top-k with few-bit values
 - ``adaptive.py``        ``adaptive``: a codec agreed per round among candidates, to fit the link
 - ``error_feedback.py``  ``ErrorFeedback``: the residual a lossy codec carries into the next round
 
@@ -27,7 +27,7 @@ from diloco.compression.codec import (
 )
 from diloco.compression.error_feedback import ErrorFeedback
 from diloco.compression.quantize import Int4, Int8
-from diloco.compression.topk import TopK
+from diloco.compression.topk import MEANS, VALUE_BITS, TopK
 from diloco.errors import require
 
 CODECS = ("none", "fp16", "int8", "int4", "topk")
@@ -58,6 +58,8 @@ class CompressionConfig:
     block_size: int = 64  # int8 / int4: values that share one scale
     topk_k: int = 64  # topk: values kept in each chunk
     topk_chunk: int = 4096  # topk: chunk length (at most 65536)
+    topk_value_bits: int = 2  # topk: bits a kept value (1, 2, 4 or 8; 1: its sign times the chunk's mean magnitude)
+    topk_mean: str = "all"  # topk: gathered values averaged over all workers / over the senders of each (SparseLoCo)
     error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
     error_decay: float = 1.0  # error feedback: what is carried over is multiplied by this each round (SparseLoCo: 0.95)
     adaptive_codecs: list[str] = field(default_factory=lambda: list(ADAPTIVE_DEFAULT))  # adaptive: least lossy first
@@ -86,6 +88,11 @@ def validate_compression_config(cfg: CompressionConfig) -> None:
         1 <= cfg.topk_k <= cfg.topk_chunk,
         f"compression.topk_k={cfg.topk_k} must be in [1, compression.topk_chunk]",
     )
+    require(
+        cfg.topk_value_bits in VALUE_BITS,
+        f"compression.topk_value_bits={cfg.topk_value_bits} is not one of {', '.join(map(str, VALUE_BITS))}",
+    )
+    require(cfg.topk_mean in MEANS, f"compression.topk_mean={cfg.topk_mean!r} is not one of {', '.join(MEANS)}")
     require(0 <= cfg.error_decay <= 1, f"compression.error_decay={cfg.error_decay} must be in [0, 1]")
 
 
@@ -107,5 +114,5 @@ def _build_one(cfg: CompressionConfig, name: str) -> Codec:
     if name == "int4":
         return Int4(cfg.block_size)
     if name == "topk":
-        return TopK(cfg.topk_k, cfg.topk_chunk)
+        return TopK(cfg.topk_k, cfg.topk_chunk, cfg.topk_value_bits, cfg.topk_mean)
     raise ValueError(f"compression.name={name!r} is not one of {', '.join(CODECS)}")

@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 
 _HEADER = struct.Struct("<2sBBQII")  # magic, version, codec id, numel, param a, param b
-_MAGIC, _VERSION = b"DL", 3  # 3: top-k positions Elias-Fano coded
+_MAGIC, _VERSION = b"DL", 4  # 3: top-k positions Elias-Fano coded; 4: top-k's value bits and mean in its header
 HEADER_BYTES = _HEADER.size
 PAYLOAD_FORMAT = b"diloco-payload-v%d" % _VERSION  # in hivemind's schema hash: other versions do not match
 
@@ -70,6 +70,11 @@ class Codec(abc.ABC):
     def params(self) -> tuple[int, int]:
         """The codec's two header parameters (0 when unused)."""
         return 0, 0
+
+    @classmethod
+    def describe_params(cls, a: int, b: int) -> str:
+        """The codec with header parameters ``a`` and ``b``, as an error message names it."""
+        return f"{cls.name}({a}, {b})" if (a, b) != (0, 0) else cls.name
 
     def gathered_mean(self, contributions: Iterable[tuple[torch.Tensor, float]], numel: int) -> torch.Tensor:
         """For a codec that ``gathers``: the mean every peer takes of the decoded contributions
@@ -145,16 +150,16 @@ class Codec(abc.ABC):
         return _describe(self.codec_id, *self.params())
 
 
-_NAMES: dict[int, str] = {}
+_CODECS: dict[int, type[Codec]] = {}
 
 
 def _describe(codec_id: int, a: int, b: int) -> str:
-    name = _NAMES.get(codec_id, f"#{codec_id}")
-    return f"{name}({a}, {b})" if (a, b) != (0, 0) else name
+    cls = _CODECS.get(codec_id)
+    return cls.describe_params(a, b) if cls is not None else f"#{codec_id}({a}, {b})"
 
 
 def register(cls: type[Codec]) -> type[Codec]:
-    _NAMES[cls.codec_id] = cls.name
+    _CODECS[cls.codec_id] = cls
     return cls
 
 

@@ -1,21 +1,29 @@
-"""Chunked top-k sparsification with 2-bit values (SparseLoCo / DeMo style).
+"""Chunked top-k sparsification with few-bit values (SparseLoCo / DeMo style).
 
 The tensor is cut into chunks of ``chunk`` values (the last one may be shorter and keeps
 proportionally fewer, at least one). Each chunk keeps the ``k`` values of largest magnitude:
 their positions in the chunk (ascending, Elias-Fano coded: about 2 + log2(chunk / k) bits each,
-below) and their values on four levels ``{-1, -1/3, 1/3, 1}`` times the chunk's largest kept
-magnitude (one fp32 scale a chunk), four values a byte. At k/chunk = 64/4096 that is 84 bytes for
-every 16 KiB of fp32, 195 x smaller. What is not sent is not lost: ``ErrorFeedback`` carries it
-into the next round.
+below) and their values on ``2 ** value_bits`` levels evenly spaced from -1 to 1 (2 bits:
+``{-1, -1/3, 1/3, 1}``) times the chunk's largest kept magnitude, one fp32 scale a chunk; with one
+bit a value is its sign times the chunk's mean kept magnitude. At k/chunk = 64/4096 and 2 bits
+that is 84 bytes for every 16 KiB of fp32, 195 x smaller. What is not sent is not lost:
+``ErrorFeedback`` carries it into the next round.
 
 The average of M such contributions holds up to M x k values a chunk: it is not sparsified
 again. The contributions are all-gathered instead (``gathers``), as SparseLoCo does: every
-worker receives every other worker's payload and takes their mean itself, value by value over
-the contributions that carry the value (``gathered_mean``): a value one worker of four sent
-moves the params by what that worker sent, not by a quarter of it. (A mean over all M would
-shrink every rarely chosen value M-fold; at 64 of 4,096 most values are chosen by one worker a
-round, and under SparseLoCo's plain outer step that mean trained markedly worse; under a
-momentum outer step the full per-value step overshoots instead: use top-k through SparseLoCo.)
+worker receives every other worker's payload and takes their mean itself (``gathered_mean``),
+one of two ways (``mean``):
+
+- ``"all"``: over all M contributions, as for a dense codec: a value one worker of four sent
+  moves the params by a quarter of what it sent. Right under a momentum outer step (Nesterov),
+  whose momentum already sums what arrives over rounds.
+- ``"senders"``: value by value over the contributions that carry it: a value one worker of four
+  sent moves the params by what that worker sent. Right under SparseLoCo's plain outer step (at
+  64 of 4,096 most values are chosen by one worker a round, and a mean over all M shrinks them
+  M-fold); under momentum the full per-value step overshoots.
+
+Both settings travel in the header, so peers that would take different means refuse each
+other's payloads.
 """
 
 from __future__ import annotations
@@ -25,19 +33,31 @@ import torch
 
 from diloco.compression.codec import Codec, PayloadError, frombuffer, register
 
-_LEVELS = torch.tensor([-1.0, -1 / 3, 1 / 3, 1.0])
+VALUE_BITS = (1, 2, 4, 8)
+MEANS = ("all", "senders")
+# header parameter b: the chunk length in its low 20 bits, the value bits in the next 4, the mean above
+_CHUNK_MASK, _BITS_SHIFT, _MEAN_SHIFT = (1 << 20) - 1, 20, 24
 
 
 @register
 class TopK(Codec):
     name, codec_id, gathers = "topk", 4, True
 
-    def __init__(self, k: int, chunk: int):  # checked by build_codec (validate_compression_config)
-        self.k, self.chunk = k, chunk
+    def __init__(self, k: int, chunk: int, value_bits: int = 2, mean: str = "all"):
+        # checked by build_codec (validate_compression_config)
+        self.k, self.chunk, self.value_bits, self.mean = k, chunk, value_bits, mean
         self.align = chunk
+        levels = 1 << value_bits
+        self._levels = torch.tensor([-1 + 2 * i / (levels - 1) for i in range(levels)], dtype=torch.float32)
 
     def params(self) -> tuple[int, int]:
-        return self.k, self.chunk
+        return self.k, self.chunk | self.value_bits << _BITS_SHIFT | MEANS.index(self.mean) << _MEAN_SHIFT
+
+    @classmethod
+    def describe_params(cls, a: int, b: int) -> str:
+        bits, mean = b >> _BITS_SHIFT & 15, b >> _MEAN_SHIFT
+        mean_name = MEANS[mean] if mean < len(MEANS) else f"#{mean}"
+        return f"topk(k={a}, chunk={b & _CHUNK_MASK}, value_bits={bits}, mean={mean_name})"
 
     def _layout(self, numel: int) -> list[tuple[int, int, int]]:
         """(number of chunks, chunk length, values kept a chunk) for the full chunks and the tail."""
@@ -48,8 +68,11 @@ class TopK(Codec):
         return layout
 
     def gathered_mean(self, contributions, numel: int) -> torch.Tensor:
-        """Value by value, the weighted mean over the contributions whose payload carries the value
-        (a kept value is never zero unless its whole chunk was); zero where none does."""
+        """With ``mean="senders"``: value by value, the weighted mean over the contributions whose
+        payload carries the value (a kept value is never zero unless its whole chunk was); zero where
+        none does. With ``mean="all"``: ``Codec.gathered_mean``, the weighted mean of all."""
+        if self.mean == "all":
+            return super().gathered_mean(contributions, numel)
         total, carried = torch.zeros(numel, dtype=torch.float32), torch.zeros(numel, dtype=torch.float32)
         for values, weight in contributions:
             total.add_(values * weight)  # two roundings, as Codec.gathered_mean says
@@ -60,7 +83,17 @@ class TopK(Codec):
         layout = self._layout(numel)
         chunks = sum(n for n, _, _ in layout)
         kept = sum(n * kept for n, _, kept in layout)
-        return 4 * chunks + _position_bytes(layout) + -(-kept // 4)
+        return 4 * chunks + _position_bytes(layout) + -(-kept * self.value_bits // 8)
+
+    def _quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's scale (fp32) and each value's level (uint8, an index into ``_levels``)."""
+        if self.value_bits == 1:  # the sign, times the mean magnitude: the scale that errs least
+            return values.abs().mean(dim=1), (values > 0).to(torch.uint8)
+        scale = values.abs().amax(dim=1)
+        divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+        top = len(self._levels) - 1
+        code = torch.round((values / divisor[:, None] + 1) * (top / 2)).clamp_(0, top).to(torch.uint8)
+        return scale, code
 
     def _encode(self, flat: torch.Tensor) -> bytes:
         scales, positions, codes, offset = [], [], [], 0
@@ -68,20 +101,22 @@ class TopK(Codec):
             rows = flat[offset : offset + count * length].view(count, length)
             offset += count * length
             index = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
-            values = rows.gather(1, index)
-            scale = values.abs().amax(dim=1)
-            divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-            code = torch.round((values / divisor[:, None] + 1) * 1.5).clamp_(0, 3).to(torch.uint8)
+            scale, code = self._quantize(rows.gather(1, index))
             scales.append(scale)
             positions.append(index.to(torch.int32))
             codes.append(code.view(-1))
         if not scales:
             return b""
+        bits, per_byte = self.value_bits, 8 // self.value_bits
         code = torch.cat(codes)
-        code = torch.nn.functional.pad(code, (0, -code.numel() % 4)).view(-1, 4)
-        packed = code[:, 0] | (code[:, 1] << 2) | (code[:, 2] << 4) | (code[:, 3] << 6)
-        bits = [_elias_fano_bits(rows, length) for rows, (_, length, _) in zip(positions, self._layout(flat.numel()))]
-        packed_positions = np.packbits(torch.cat(bits).numpy(), bitorder="little").tobytes()
+        code = torch.nn.functional.pad(code, (0, -code.numel() % per_byte)).view(-1, per_byte)
+        packed = code[:, 0].clone()
+        for slot in range(1, per_byte):
+            packed |= code[:, slot] << (bits * slot)
+        position_bits = [
+            _elias_fano_bits(rows, length) for rows, (_, length, _) in zip(positions, self._layout(flat.numel()))
+        ]
+        packed_positions = np.packbits(torch.cat(position_bits).numpy(), bitorder="little").tobytes()
         return torch.cat(scales).numpy().tobytes() + packed_positions + packed.numpy().tobytes()
 
     def _decode(self, body: memoryview, numel: int) -> torch.Tensor:
@@ -92,7 +127,9 @@ class TopK(Codec):
         values_at = 4 * chunks + _position_bytes(layout)
         bits = torch.from_numpy(np.unpackbits(np.frombuffer(body[4 * chunks : values_at], np.uint8), bitorder="little"))
         packed = frombuffer(body[values_at:], torch.uint8)
-        codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)[:kept_total]
+        width, mask = self.value_bits, (1 << self.value_bits) - 1
+        shifts = range(0, 8, width)
+        codes = torch.stack([(packed >> shift) & mask for shift in shifts], dim=1).view(-1)[:kept_total]
         out = torch.zeros(numel, dtype=torch.float32)
         offset = chunk_offset = kept_offset = bit_offset = 0
         for count, length, kept in layout:
@@ -103,7 +140,7 @@ class TopK(Codec):
             bit_offset += count * row_bits
             if bool((index >= length).any()) or (kept > 1 and not bool((index[:, 1:] > index[:, :-1]).all())):
                 raise PayloadError("payload has top-k positions out of range or out of order")
-            level = _LEVELS[codes[kept_offset : kept_offset + count * kept].to(torch.int64)].view(count, kept)
+            level = self._levels[codes[kept_offset : kept_offset + count * kept].to(torch.int64)].view(count, kept)
             values = level * scales[chunk_offset : chunk_offset + count, None]
             out[offset : offset + count * length].view(count, length).scatter_(1, index, values)
             offset += count * length

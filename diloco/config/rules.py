@@ -6,10 +6,11 @@ sends the chunk-wise top-k of ``e`` with 2-bit values, keeps ``e <- e - sent``; 
 contributions are all-gathered and averaged value by value over the workers that sent each value
 (not sparsified again) and the global params take a plain step of ``outer.lr``. So the one key stands for::
 
-    outer.lr=1.0  compression.name=topk  compression.error_feedback=true  compression.error_decay=0.95
+    outer.lr=1.0  compression.name=topk  compression.topk_mean=senders
+    compression.error_feedback=true  compression.error_decay=0.95
 
 each of which a YAML file or an override still sets (``compression.topk_k``, ``topk_chunk``:
-the density, 64 of 4,096 by default). These defaults sit between the dataclasses' and the
+the density, 64 of 4,096 by default; ``topk_value_bits``: 2). These defaults sit between the dataclasses' and the
 user's layers in ``load_config``, so a file that sets every key (the ``config.yaml`` a run
 writes) keeps its own: run SparseLoCo from such a file with the rule's keys set as overrides.
 ``outer.momentum`` is not used by it.
@@ -20,7 +21,7 @@ from __future__ import annotations
 RULE_DEFAULTS: dict[str, dict] = {
     "sparseloco": {
         "outer": {"lr": 1.0},
-        "compression": {"name": "topk", "error_feedback": True, "error_decay": 0.95},
+        "compression": {"name": "topk", "topk_mean": "senders", "error_feedback": True, "error_decay": 0.95},
     },
 }
 

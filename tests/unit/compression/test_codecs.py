@@ -243,7 +243,7 @@ def test_error_feedback_with_a_decay_carries_beta_times_the_residual_into_each_r
 
 
 def test_topk_gathered_mean_takes_each_value_over_the_senders_that_carry_it():
-    codec = codec_of("topk", CompressionConfig(topk_k=2, topk_chunk=8))
+    codec = codec_of("topk", CompressionConfig(topk_k=2, topk_chunk=8, topk_mean="senders"))
     a = torch.tensor([3.0, 0, 0, 0, 0, 0, 1, 0])
     b = torch.tensor([1.0, 0, 5, 0, 0, 0, 0, 0])
     silent = torch.zeros(8)  # a chunk whose scale is 0 carries nothing
@@ -251,8 +251,39 @@ def test_topk_gathered_mean_takes_each_value_over_the_senders_that_carry_it():
     assert torch.equal(mean, torch.tensor([(3 + 3 * 1) / 4, 0, 5, 0, 0, 0, 1, 0]))  # alone: what was sent
     again = codec.gathered_mean([(a, 1.0), (b, 3.0), (silent, 2.0)], 8)
     assert torch.equal(mean, again)
+    over_all = codec_of("topk", CompressionConfig(topk_k=2, topk_chunk=8, topk_mean="all"))
+    assert torch.equal(over_all.gathered_mean([(a, 1.0), (b, 3.0), (silent, 2.0)], 8), (a + 3 * b) / 6)
     dense = codec_of("int8").gathered_mean([(a, 1.0), (b, 3.0)], 8)  # another codec: over all of them
     assert torch.equal(dense, (a + 3 * b) / 4)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_topk_values_take_as_many_levels_as_their_bits_allow(bits):
+    codec = codec_of("topk", CompressionConfig(topk_k=16, topk_chunk=64, topk_value_bits=bits))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    payload = codec.compress(x)
+    # a scale a chunk, 2 low bits and an upper bitmap of 16 + 16 bits a position, bits a value
+    assert len(payload) == HEADER_BYTES + 2 * 4 + 2 * (16 * 2 + 16 + 16) // 8 + 2 * 16 * bits // 8
+    out = codec.decompress(payload, x.numel()).view(2, 64)
+    for row, sent in zip(x, out):
+        kept = row.abs().topk(16).indices
+        assert set(sent.nonzero().view(-1).tolist()) == set(kept.tolist())
+        if bits == 1:  # the sign, times the mean kept magnitude
+            torch.testing.assert_close(sent[kept], row[kept].sign() * row[kept].abs().mean(), rtol=0, atol=1e-6)
+            continue
+        scale, steps = row[kept].abs().max(), 2**bits - 1  # levels -1 + 2i / steps, times the scale
+        level = (sent[kept] / scale + 1) * steps / 2
+        torch.testing.assert_close(level, level.round(), rtol=0, atol=1e-4)
+        assert float((sent[kept] - row[kept]).abs().max()) <= float(scale) / steps * 1.0001
+
+
+def test_peers_of_another_top_k_setting_refuse_each_others_payloads():
+    base = CompressionConfig(name="topk")
+    payload = build_codec(base).compress(torch.randn(8192))
+    for key, value in (("topk_value_bits", 4), ("topk_mean", "senders"), ("topk_k", 32)):
+        other = build_codec(CompressionConfig(**{**base.__dict__, key: value}))
+        with pytest.raises(PayloadError, match=r"topk\(k=64, chunk=4096, value_bits=2, mean=all\)"):
+            other.decompress(payload, 8192)
 
 
 def test_topk_positions_out_of_range_or_out_of_order_are_refused():

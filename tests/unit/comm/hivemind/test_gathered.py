@@ -16,7 +16,7 @@ def _kept(codec, count: int, numel: int) -> list[Kept]:
 
 
 def test_every_sender_and_the_reducer_take_the_same_mean_from_a_reply_without_their_own_payload():
-    codec = build_codec(CompressionConfig(name="topk", topk_k=8, topk_chunk=256))
+    codec = build_codec(CompressionConfig(name="topk", topk_k=8, topk_chunk=256, topk_mean="senders"))
     kept, numel, scales = _kept(codec, 4, 1000), 1000, [1.0, 0.5, 1.0, 1.0]
     reducers = gathered.mean(codec, gathered.as_received(kept), numel, scales)
     for me in range(4):
@@ -33,7 +33,7 @@ def test_every_sender_and_the_reducer_take_the_same_mean_from_a_reply_without_th
 
 
 def test_a_malformed_reply_is_refused_with_a_reason():
-    codec = build_codec(CompressionConfig(name="topk", topk_k=8, topk_chunk=256))
+    codec = build_codec(CompressionConfig(name="topk", topk_k=8, topk_chunk=256, topk_mean="senders"))
     kept = _kept(codec, 3, 500)
     reply = gathered.pack(kept, recipient=1)
     with pytest.raises(PayloadError, match="truncated"):
