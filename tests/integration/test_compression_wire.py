@@ -27,6 +27,11 @@ def _tensors(index: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) * 0.01 for shape in SHAPES]
 
 
+def _codec(name: str):
+    """The codec ``name``; top-k as SparseLoCo runs it, each value averaged over its senders."""
+    return build_codec(CompressionConfig(name=name, topk_mean="senders"))
+
+
 def _peer(
     index: int, count: int, bootstrap: list[str], codecs: list[str], bad: str, results: mp.Queue, prefer: int | None
 ) -> None:
@@ -37,7 +42,7 @@ def _peer(
     from diloco.worker.faults import BadPayloadCodec
 
     for name in codecs:
-        codec = build_codec(CompressionConfig(name=name))
+        codec = _codec(name)
         if bad:
             codec = BadPayloadCodec(codec, bad)
         cfg = CommConfig(
@@ -111,7 +116,7 @@ def test_two_peers_end_identical_with_each_codec_and_count_the_compressed_bytes(
     weights = [1.0, 2.0]
     exact = [(a * weights[0] + b * weights[1]) / 3 for a, b in zip(_tensors(0), _tensors(1))]
     for name in WIRE_CODECS:
-        codec = build_codec(CompressionConfig(name=name))
+        codec = _codec(name)
         first, second = found[(name, 0)], found[(name, 1)]
         assert first["ok"] and second["ok"], name
         assert first["digest"] == second["digest"], f"{name}: peers differ"
