@@ -5,9 +5,10 @@ proportionally fewer, at least one). Each chunk keeps the ``k`` values of larges
 their positions in the chunk (ascending, Elias-Fano coded: about 2 + log2(chunk / k) bits each,
 below) and their values on ``2 ** value_bits`` levels evenly spaced from -1 to 1 (2 bits:
 ``{-1, -1/3, 1/3, 1}``) times the chunk's largest kept magnitude, one fp32 scale a chunk; with one
-bit a value is its sign times the chunk's mean kept magnitude. At k/chunk = 64/4096 and 2 bits
-that is 84 bytes for every 16 KiB of fp32, 195 x smaller. What is not sent is not lost:
-``ErrorFeedback`` carries it into the next round.
+bit a value is its sign times the mean magnitude of the chunk's nonzero kept values. No level is
+zero: a chunk with fewer than ``k`` nonzero values sends some zeros as a level. At k/chunk =
+64/4096 and 2 bits that is 84 bytes for every 16 KiB of fp32, 195 x smaller. What is not sent,
+or sent wrong, is not lost: ``ErrorFeedback`` carries the difference into the next round.
 
 The average of M such contributions holds up to M x k values a chunk: it is not sparsified
 again. The contributions are all-gathered instead (``gathers``), as SparseLoCo does: every
@@ -44,7 +45,9 @@ class TopK(Codec):
     name, codec_id, gathers = "topk", 4, True
 
     def __init__(self, k: int, chunk: int, value_bits: int = 2, mean: str = "all"):
-        # checked by build_codec (validate_compression_config)
+        # the config's keys are checked by build_codec (validate_compression_config), in its words
+        if value_bits not in VALUE_BITS or mean not in MEANS:
+            raise ValueError(f"TopK: value_bits must be one of {VALUE_BITS} and mean one of {MEANS}")
         self.k, self.chunk, self.value_bits, self.mean = k, chunk, value_bits, mean
         self.align = chunk
         levels = 1 << value_bits
@@ -87,8 +90,10 @@ class TopK(Codec):
 
     def _quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's scale (fp32) and each value's level (uint8, an index into ``_levels``)."""
-        if self.value_bits == 1:  # the sign, times the mean magnitude: the scale that errs least
-            return values.abs().mean(dim=1), (values > 0).to(torch.uint8)
+        if self.value_bits == 1:  # the sign, times the mean magnitude of the nonzero: the scale that errs least
+            magnitude = values.abs()
+            nonzero = (magnitude > 0).sum(dim=1).clamp_min_(1)
+            return magnitude.sum(dim=1) / nonzero, (values > 0).to(torch.uint8)
         scale = values.abs().amax(dim=1)
         divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
         top = len(self._levels) - 1

@@ -2,7 +2,7 @@
 
 ``outer.optimizer=sparseloco`` (SparseLoCo, arXiv:2508.15706) is DiLoCo whose outer momentum is
 replaced by each worker's error feedback with decay: a worker keeps ``e <- beta e + delta``,
-sends the chunk-wise top-k of ``e`` with 2-bit values, keeps ``e <- e - sent``; the sparse
+sends the chunk-wise top-k of ``e`` (2-bit values by default), keeps ``e <- e - sent``; the sparse
 contributions are all-gathered and averaged value by value over the workers that sent each value
 (not sparsified again) and the global params take a plain step of ``outer.lr``. So the one key stands for::
 

@@ -5,7 +5,7 @@ than the contributions themselves (6 bytes a value against under 2). So for a co
 ``gathers``, a reducer answers each sender of a part with the payloads of the part's other kept
 senders as they arrived, with their weights, and every peer (the reducer too) takes the mean
 itself: each payload decoded, scaled by the screening's factor, averaged in sender order as the
-codec's ``gathered_mean`` says (top-k: each value over the senders that carry it). The same
+codec's ``gathered_mean`` says (top-k: as ``compression.topk_mean`` says). The same
 bytes in the same order give every peer the same mean, bit for bit; what a worker receives in
 all is the others' payloads, (M-1) x its own: an all-gather.
 

@@ -275,6 +275,9 @@ def test_topk_values_take_as_many_levels_as_their_bits_allow(bits):
         level = (sent[kept] / scale + 1) * steps / 2
         torch.testing.assert_close(level, level.round(), rtol=0, atol=1e-4)
         assert float((sent[kept] - row[kept]).abs().max()) <= float(scale) / steps * 1.0001
+    if bits == 1:  # fewer nonzero values than k: the scale is their mean magnitude, zeros do not shrink it
+        few = codec.roundtrip(torch.tensor([3.0, -1.0] + [0.0] * 62))
+        assert float(few[0]) == 2.0 and float(few[1]) == -2.0
 
 
 def test_peers_of_another_top_k_setting_refuse_each_others_payloads():
