@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench import numbers
@@ -46,7 +47,7 @@ def _link_name(rate: float, drop_to: float | None) -> str:
 
 
 def _training_overrides(
-    data: str, steps: int, link: str, codec: str, overlap: str, run_dir: Path, comm_budget: float
+    data: str, steps: int, link: str, codec: str, overlap: str, run_dir: Path, adaptive: Sequence[str]
 ) -> list[str]:
     tag = f"{link}_{codec}_{overlap}".replace(".", "_")
     return [
@@ -64,7 +65,7 @@ def _training_overrides(
         f"comm.run_id=util_{tag}",
         f"run.dir={run_dir}",
         f"run.name={tag}",
-        *([f"compression.comm_budget={comm_budget}"] if codec == "adaptive" else []),
+        *(adaptive if codec == "adaptive" else ()),
     ]
 
 
@@ -96,7 +97,7 @@ def run_training(
     out: Path,
     *,
     drop_to: float | None = None,
-    comm_budget: float = 0.25,
+    adaptive: Sequence[str] = ("compression.comm_budget=0.25",),
 ) -> dict:
     """One 4-worker run in a fresh testbed; returns the row of the table. With ``drop_to`` the
     links slow from ``rate`` to it halfway through the run's rounds."""
@@ -106,7 +107,7 @@ def run_training(
 
     link = _link_name(rate, drop_to)
     run_dir = out / f"train-{link}mbit-{codec}-{overlap}"
-    overrides = _training_overrides(data, steps, link, codec, overlap, run_dir, comm_budget)
+    overrides = _training_overrides(data, steps, link, codec, overlap, run_dir, adaptive)
     cfg = load_config(None, [*overrides, f"worker.count={WORKERS}"])
     run_dir.mkdir(parents=True, exist_ok=True)
     summary, code = finished_summary(cfg), 0  # a rerun into the same --out reuses finished runs
@@ -258,6 +259,7 @@ def run_utilization_benchmark(
     drops: list[tuple[float, float]],
     codecs: list[str],
     comm_budget: float,
+    adaptive_codecs: list[str],
     overlaps: list[str],
     peers: list[int],
     payload_mb: float,
@@ -284,6 +286,9 @@ def run_utilization_benchmark(
         )
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"training": [], "allreduce": []}
+    adaptive = [f"compression.comm_budget={comm_budget}"]  # the overrides of the adaptive runs
+    if adaptive_codecs:
+        adaptive.append(f"compression.adaptive_codecs=[{','.join(adaptive_codecs)}]")
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -295,9 +300,7 @@ def run_utilization_benchmark(
         for rate, drop_to in links:
             for codec in codecs:
                 for overlap in overlaps:
-                    row = run_training(
-                        data_path, steps, rate, codec, overlap, out, drop_to=drop_to, comm_budget=comm_budget
-                    )
+                    row = run_training(data_path, steps, rate, codec, overlap, out, drop_to=drop_to, adaptive=adaptive)
                     results["training"].append(row)
                     _with_loss_ratios(results["training"])
                     save()
@@ -339,6 +342,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--comm-budget", type=float, default=0.25, help="compression.comm_budget of adaptive runs (default 0.25)"
     )
+    parser.add_argument(
+        "--adaptive-codecs", default="", help="compression.adaptive_codecs of adaptive runs (default: the config's)"
+    )
     parser.add_argument("--overlaps", default="none,streaming,delayed", help="outer.overlap values")
     parser.add_argument("--peers", default="2,4,8", help="all-reduce group sizes (default 2,4,8)")
     parser.add_argument("--payload-mb", type=float, default=40.0, help="all-reduce payload, MB (default 40)")
@@ -356,6 +362,7 @@ def main(args) -> int:
         drops=_drops(args.drops),
         codecs=args.codecs.split(","),
         comm_budget=args.comm_budget,
+        adaptive_codecs=args.adaptive_codecs.split(",") if args.adaptive_codecs else [],
         overlaps=args.overlaps.split(","),
         peers=numbers(args.peers, int, "--peers"),
         payload_mb=args.payload_mb,

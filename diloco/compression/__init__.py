@@ -34,7 +34,10 @@ CODECS = ("none", "fp16", "int8", "int4", "topk")
 ADAPTIVE = "adaptive"  # compression.name: one of compression.adaptive_codecs each round, to fit the link
 # top-k is left out by default: at the quality workload it ends ~1.2 x dense DiLoCo's loss, so a
 # round it carries costs more loss than a late one (docs/compression.md)
-ADAPTIVE_DEFAULT = ("none", "fp16", "int8", "int4")
+ADAPTIVE_DEFAULT = ["none", "fp16", "int8", "int4"]
+# adaptive: ``topk`` among the candidates is top-k at these multiples of compression.topk_k (at most
+# the chunk), least lossy first: a round too slow for int4 takes as many values as fit its link
+TOPK_LADDER = (8, 4, 2, 1)
 
 __all__ = [
     "ADAPTIVE",
@@ -62,7 +65,7 @@ class CompressionConfig:
     topk_mean: str = "all"  # topk: gathered values averaged over all workers / over the senders of each (SparseLoCo)
     error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
     error_decay: float = 1.0  # error feedback: what is carried over is multiplied by this each round (SparseLoCo: 0.95)
-    adaptive_codecs: list[str] = field(default_factory=lambda: list(ADAPTIVE_DEFAULT))  # adaptive: least lossy first
+    adaptive_codecs: list[str] = field(default_factory=ADAPTIVE_DEFAULT.copy)  # adaptive: least lossy 1st; topk: 8k..k
     comm_budget: float = 0.1  # adaptive: a round's transfer may take this share of the time between rounds
 
 
@@ -100,8 +103,18 @@ def build_codec(cfg: CompressionConfig) -> Codec:
     """The codec named by ``cfg.name``; raises ``ConfigError`` naming the key to fix."""
     validate_compression_config(cfg)
     if cfg.name == ADAPTIVE:
-        return Adaptive([_build_one(cfg, name) for name in cfg.adaptive_codecs], budget=cfg.comm_budget)
+        candidates = [codec for name in cfg.adaptive_codecs for codec in _candidates(cfg, name)]
+        return Adaptive(candidates, budget=cfg.comm_budget)
     return _build_one(cfg, cfg.name)
+
+
+def _candidates(cfg: CompressionConfig, name: str) -> list[Codec]:
+    """What ``name`` in ``compression.adaptive_codecs`` stands for: the codec, or for ``topk`` the
+    top-k ladder (``TOPK_LADDER`` x ``topk_k``, within the chunk), most values first."""
+    if name != "topk":
+        return [_build_one(cfg, name)]
+    ks = sorted({min(cfg.topk_chunk, cfg.topk_k * factor) for factor in TOPK_LADDER}, reverse=True)
+    return [TopK(k, cfg.topk_chunk, cfg.topk_value_bits, cfg.topk_mean) for k in ks]
 
 
 def _build_one(cfg: CompressionConfig, name: str) -> Codec:

@@ -1,9 +1,10 @@
 """Compression chosen per round to fit the link: ``compression.name=adaptive``.
 
 ``Adaptive`` holds the candidate codecs, least lossy first (``compression.adaptive_codecs``:
-none, fp16, int8, int4, topk). Before each round every worker says which one it prefers (the
-transport measures its link: comm/link_meter.py); the peers of a round declare their
-preferences when the group forms, and the group takes the most lossy of them
+none, fp16, int8, int4, topk; ``topk`` stands for a ladder of top-k codecs, most values first, so
+a link too slow for int4 still sends as many values as fit). Before each round every worker says
+which one it prefers (the transport measures its link: comm/link_meter.py); the peers of a round
+declare their preferences when the group forms, and the group takes the most lossy of them
 (``Adaptive.agreed``): the slowest link decides, and every peer computes the same choice from
 the same declarations, so a round never mixes codecs.
 
@@ -55,12 +56,12 @@ class Adaptive(Codec):
         ]
         return self.candidates[max(valid) if valid else len(self.candidates) - 1]
 
-    def named(self, name: str) -> Codec:
-        """The candidate called ``name`` (a round's result names the codec it used)."""
+    def named(self, label: str) -> Codec:
+        """The candidate whose ``label`` is ``label`` (a round's result names the codec it used)."""
         for codec in self.candidates:
-            if codec.name == name:
+            if codec.label == label:
                 return codec
-        raise ValueError(f"{name!r} is not one of the adaptive codecs {[c.name for c in self.candidates]}")
+        raise ValueError(f"{label!r} is not one of the adaptive codecs {[c.label for c in self.candidates]}")
 
     def body_bytes(self, numel: int) -> int:  # the least lossy's: what a part is sized for
         return self.candidates[0].body_bytes(numel)

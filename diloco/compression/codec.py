@@ -71,6 +71,11 @@ class Codec(abc.ABC):
         """The codec's two header parameters (0 when unused)."""
         return 0, 0
 
+    @property
+    def label(self) -> str:
+        """The codec's name in a round's record, unique among the candidates of one chosen per round."""
+        return self.name
+
     @classmethod
     def describe_params(cls, a: int, b: int) -> str:
         """The codec with header parameters ``a`` and ``b``, as an error message names it."""

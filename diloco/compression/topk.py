@@ -56,6 +56,10 @@ class TopK(Codec):
     def params(self) -> tuple[int, int]:
         return self.k, self.chunk | self.value_bits << _BITS_SHIFT | MEANS.index(self.mean) << _MEAN_SHIFT
 
+    @property
+    def label(self) -> str:
+        return f"topk-{self.k}"
+
     @classmethod
     def describe_params(cls, a: int, b: int) -> str:
         bits, mean = b >> _BITS_SHIFT & 15, b >> _MEAN_SHIFT

@@ -458,8 +458,8 @@ class HivemindBackend(CommBackend):
             self._meter.record(codec, moved_bytes, transfer_s)
 
     def _named(self, codec: Codec) -> str:
-        """What a round's result says of its codec: its name where it was agreed per round."""
-        return codec.name if self.codec.chosen_per_round else ""
+        """What a round's result says of its codec: its label where it was agreed per round."""
+        return codec.label if self.codec.chosen_per_round else ""
 
     def _await_step(self, control, round_index: int, *, limit: float):
         """The step's result. A worker still looking for a group when a peer already offers the
