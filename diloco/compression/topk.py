@@ -106,7 +106,8 @@ class TopK(Codec):
 
     def _encode(self, flat: torch.Tensor) -> bytes:
         scales, positions, codes, offset = [], [], [], 0
-        for count, length, kept in self._layout(flat.numel()):
+        layout = self._layout(flat.numel())
+        for count, length, kept in layout:
             rows = flat[offset : offset + count * length].view(count, length)
             offset += count * length
             index = torch.topk(rows.abs(), kept, dim=1, sorted=False).indices.sort(dim=1).values
@@ -122,9 +123,7 @@ class TopK(Codec):
         packed = code[:, 0].clone()
         for slot in range(1, per_byte):
             packed |= code[:, slot] << (bits * slot)
-        position_bits = [
-            _elias_fano_bits(rows, length) for rows, (_, length, _) in zip(positions, self._layout(flat.numel()))
-        ]
+        position_bits = [_elias_fano_bits(rows, length) for rows, (_, length, _) in zip(positions, layout)]
         packed_positions = np.packbits(torch.cat(position_bits).numpy(), bitorder="little").tobytes()
         return torch.cat(scales).numpy().tobytes() + packed_positions + packed.numpy().tobytes()
 
