@@ -9,7 +9,8 @@ In under 5 minutes on one GPU it measures, with the project's own code (``inner_
   place (``torch.compile``; its failure is reported, not fatal);
 - the **outer sync's local work** (pseudo-gradient and its copies, the Nesterov outer step, the
   copy back into the model: ``OuterStep.sync`` over a loopback transport that averages with
-  nobody, so no codec and no network) for each ``outer.global_device``, as a share of a round of
+  nobody, so no codec and no network) and the digest of the global params that every round's
+  record carries (core/digest.py) for each ``outer.global_device``, as a share of a round of
   H=100 inner steps: local work / (H x step time + local work);
 - **peak GPU memory** of the inner steps.
 
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 from diloco.comm.base import CommBackend, SyncResult
+from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep
@@ -136,9 +138,9 @@ def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device
 
 
 def _outer_sync_s(model: torch.nn.Module, global_device: str, size: BenchSize, device: torch.device) -> dict:
-    """Median seconds of one ``OuterStep.sync`` over the loopback transport, copies back included, and
-    of the sha256 fingerprint of the global params, which a sync adds only in a round that not
-    every worker averaged in (not part of the loopback's rounds)."""
+    """Median seconds of one ``OuterStep.sync`` over the loopback transport, copies back included,
+    and of the digest of the global params that every round takes after it (its record's
+    ``param_sha256``; the fingerprint of a round that not every worker averaged in)."""
     outer = OuterStep(list(model.parameters()), OuterConfig(global_device=global_device))
     backend = Loopback()
     timings = []
@@ -148,13 +150,13 @@ def _outer_sync_s(model: torch.nn.Module, global_device: str, size: BenchSize, d
         outer.sync(backend, weight=1.0, round_index=round_index, deadline_s=60.0, expected_peers=1)
         _synchronize(device)
         timings.append(time.perf_counter() - started)
-    fingerprints = []
+    digests = []
     for _ in range(size.outer_repeats):
         started = time.perf_counter()
-        outer.fingerprint()
-        fingerprints.append(time.perf_counter() - started)
+        tensors_digest(outer.global_params)
+        digests.append(time.perf_counter() - started)
     del outer
-    return {"sync_s": statistics.median(timings[1:]), "fingerprint_s": statistics.median(fingerprints)}
+    return {"sync_s": statistics.median(timings[1:]), "digest_s": statistics.median(digests)}
 
 
 def _arm(step_s: float, size: BenchSize, flops: int, peak_tflops: float | None) -> dict:
@@ -229,11 +231,12 @@ def run_gpu_benchmark(
     round_steps_s = size.sync_every * best["step_s"]
     for global_device in GLOBAL_DEVICES:
         figures = _outer_sync_s(model, global_device, size, device)
-        figures["round_fraction"] = figures["sync_s"] / (round_steps_s + figures["sync_s"])
+        local_s = figures["sync_s"] + figures["digest_s"]
+        figures["round_fraction"] = local_s / (round_steps_s + local_s)
         outer[global_device] = figures
         print(
             f"outer sync, local work, outer.global_device={global_device}: {figures['sync_s'] * 1e3:.1f} ms "
-            f"(+ {figures['fingerprint_s'] * 1e3:.1f} ms for the params' fingerprint in a partial round) = "
+            f"+ {figures['digest_s'] * 1e3:.1f} ms for the params' digest = "
             f"{figures['round_fraction']:.2%} of a round of H={size.sync_every} (target < {TARGET_OUTER_FRACTION:.0%})"
         )
     outer_fraction = min(figures["round_fraction"] for figures in outer.values())

@@ -23,7 +23,6 @@ gradients of every inner step over the same transport, counted the same way.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ import torch
 
 from diloco.comm.base import CommBackend, StateRank, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
+from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
 from diloco.errors import require
 
@@ -270,10 +270,7 @@ class OuterStep:
 
     def fingerprint(self) -> float:
         """A number in [0, 1) from the hash of the global params: equal exactly when they are."""
-        digest = hashlib.sha256()
-        for param in self.global_params:
-            digest.update(param.detach().cpu().numpy().tobytes())
-        return fingerprint_of(digest.digest())
+        return fingerprint_of(bytes.fromhex(tensors_digest(self.global_params)))
 
     def state_dict(self, *, copy: bool = True) -> dict:
         """A snapshot (tensors copied: the next outer step does not change it), on the CPU whatever

@@ -19,6 +19,7 @@ from diloco.comm import CommBackend, CommConfig, build_backend
 from diloco.comm.bounds import phase_bounds, site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
+from diloco.core.digest import tensors_digest
 from diloco.core.inner import build_inner_optimizer
 from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter, fragments_for
@@ -29,7 +30,6 @@ from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, load_l
 from diloco.worker.faults import with_bad_payloads, with_faults
 from diloco.worker.joining import catch_up_with_run, published_run
 from diloco.worker.memory import check_model_fits
-from diloco.worker.metrics import param_sha256
 from diloco.worker.placement import Placement, placement_for
 from diloco.worker.records import Totals, WorkerLog, totals_state
 from diloco.worker.sync_modes import Accounting, BlockingRounds, DataParallelRounds, OverlappedRounds, SyncMode
@@ -243,7 +243,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
             device=device,
             sampler=sampler,
             held_out=held_out,
-            held_out_hash=param_sha256(x for x, _ in held_out),
+            held_out_hash=tensors_digest(x for x, _ in held_out),
             model=model,
             inner_optimizer=inner_optimizer,
             outer=outer,

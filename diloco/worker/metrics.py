@@ -6,21 +6,18 @@
   with the same methods.
 - ``summarize_run`` / ``write_summary`` / ``format_summary``: build ``summary.json`` from the workers'
   ``"event": "end"`` records and print it.
-- ``param_sha256``: a hash of the global parameters, to check that all workers agree.
 
 Sync an offline wandb run later with ``wandb sync runs/<name>/wandb/offline-run-*``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
 import re
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,12 +258,3 @@ def format_summary(summary: dict[str, Any]) -> str:
         params,
     ]
     return "\n".join(lines)
-
-
-def param_sha256(tensors: Iterable[torch.Tensor]) -> str:
-    """sha256 (hex) over the raw bytes of the tensors, in order (made contiguous and moved to CPU)."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(flat.view(torch.uint8).numpy())  # a byte view works for every dtype, bfloat16 too
-    return digest.hexdigest()

@@ -18,11 +18,11 @@ import logging
 import time
 
 from diloco.config import Config
+from diloco.core.digest import tensors_digest
 from diloco.core.inner import inner_step, lr_at
 from diloco.data.corpus import evaluate
 from diloco.worker.build import build_worker
 from diloco.worker.faults import check_stop, slow_down
-from diloco.worker.metrics import param_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             backend.report_progress(round_index, step, log.live)
             clock.start_round()
             with watchdog.phase("hashing"):
-                param_hash = param_sha256(sync.synced_params)
+                param_hash = tensors_digest(sync.synced_params)
             params_key = (param_hash, worker.held_out_hash) if sync.model_is_synced else None
             with watchdog.phase("evaluating"):
                 val_loss = placement.evaluate(model, held_out, params_key)
@@ -111,7 +111,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             round_index,
             worker.totals,
             val_loss=final_loss,
-            param_hash=param_sha256(sync.synced_params),
+            param_hash=tensors_digest(sync.synced_params),
             param_count=sum(p.numel() for p in sync.synced_params),
         )
     finally:

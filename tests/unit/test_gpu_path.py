@@ -12,12 +12,12 @@ import torch
 from diloco.cli import main
 from diloco.comm.base import CommBackend, SyncResult
 from diloco.config import ConfigError, load_config
+from diloco.core.digest import tensors_digest
 from diloco.core.inner import InnerConfig, autocast, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep
 from diloco.models.gpt import ModelConfig, build_model
 from diloco.worker.checkpoint import load_latest_checkpoint, save_checkpoint
 from diloco.worker.faults import StopRequested
-from diloco.worker.metrics import param_sha256
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -72,7 +72,7 @@ def test_fp32_precision_changes_nothing():
         kwargs = {} if precision is None else {"precision": precision}
         for _ in range(3):
             inner_step(model, optimizer, batch, lr=1e-3, grad_clip=1.0, **kwargs)
-        results.append(param_sha256(model.parameters()))
+        results.append(tensors_digest(model.parameters()))
     assert results[0] == results[1]
 
 
@@ -125,8 +125,8 @@ def test_global_copy_sits_on_the_chosen_device_and_resumes_bit_exact(tmp_path, g
     _train(resumed, resumed_inner, 3, precision="bf16")
     _sync(resumed_outer, 1)
 
-    assert param_sha256(resumed_outer.global_params) == param_sha256(outer.global_params)
-    assert param_sha256(resumed.parameters()) == param_sha256(model.parameters())
+    assert tensors_digest(resumed_outer.global_params) == tensors_digest(outer.global_params)
+    assert tensors_digest(resumed.parameters()) == tensors_digest(model.parameters())
 
 
 def test_a_bf16_worker_with_the_global_copy_beside_the_model_resumes_bit_exact(tmp_path):
