@@ -29,14 +29,14 @@ def _piece_digest(piece: memoryview) -> bytes:
 
 
 def _queue_host_copies(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.cuda.Event | None]]:
-    """Each tensor on the host: a CPU tensor as it is; a GPU tensor's copy into pinned memory,
+    """Each tensor on the host: a CPU tensor as it is; a CUDA tensor's copy into pinned memory,
     queued (all of them before any wait: the copies run while the first ones are hashed) with the
     event that marks it done."""
     copies = []
     for tensor in tensors:
         tensor = tensor.detach()
         if not tensor.is_cuda:
-            copies.append((tensor, None))
+            copies.append((tensor.to("cpu"), None))  # no copy for a CPU tensor
             continue
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
