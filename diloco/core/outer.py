@@ -9,7 +9,8 @@ Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new 
 Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
 other optimizer need no new code here, only a line in ``build_outer_optimizer``. SparseLoCo
 (``outer.optimizer=sparseloco``) is a plain step whose momentum is the error feedback of its
-top-k codec (compression/error_feedback.py; the rule's defaults: config/rules.py).
+top-k codec (compression/error_feedback.py; the rule's defaults: config/rules.py); with
+``outer.momentum`` above 0 the step is Nesterov's over the averaged sparse update.
 
 Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
 pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
@@ -49,7 +50,7 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
 class OuterConfig:
     optimizer: str = "nesterov"  # nesterov | sgd | adam | sparseloco (sgd with lr 1, momentum 0 is plain averaging)
     lr: float = 0.7  # outer learning rate
-    momentum: float = 0.9  # SGD momentum, or Adam's beta1 (sparseloco: unused, its error feedback is the momentum)
+    momentum: float = 0.9  # SGD momentum, or Adam's beta1 (sparseloco: Nesterov's over the sparse average; default 0)
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
     round_s: float = 0.0  # > 0: a round lasts this many seconds of inner steps, as many as each worker can run; 0 = H
     overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)
@@ -87,8 +88,8 @@ def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> t
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.momentum, 0.999))
-    if cfg.optimizer == "sparseloco":  # the decayed error feedback stands in for momentum (diloco/config/rules.py)
-        return torch.optim.SGD(params, lr=cfg.lr)
+    if cfg.optimizer == "sparseloco":  # the decayed error feedback is its momentum; outer.momentum adds Nesterov's
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
     raise ValueError(f"outer.optimizer={cfg.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
 
 

@@ -65,11 +65,17 @@ def _mean_of_senders(sent: tuple[torch.Tensor, ...], weights: tuple[float, ...])
 
 
 @pytest.mark.timeout(60)
-def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand():
-    cfg = load_config(
-        None, ["outer.optimizer=sparseloco", f"compression.topk_k={K}", f"compression.topk_chunk={CHUNK}"]
+@pytest.mark.parametrize("momentum", [None, 0.3])  # None: the rule's plain step
+def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentum):
+    overrides = ["outer.optimizer=sparseloco", f"compression.topk_k={K}", f"compression.topk_chunk={CHUNK}"]
+    cfg = load_config(None, overrides + ([f"outer.momentum={momentum}"] if momentum is not None else []))
+    mu = 0.0 if momentum is None else momentum
+    assert (cfg.outer.lr, cfg.outer.momentum, cfg.compression.name, cfg.compression.error_decay) == (
+        1.0,
+        mu,
+        "topk",
+        BETA,
     )
-    assert (cfg.outer.lr, cfg.compression.name, cfg.compression.error_decay) == (1.0, "topk", BETA)
     codec = build_codec(cfg.compression)
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(shape, generator=g) for shape in SHAPES]
@@ -79,8 +85,10 @@ def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand():
         for w in range(2)
     ]
     pair, weights = _Pair(codec), (1.0, 3.0)
-    # by hand: e <- beta e + delta; s = topk(e); e <- e - s; theta <- theta - lr x mean of s over its senders
+    # by hand: e <- beta e + delta; s = topk(e); e <- e - s; u = mean of s over its senders;
+    # Nesterov: b <- mu b + u (b = u at first); theta <- theta - lr x (u + mu b)
     theta, errors = [t.clone() for t in start], [[torch.zeros(s) for s in SHAPES] for _ in range(2)]
+    buffers = None
     for _ in range(2):
         deltas = [[torch.randn(shape, generator=g) * 0.01 for shape in SHAPES] for _ in range(2)]
         for w in range(2):
@@ -93,7 +101,8 @@ def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand():
             sent.append([_top_k_2bit(e) for e in errors[w]])
             errors[w] = [e - s for e, s in zip(errors[w], sent[w])]
         mean = [_mean_of_senders((a, b), weights) for a, b in zip(*sent)]
-        theta = [t - cfg.outer.lr * m for t, m in zip(theta, mean)]
+        buffers = mean if buffers is None else [mu * b + m for b, m in zip(buffers, mean)]
+        theta = [t - cfg.outer.lr * (m + mu * b) for t, m, b in zip(theta, mean, buffers)]
 
         threads = [
             threading.Thread(
