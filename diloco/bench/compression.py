@@ -4,8 +4,9 @@ M=4 workers, the reference budget (2000 inner steps, global batch 48), for each 
 dense DiLoCo (Nesterov, lr 1.0, momentum 0.8) and the same with every lossy codec of
 ``compression.name`` (error feedback on); SparseLoCo (``outer.optimizer=sparseloco``: top-k
 with decayed error feedback as its momentum, plain outer step) with the rule's settings and with
-those measured best here (``sparseloco-k160``: 160 of 4096 values, decay 0.9); and dense and
-SparseLoCo again at H=30 (``sparseloco-h30-k96``). Each arm is compared with the dense arm of
+those measured best here (``sparseloco-k184-m0.5``: 184 of 4096 values, decay 0.85, Nesterov
+momentum 0.5 over the averaged sparse update); and dense and SparseLoCo again at H=30
+(``sparseloco-h30-k96-m0.5``). Each arm is compared with the dense arm of
 its H. Bytes are those the simulator counts from the real payloads. DDP's bytes for the same
 budget (fp32 gradients every step, counted the same way) are computed, not run:
 ``steps x 2 (M-1)/M x payload``.
@@ -35,9 +36,10 @@ from diloco.errors import UsageError
 WORKERS = 4
 DENSE_OUTER = ("outer.optimizer=nesterov", "outer.lr=1.0", "outer.momentum=0.8")  # dense DiLoCo's best measured
 # SparseLoCo as measured best on this workload: more values a round than the rule's 64 of 4096,
-# as many as keep 2,000 x fewer bytes than DDP at each H, and what is held back decayed faster
-FITTED_SPARSELOCO = ("outer.optimizer=sparseloco", "compression.error_decay=0.9")
-FITTED_K = {50: 160, 30: 96}
+# as many as keep 2,000 x fewer bytes than DDP at each H, what is held back decayed faster, and
+# Nesterov momentum 0.5 over the averaged sparse update
+FITTED_SPARSELOCO = ("outer.optimizer=sparseloco", "outer.momentum=0.5", "compression.error_decay=0.85")
+FITTED_K = {50: 184, 30: 96}
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ def _arms() -> list[CodecArm]:
         sparse = Arm("sparseloco" + suffix, WORKERS, sync_every, ("outer.optimizer=sparseloco",))
         arms.append(CodecArm(sparse, "topk", 1.01, 2000))
         k = FITTED_K[sync_every]
-        fitted = Arm(f"sparseloco{suffix}-k{k}", WORKERS, sync_every, (*FITTED_SPARSELOCO, f"compression.topk_k={k}"))
+        extra = (*FITTED_SPARSELOCO, f"compression.topk_k={k}")
+        fitted = Arm(f"sparseloco{suffix}-k{k}-m0.5", WORKERS, sync_every, extra)
         arms.append(CodecArm(fitted, "topk", 1.01, 2000))
     return arms
 
