@@ -3,7 +3,7 @@
 M=4 workers, the reference budget (2000 inner steps, global batch 48), for each seed: at H=50
 dense DiLoCo (Nesterov, lr 1.0, momentum 0.8) and the same with every lossy codec of
 ``compression.name`` (error feedback on); SparseLoCo (``outer.optimizer=sparseloco``: top-k
-with decayed error feedback as its momentum, plain outer step) with the rule's settings and with
+with decayed error feedback as its momentum, a plain outer step) with the rule's settings and with
 those measured best here (``sparseloco-k184-m0.5``: 184 of 4096 values, decay 0.85, Nesterov
 momentum 0.5 over the averaged sparse update); and dense and SparseLoCo again at H=30
 (``sparseloco-h30-k96-m0.5``). Each arm is compared with the dense arm of
@@ -38,7 +38,12 @@ DENSE_OUTER = ("outer.optimizer=nesterov", "outer.lr=1.0", "outer.momentum=0.8")
 # SparseLoCo as measured best on this workload: more values a round than the rule's 64 of 4096,
 # as many as keep 2,000 x fewer bytes than DDP at each H, what is held back decayed faster, and
 # Nesterov momentum 0.5 over the averaged sparse update
-FITTED_SPARSELOCO = ("outer.optimizer=sparseloco", "outer.momentum=0.5", "compression.error_decay=0.85")
+FITTED_MOMENTUM = 0.5
+FITTED_SPARSELOCO = (
+    "outer.optimizer=sparseloco",
+    f"outer.sparseloco_momentum={FITTED_MOMENTUM}",
+    "compression.error_decay=0.85",
+)
 FITTED_K = {50: 184, 30: 96}
 
 
@@ -65,7 +70,7 @@ def _arms() -> list[CodecArm]:
         arms.append(CodecArm(sparse, "topk", 1.01, 2000))
         k = FITTED_K[sync_every]
         extra = (*FITTED_SPARSELOCO, f"compression.topk_k={k}")
-        fitted = Arm(f"sparseloco{suffix}-k{k}-m0.5", WORKERS, sync_every, extra)
+        fitted = Arm(f"sparseloco{suffix}-k{k}-m{FITTED_MOMENTUM}", WORKERS, sync_every, extra)
         arms.append(CodecArm(fitted, "topk", 1.01, 2000))
     return arms
 

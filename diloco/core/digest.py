@@ -3,17 +3,17 @@
 Workers compare their global params after every round (the digest in each round's record), and a
 worker that averaged in a partial round ranks its state by them. One sha256 over all the bytes
 runs on one core at about 1 GB/s: half a second a round for 111M parameters, a seventh of a round
-of 100 inner steps on an H200. So the bytes are cut into pieces of ``PIECE`` bytes, the pieces are
-hashed side by side (hashlib lets go of the GIL), and the digest is the sha256 over each tensor's
-dtype and shape and its pieces' sha256 digests, in order. It depends on the bytes alone, not on
-the device that held them or the number of cores. Tensors on a GPU are copied into pinned host
-memory, every copy queued at once, and each is hashed as soon as its copy is done.
+of 100 inner steps on an H200. So the bytes are cut into pieces of ``PIECE`` bytes, the pieces
+are hashed side by side on as many threads as torch uses (hashlib lets go of the GIL), and the
+digest is the sha256 over each tensor's dtype and shape and its pieces' sha256 digests, in order.
+It depends on the bytes alone, not on the device that held them or the number of threads.
+Tensors on a GPU are copied into pinned host memory, every copy queued at once, and each is hashed
+as soon as its copy is done.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -40,7 +40,7 @@ def _queue_host_copies(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, 
             continue
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # waited on without spinning a core the hashing needs
         done.record(torch.cuda.current_stream(tensor.device))
         copies.append((host, done))
     return copies
@@ -52,7 +52,7 @@ def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
     its bytes' pieces of ``PIECE`` bytes."""
     tensors = list(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors)
-    threads = min(MAX_THREADS, os.cpu_count() or 1, -(-size // PIECE))
+    threads = min(MAX_THREADS, torch.get_num_threads(), -(-size // PIECE))  # the worker's share of the cores
     digest = hashlib.sha256()
     with ThreadPoolExecutor(threads, thread_name_prefix="digest") if threads > 1 else nullcontext() as pool:
         pending: list[tuple[bytes, list[Future | bytes]]] = []

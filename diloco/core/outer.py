@@ -10,7 +10,7 @@ Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``;
 other optimizer need no new code here, only a line in ``build_outer_optimizer``. SparseLoCo
 (``outer.optimizer=sparseloco``) is a plain step whose momentum is the error feedback of its
 top-k codec (compression/error_feedback.py; the rule's defaults: config/rules.py); with
-``outer.momentum`` above 0 the step is Nesterov's over the averaged sparse update.
+``outer.sparseloco_momentum`` above 0 the step is Nesterov's over the averaged sparse update.
 
 Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
 pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
@@ -50,7 +50,8 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam", "sparseloco")
 class OuterConfig:
     optimizer: str = "nesterov"  # nesterov | sgd | adam | sparseloco (sgd with lr 1, momentum 0 is plain averaging)
     lr: float = 0.7  # outer learning rate
-    momentum: float = 0.9  # SGD momentum, or Adam's beta1 (sparseloco: Nesterov's over the sparse average; default 0)
+    momentum: float = 0.9  # SGD momentum, or Adam's beta1 (not sparseloco's: its error feedback is the momentum)
+    sparseloco_momentum: float = 0.0  # sparseloco: Nesterov momentum over the averaged sparse update (0: plain step)
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
     round_s: float = 0.0  # > 0: a round lasts this many seconds of inner steps, as many as each worker can run; 0 = H
     overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)
@@ -70,6 +71,7 @@ def validate_outer_config(cfg: OuterConfig) -> None:
     )
     require(cfg.lr > 0, f"outer.lr={cfg.lr} must be positive")
     require(0 <= cfg.momentum < 1, f"outer.momentum={cfg.momentum} must be in [0, 1)")
+    require(0 <= cfg.sparseloco_momentum < 1, f"outer.sparseloco_momentum={cfg.sparseloco_momentum} must be in [0, 1)")
     require(
         cfg.sync_every >= 0,
         f"outer.sync_every={cfg.sync_every} must be >= 0 (inner steps per round; 0 = data-parallel)",
@@ -88,8 +90,9 @@ def build_outer_optimizer(cfg: OuterConfig, params: Sequence[torch.Tensor]) -> t
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.momentum, 0.999))
-    if cfg.optimizer == "sparseloco":  # the decayed error feedback is its momentum; outer.momentum adds Nesterov's
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+    if cfg.optimizer == "sparseloco":  # its decayed error feedback is its momentum, Nesterov's on top if asked
+        momentum = cfg.sparseloco_momentum
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, nesterov=momentum > 0)
     raise ValueError(f"outer.optimizer={cfg.optimizer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
 
 

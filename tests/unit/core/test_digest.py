@@ -20,6 +20,7 @@ def test_equal_for_equal_tensors_and_sensitive_to_one_element():
 
 def test_pieces_hashed_side_by_side_give_the_digest_of_one_thread(monkeypatch):
     monkeypatch.setattr(digest, "PIECE", 64)  # 16 fp32 values a piece: many pieces, many threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # the tests run one torch thread
     tensors = [torch.randn(1000), torch.randn(7, 9), torch.randn(17)]
     many = tensors_digest(tensors)
     monkeypatch.setattr(digest, "MAX_THREADS", 1)

@@ -11,7 +11,7 @@ import torch
 from diloco.comm.base import CommBackend, Contribution, SyncResult, average_payloads
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import ConfigError, load_config
-from diloco.core.outer import OuterStep
+from diloco.core.outer import OuterStep, build_outer_optimizer
 
 K, CHUNK, BETA = 4, 64, 0.95
 SHAPES = [(10, 20), (70,)]  # 200 values: three full chunks and a tail; 70: one chunk and a tail
@@ -68,14 +68,11 @@ def _mean_of_senders(sent: tuple[torch.Tensor, ...], weights: tuple[float, ...])
 @pytest.mark.parametrize("momentum", [None, 0.3])  # None: the rule's plain step
 def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentum):
     overrides = ["outer.optimizer=sparseloco", f"compression.topk_k={K}", f"compression.topk_chunk={CHUNK}"]
-    cfg = load_config(None, overrides + ([f"outer.momentum={momentum}"] if momentum is not None else []))
+    extra = [f"outer.sparseloco_momentum={momentum}"] if momentum is not None else []
+    cfg = load_config(None, overrides + extra)
     mu = 0.0 if momentum is None else momentum
-    assert (cfg.outer.lr, cfg.outer.momentum, cfg.compression.name, cfg.compression.error_decay) == (
-        1.0,
-        mu,
-        "topk",
-        BETA,
-    )
+    assert (cfg.outer.lr, cfg.outer.sparseloco_momentum) == (1.0, mu)
+    assert (cfg.compression.name, cfg.compression.error_decay) == ("topk", BETA)
     codec = build_codec(cfg.compression)
     g = torch.Generator().manual_seed(0)
     start = [torch.randn(shape, generator=g) for shape in SHAPES]
@@ -122,6 +119,13 @@ def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentu
             for got, want in zip(outers[w].error_feedback.residuals, errors[w]):
                 torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(*(o.global_params for o in outers)))  # bit-identical peers
+
+
+def test_a_config_written_before_sparseloco_had_momentum_keeps_its_plain_step():
+    # such a config.yaml holds outer.momentum (0.9, the dataclass default) and no sparseloco_momentum
+    cfg = load_config(None, ["outer.optimizer=sparseloco", "outer.momentum=0.9"])
+    optimizer = build_outer_optimizer(cfg.outer, [torch.zeros(3, requires_grad=True)])
+    assert optimizer.defaults["momentum"] == 0 and not optimizer.defaults["nesterov"]
 
 
 def test_sparseloco_needs_the_error_feedback_of_a_lossy_codec_and_keeps_what_the_user_set():
