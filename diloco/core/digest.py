@@ -28,6 +28,13 @@ def _piece_digest(piece: memoryview) -> bytes:
     return hashlib.sha256(piece).digest()
 
 
+def _hash_now(function, piece: memoryview) -> Future:
+    """``function(piece)`` run here, as a done future: what a thread pool's ``submit`` returns."""
+    future: Future = Future()
+    future.set_result(function(piece))
+    return future
+
+
 def _queue_host_copies(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.cuda.Event | None]]:
     """Each tensor on the host: a CPU tensor as it is; a CUDA tensor's copy into pinned memory,
     queued (all of them before any wait: the copies run while the first ones are hashed) with the
@@ -55,16 +62,17 @@ def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
     threads = min(MAX_THREADS, torch.get_num_threads(), -(-size // PIECE))  # the worker's share of the cores
     digest = hashlib.sha256()
     with ThreadPoolExecutor(threads, thread_name_prefix="digest") if threads > 1 else nullcontext() as pool:
-        pending: list[tuple[bytes, list[Future | bytes]]] = []
+        submit = pool.submit if pool else _hash_now
+        pending: list[tuple[bytes, list[Future]]] = []
         for tensor, (host, copied) in zip(tensors, _queue_host_copies(tensors)):
             if copied is not None:
                 copied.synchronize()
             data = memoryview(host.contiguous().reshape(-1).view(torch.uint8).numpy())  # bytes of any dtype
             pieces = [data[start : start + PIECE] for start in range(0, len(data), PIECE)]
-            hashed = [pool.submit(_piece_digest, p) if pool else _piece_digest(p) for p in pieces]
+            hashed = [submit(_piece_digest, piece) for piece in pieces]
             pending.append((f"{tensor.dtype}{tuple(tensor.shape)}".encode(), hashed))
-        for header, pieces in pending:
+        for header, hashed in pending:
             digest.update(header)
-            for piece in pieces:
-                digest.update(piece.result() if isinstance(piece, Future) else piece)
+            for piece in hashed:
+                digest.update(piece.result())
     return digest.hexdigest()

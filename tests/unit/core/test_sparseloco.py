@@ -121,8 +121,8 @@ def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentu
     assert all(torch.equal(a, b) for a, b in zip(*(o.global_params for o in outers)))  # bit-identical peers
 
 
-def test_a_config_written_before_sparseloco_had_momentum_keeps_its_plain_step():
-    # such a config.yaml holds outer.momentum (0.9, the dataclass default) and no sparseloco_momentum
+def test_outer_momentum_leaves_sparseloco_a_plain_step():
+    # a run's config.yaml sets every key, outer.momentum (0.9 by default) too
     cfg = load_config(None, ["outer.optimizer=sparseloco", "outer.momentum=0.9"])
     optimizer = build_outer_optimizer(cfg.outer, [torch.zeros(3, requires_grad=True)])
     assert optimizer.defaults["momentum"] == 0 and not optimizer.defaults["nesterov"]
