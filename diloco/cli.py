@@ -10,6 +10,7 @@
     diloco config [CONFIG] [KEY=VALUE ...]                  # print the resolved configuration
     diloco config --reference                               # every key, type, default, meaning
     diloco plot runs/a runs/b --out curves.png              # loss against tokens, time and bytes
+    diloco corpus runs/pycorpus [--vocab 32768]             # site-packages' Python source, a BPE, a token cache
     diloco bench overhead                                   # inner-step throughput vs a bare loop
     diloco bench quality                                    # DiLoCo vs data-parallel at equal tokens
     diloco bench compression                                # each codec vs dense DiLoCo
@@ -101,6 +102,13 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="validation loss against tokens, wall time and bytes")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", required=True, help="PNG file to write")
+
+    corpus = commands.add_parser(
+        "corpus", help="the installed packages' Python source as a corpus: text shards, a trained BPE, a token cache"
+    )
+    corpus.add_argument("out_dir", metavar="OUT_DIR", help="folder for text/, tokenizer.json and cache/")
+    corpus.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary size (default 32768)")
+    corpus.add_argument("--max-bytes", type=int, default=0, help="collect at most this much text (default 0 = all)")
 
     from diloco.bench import add_benchmarks
 
@@ -311,6 +319,23 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_corpus(args) -> int:
+    from diloco.tools.corpus import build_corpus
+
+    if args.vocab <= 257 or args.vocab > 2**31:
+        raise UsageError(f"--vocab={args.vocab} must be above 257 (the 256 bytes and <|endoftext|>)")
+    if args.max_bytes < 0:
+        raise UsageError(f"--max-bytes={args.max_bytes} must be >= 0 (0 = all of it)")
+    summary = build_corpus(args.out_dir, vocab_size=args.vocab, max_bytes=args.max_bytes)
+    print(
+        f"corpus {summary['out_dir']}: {summary['files']} files, {summary['bytes'] / 1e6:.1f} MB of text, "
+        f"{summary['tokens']} tokens ({summary['dtype']}), vocab {summary['vocab_size']}, "
+        f"in {summary['seconds']:.0f} s; train with data.token_cache={summary['cache']}",
+        flush=True,
+    )
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from diloco.bench import run_benchmark
 
@@ -326,6 +351,7 @@ COMMANDS = {
     "bootstrap": _cmd_bootstrap,
     "config": _cmd_config,
     "plot": _cmd_plot,
+    "corpus": _cmd_corpus,
     "bench": _cmd_bench,
 }
 

@@ -7,8 +7,9 @@ Hugging Face dataset instead, and ``data.tokenizer`` turns any of these texts in
 tokenizer's ids (both in ``diloco/data/hf.py``). Whatever the source, the corpus is one flat
 token tensor, so sharding, sampling and evaluation below are one code path. With
 ``data.token_cache`` that tensor is a memory-mapped file built once from a streamed
-``data.dataset`` (``diloco/data/token_cache.py``), for corpora larger than memory: sampling only
-gathers windows from it, so pages are read from disk as windows need them.
+``data.dataset`` or ``data.path`` (``diloco/data/token_cache.py``), for corpora larger than
+memory: sampling only gathers windows from it, so pages are read from disk as windows need them.
+``data.token_cache`` alone uses the complete cache built there, whatever it was built from.
 
 Usage::
 
@@ -50,7 +51,7 @@ class DataConfig:
     val_fraction: float = 0.1  # last fraction of the corpus held out for validation
     max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
     shard_chunk: int = 0  # tokens: deal chunks of this size round-robin to the workers; 0 = one contiguous region each
-    token_cache: str = ""  # folder: stream data.dataset once into a memory-mapped token file there; "" = in memory
+    token_cache: str = ""  # folder: data.path/dataset ids built once, mmapped; alone: as built; "" = in memory
 
 
 def validate_data_config(data: DataConfig) -> None:
@@ -68,8 +69,8 @@ def validate_data_config(data: DataConfig) -> None:
         not data.tokenizer or Path(data.tokenizer).expanduser().exists(),
         f"data.tokenizer={data.tokenizer!r} does not exist (a local folder or tokenizer.json; nothing is downloaded)",
     )
-    # the token cache streams a Hugging Face dataset; data.path and the embedded corpus are read into memory
-    require(not data.token_cache or bool(data.dataset), "data.token_cache needs data.dataset (the corpus it caches)")
+    # the token cache streams data.dataset or data.path; alone, it names a cache built before (checked
+    # when the corpus loads: a machine may receive the cache after its config is checked)
     require(
         not Path(data.token_cache).expanduser().is_file(),
         f"data.token_cache={data.token_cache!r} is a file; it names a folder (created if missing)",
@@ -105,19 +106,28 @@ def embedded_corpus(cap: int = DEFAULT_CORPUS_CAP) -> bytes:
     return b"".join(chunks)[:cap]
 
 
-def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
-    """The text files under ``data.path``, one document each, in sorted order."""
+def text_files(path: str) -> list[Path]:
+    """The files ``data.path`` names: itself (a file), or its ``TEXT_SUFFIXES`` files in sorted order."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data.path {path!r} does not exist")
+    if p.is_file():
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise DataError(f"data.path {path!r} is a folder with no {'/'.join(TEXT_SUFFIXES)} files")
+    return files
+
+
+def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
+    """The text files under ``data.path``, one document each, in sorted order."""
+    p = Path(path).expanduser()
+    files = text_files(path)
     if p.is_file():
         data = p.read_bytes()[:cap] if cap else p.read_bytes()
         if not data:
             raise DataError(f"data.path {path!r} is an empty file")
         return [data], f"file {p}"
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise DataError(f"data.path {path!r} is a folder with no {'/'.join(TEXT_SUFFIXES)} files")
     documents = [f.read_bytes() for f in files]
     if not any(documents):
         raise DataError(f"data.path {path!r}: all {len(files)} text files are empty")
@@ -160,6 +170,8 @@ def _read_tokens(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Read the corpus named by ``cfg``, turn it into token ids, and split it into train (head) and val (tail)."""
     where = f"data.dataset={cfg.dataset!r}" if cfg.dataset else f"data.path={cfg.path!r}"
+    if cfg.token_cache and not (cfg.dataset or cfg.path):
+        where = f"data.token_cache={cfg.token_cache!r}"
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise DataError(f"data.val_fraction must be in [0, 1), got {cfg.val_fraction} ({where})")
     if cfg.max_bytes < 0:

@@ -8,11 +8,12 @@ glob, of one kind: ``.txt``/``.md`` (one row per line), ``.json``/``.jsonl``, ``
 read in order, each followed by a newline, until ``data.max_bytes`` of text (0 = all of it).
 
 ``data.tokenizer`` is a folder saved by ``save_pretrained`` (any fast tokenizer transformers can
-load locally) or a bare ``tokenizer.json``. Documents are tokenized in batches, without special
-tokens, and concatenated into one tensor of the narrowest dtype that holds the vocabulary.
+load locally) or a bare ``tokenizer.json`` (read by the ``tokenizers`` package alone: the same ids,
+no transformers needed). Documents are tokenized in batches, without special tokens, and
+concatenated into one tensor of the narrowest dtype that holds the vocabulary.
 
 Nothing is downloaded. The corpus is held in memory, unless ``data.token_cache`` names a folder:
-then the dataset is streamed into a memory-mapped file of token ids (``diloco/data/token_cache.py``).
+then the dataset (or ``data.path``) is streamed into a memory-mapped file of token ids (``diloco/data/token_cache.py``).
 """
 
 from __future__ import annotations
@@ -121,13 +122,39 @@ def read_dataset(cfg: DataConfig) -> tuple[list[bytes], str]:
     return documents, source
 
 
+class BareTokenizer:
+    """A ``tokenizer.json`` through the ``tokenizers`` package alone (no transformers), called as a
+    transformers fast tokenizer is for encoding: the same ids, no truncation, no padding."""
+
+    def __init__(self, path: Path) -> None:
+        tokenizers = import_hf("tokenizers", needed_for="data.tokenizer", error=DataError)
+        try:
+            self.backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise DataError(
+                f"data.tokenizer={str(path)!r} is not a tokenizer.json tokenizers can load: {first_line}"
+            ) from None
+        self.backend.no_truncation()
+        self.backend.no_padding()
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, texts: list[str], *, add_special_tokens: bool = False, verbose: bool = False) -> dict:
+        encode_batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)  # fast: no offsets
+        encodings = encode_batch(texts, add_special_tokens=add_special_tokens)
+        return {"input_ids": [encoding.ids for encoding in encodings]}
+
+
 def load_tokenizer(path: str):
-    """A fast tokenizer from a local folder or ``tokenizer.json``; ``DataError`` naming the key otherwise."""
-    transformers = import_hf("transformers", needed_for="data.tokenizer", error=DataError)
+    """A fast tokenizer from a local folder (transformers) or a ``tokenizer.json`` (``tokenizers``
+    alone); ``DataError`` naming the key otherwise."""
     location = Path(path).expanduser()
+    if location.is_file():
+        return BareTokenizer(location)
+    transformers = import_hf("transformers", needed_for="data.tokenizer", error=DataError)
     try:
-        if location.is_file():
-            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(location))
         return transformers.AutoTokenizer.from_pretrained(str(location), local_files_only=True)
     except (OSError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

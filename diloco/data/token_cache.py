@@ -1,19 +1,24 @@
 """A token cache for corpora larger than memory (``data.token_cache``, a folder).
 
 The first run streams ``data.dataset`` (data files through ``load_dataset(..., streaming=True)``,
-a ``save_to_disk`` folder batch by batch), tokenizes it in batches and appends the ids to a flat
-binary file of the narrowest dtype (``token_dtype``). Every later load, and every worker of a run
+a ``save_to_disk`` folder batch by batch) or ``data.path`` (its text files, file by file, one
+document each, without the ``datasets`` package), tokenizes it in batches and appends the ids to a
+flat binary file of the narrowest dtype (``token_dtype``). Every later load, and every worker of a run
 on this machine, memory-maps that file (``numpy.memmap`` under ``torch.from_numpy``: no copy, pages
 come from disk as sampling touches them) as long as its header says it was built, completely,
 from the same source and tokenizer. The folder holds:
 
 - ``tokens.bin``: the token ids, one after another (written as ``tokens.bin.partial``, then renamed);
-- ``tokens.json``: the header. What the ids were built from (dataset path, split, column,
-  ``data.max_bytes``, tokenizer path, and a fingerprint of the names, sizes and mtimes of their
+- ``tokens.json``: the header. What the ids were built from (dataset path, split, column, or the
+  text path; ``data.max_bytes``, tokenizer path, and a fingerprint of the names, sizes and mtimes of their
   files), the vocabulary size, dtype and token count, and ``"complete": true``, written last. A
   build that dies half-way leaves ``"complete": false`` and is rebuilt, never used;
 - ``tokens.lock``: held (``flock``) by the one process that checks or builds the cache, so workers
   starting together on one machine build it once: the others wait, then find it complete.
+
+``data.token_cache`` with neither ``data.path`` nor ``data.dataset`` uses the complete cache in
+that folder as it was built, whatever its source (a machine that received a prebuilt cache, e.g.
+from ``diloco corpus``, without the raw text); nothing there is a one-line ``DataError``.
 """
 
 from __future__ import annotations
@@ -32,31 +37,56 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.data.corpus import BYTE_VOCAB_SIZE, DataConfig, DataError, token_dtype
+from diloco.data.corpus import BYTE_VOCAB_SIZE, DataConfig, DataError, text_files, token_dtype
 
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the file layout or the tokenization rule changes: old caches rebuild
 TOKENS_FILE, HEADER_FILE, LOCK_FILE = "tokens.bin", "tokens.json", "tokens.lock"
 PROGRESS_EVERY_TOKENS = 10_000_000  # a log line each time the build passes another 10 M tokens
+BATCH_BYTES, BATCH_FILES = 32 << 20, 1024  # data.path: files read into one batch until either is reached
 
 Encoder = Callable[[list[bytes]], np.ndarray]  # documents -> their token ids, flat
 
 
 def load_token_cache(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:
-    """The token ids of ``data.dataset`` memory-mapped from ``data.token_cache`` (built first if
-    missing, incomplete or built from something else), its vocabulary size, and its source."""
+    """The token ids of ``data.dataset`` or ``data.path`` memory-mapped from ``data.token_cache``
+    (built first if missing, incomplete or built from something else), its vocabulary size, and its
+    source; with neither, the complete cache there as it was built."""
     folder = Path(cfg.token_cache).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    identity = _identity(cfg)
-    with _exclusive(folder / LOCK_FILE):
-        header = _read_header(folder)
-        if _is_usable(header, identity, folder):
-            logger.info("token cache %s: reusing %d tokens", folder, header["tokens"])
-        else:
-            header = _build(cfg, folder, identity)
+    if not (cfg.dataset or cfg.path):
+        header = _prebuilt(cfg, folder)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        identity = _identity(cfg)
+        with _exclusive(folder / LOCK_FILE):
+            header = _read_header(folder)
+            if _is_usable(header, identity, folder):
+                logger.info("token cache %s: reusing %d tokens", folder, header["tokens"])
+            else:
+                header = _build(cfg, folder, identity)
     tokens = np.memmap(folder / TOKENS_FILE, dtype=header["dtype"], mode="c", shape=(header["tokens"],))
     return torch.from_numpy(tokens), header["vocab_size"], header["source"]
+
+
+def _prebuilt(cfg: DataConfig, folder: Path) -> dict[str, Any]:
+    """The header of the complete cache in ``folder``, whatever its source; ``DataError`` if none."""
+    how = "build one with `diloco corpus OUT_DIR` (then data.token_cache=OUT_DIR/cache) or set data.path/data.dataset"
+    if not folder.is_dir():
+        raise DataError(
+            f"data.token_cache={cfg.token_cache!r} does not exist and there is no source to build it: {how}"
+        )
+    try:
+        with _exclusive(folder / LOCK_FILE):  # a build under way on this machine: wait for it
+            header = _read_header(folder)
+    except OSError:  # a read-only copy of a cache: nobody builds there
+        header = _read_header(folder)
+    if not _is_complete(header, folder):
+        raise DataError(f"data.token_cache={cfg.token_cache!r} holds no complete token cache: {how}")
+    if cfg.max_bytes or cfg.tokenizer:
+        logger.info("token cache %s: used as built; data.max_bytes and data.tokenizer do not apply", folder)
+    logger.info("token cache %s: reusing %d tokens (%s)", folder, header["tokens"], header.get("source", "?"))
+    return header
 
 
 def _files_fingerprint(spec: str) -> str:
@@ -75,6 +105,15 @@ def _files_fingerprint(spec: str) -> str:
 
 def _identity(cfg: DataConfig) -> dict[str, Any]:
     """What the cached ids depend on; a header that differs in any of these is rebuilt."""
+    if cfg.path:
+        return {
+            "format": CACHE_FORMAT,
+            "path": str(Path(cfg.path).expanduser().absolute()),
+            "path_files": _files_fingerprint(cfg.path),
+            "max_bytes": cfg.max_bytes,
+            "tokenizer": str(Path(cfg.tokenizer).expanduser().absolute()) if cfg.tokenizer else "",
+            "tokenizer_files": _files_fingerprint(cfg.tokenizer) if cfg.tokenizer else "",
+        }
     return {
         "format": CACHE_FORMAT,
         "dataset": str(Path(cfg.dataset).expanduser().absolute()),
@@ -118,7 +157,12 @@ def _write_header(folder: Path, header: dict[str, Any]) -> None:
 
 def _is_usable(header: dict[str, Any], identity: dict[str, Any], folder: Path) -> bool:
     """A complete build from the same source and tokenizer, its file as long as the header says."""
-    if not header.get("complete") or any(header.get(key) != value for key, value in identity.items()):
+    return all(header.get(key) == value for key, value in identity.items()) and _is_complete(header, folder)
+
+
+def _is_complete(header: dict[str, Any], folder: Path) -> bool:
+    """Marked complete, its file as long as the header says."""
+    if not header.get("complete"):
         return False
     expected_bytes = header["tokens"] * np.dtype(header["dtype"]).itemsize
     tokens_file = folder / TOKENS_FILE
@@ -137,21 +181,48 @@ def _encoder(tokenizer_path: str) -> tuple[Encoder, int, str]:
 
 def _build(cfg: DataConfig, folder: Path, identity: dict[str, Any]) -> dict[str, Any]:
     """Stream, tokenize and append the whole dataset to ``tokens.bin``; the completed header."""
-    from diloco.data.hf import open_documents, within_budget
+    from diloco.data.hf import within_budget
 
-    batches, source = open_documents(cfg, streaming=True)
+    batches, source = _open_source(cfg)
     encode, vocab_size, tokenized_by = _encoder(cfg.tokenizer)
     dtype = np.dtype(str(token_dtype(vocab_size)).removeprefix("torch."))
     header = {**identity, "source": source + tokenized_by, "vocab_size": vocab_size, "dtype": dtype.name}
     _write_header(folder, {**header, "tokens": 0, "complete": False})
     logger.info("token cache %s: building from %s", folder, header["source"])
     count = _append_tokens(folder / TOKENS_FILE, within_budget(batches, cfg.max_bytes), encode, dtype)
-    if count == 0:
+    if count == 0 and cfg.dataset:
         raise DataError(f"data.dataset={cfg.dataset!r} holds no text in column {cfg.text_field!r}")
+    if count == 0:
+        raise DataError(f"data.path={cfg.path!r}: its text files are empty")
     header.update(tokens=count, complete=True)
     _write_header(folder, header)
     logger.info("token cache %s: built, %d tokens (%s)", folder, count, dtype.name)
     return header
+
+
+def _open_source(cfg: DataConfig) -> tuple[Iterator[list[bytes]], str]:
+    """The documents of ``data.dataset`` or ``data.path`` in batches, read lazily, and a description."""
+    if cfg.dataset:
+        from diloco.data.hf import open_documents
+
+        return open_documents(cfg, streaming=True)
+    files = text_files(cfg.path)
+    where = Path(cfg.path).expanduser()
+    return _file_batches(files), f"file {where}" if where.is_file() else f"{len(files)} text files under {where}"
+
+
+def _file_batches(files: list[Path]) -> Iterator[list[bytes]]:
+    """Each file one document, read in order and batched by ``BATCH_BYTES`` / ``BATCH_FILES``."""
+    batch: list[bytes] = []
+    size = read = 0
+    for index, file in enumerate(files):
+        batch.append(file.read_bytes())
+        size += len(batch[-1])
+        if size >= BATCH_BYTES or len(batch) >= BATCH_FILES or index == len(files) - 1:
+            read += size
+            logger.info("token cache: read %d of %d files (%.1f MB)", index + 1, len(files), read / 1e6)
+            yield batch
+            batch, size = [], 0
 
 
 def _append_tokens(path: Path, batches: Iterator[list[bytes]], encode: Encoder, dtype: np.dtype) -> int:
