@@ -23,6 +23,10 @@ BENCHMARKS = {
         "compute utilization of each overlap strategy on shaped links, all-reduce efficiency (root)",
     ),
     "gpu": ("diloco.bench.gpu", "one GPU: inner-step tokens/s and MFU, the outer sync's local work"),
+    "gpu-train": (
+        "diloco.bench.gpu_train",
+        "one GPU end to end: M workers over hivemind with a restart, one worker alone, DiLoCo against data-parallel",
+    ),
     "compression": ("diloco.bench.compression", "each compression codec against dense DiLoCo (M=4, H=50)"),
 }
 

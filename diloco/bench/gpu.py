@@ -12,7 +12,11 @@ In under 5 minutes on one GPU it measures, with the project's own code (``inner_
   nobody, so no codec and no network) and the digest of the global params that every round's
   record carries (core/digest.py) for each ``outer.global_device``, as a share of a round of
   H=100 inner steps: local work / (H x step time + local work);
-- **peak GPU memory** of the inner steps.
+- **peak GPU memory** of the inner steps;
+- **the levers on MFU**, each an arm of its own (``LEVERS``; ``--levers`` picks them): the
+  batch (32, 64: the latter is a 4-worker run's global batch on one GPU), the attention kernel
+  (cuDNN's instead of the default flash kernel), compile's autotuning mode. The built-in GPT's
+  32,768-token vocabulary is already a multiple of 128: there is nothing to pad.
 
 MFU = flops_per_token x tokens/s / the GPU's peak dense bf16 FLOP/s (``PEAK_BF16_TFLOPS`` by
 device name, or ``--peak-tflops``), with flops_per_token = 6 N + 12 L T d: N the params without
@@ -32,6 +36,7 @@ Human-readable lines first, then one JSON line, also written to ``OUT/gpu.json``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -47,6 +52,7 @@ from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep
+from diloco.errors import UsageError
 from diloco.models.gpt import ModelConfig, build_model
 
 # peak dense (no sparsity) bf16 tensor-core TFLOP/s from the vendors' data sheets; the first
@@ -81,6 +87,40 @@ class BenchSize:
     repeats: int = 3
     outer_repeats: int = 5  # timed outer syncs per global device, after one untimed
     sync_every: int = 100  # H, for the outer sync's share of a round
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One way of running the inner step: eager or compiled (in which mode), at which batch, with
+    which attention kernel. ``batch`` 0 is the size's own."""
+
+    name: str
+    compile_mode: str | None = "default"  # None: eager; else torch.compile's mode
+    batch: int = 0
+    attention: str = "default"  # default: PyTorch's choice / cudnn: cuDNN's fused attention
+
+
+# the arms measured by default, in order; the first two are the figures of earlier versions
+LEVERS = {
+    lever.name: lever
+    for lever in (
+        Lever("eager", compile_mode=None),
+        Lever("compiled"),
+        Lever("compiled-cudnn-attention", attention="cudnn"),
+        Lever("compiled-batch32", batch=32),
+        Lever("compiled-batch64", batch=64),
+        Lever("compiled-batch64-cudnn-attention", batch=64, attention="cudnn"),
+        Lever("compiled-max-autotune", compile_mode="max-autotune-no-cudagraphs"),
+    )
+}
+DEFAULT_LEVERS = (
+    "eager",
+    "compiled",
+    "compiled-cudnn-attention",
+    "compiled-batch32",
+    "compiled-batch64",
+    "compiled-batch64-cudnn-attention",
+)
 
 
 # a code-path check that runs in seconds on a CPU (the tests' and CI's)
@@ -118,11 +158,22 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device) -> float:
+def _attention(kind: str):
+    """The context that picks the attention kernel of ``scaled_dot_product_attention``."""
+    if kind == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    return sdpa_kernel([backends[kind]])
+
+
+def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device, attention: str) -> float:
     """Median seconds per inner step over ``size.repeats`` repeats, after ``size.warmup_steps``."""
 
     def step() -> None:
-        inner_step(model, optimizer, batch, lr=1e-4, grad_clip=1.0, precision="bf16")
+        with _attention(attention):
+            inner_step(model, optimizer, batch, lr=1e-4, grad_clip=1.0, precision="bf16")
 
     for _ in range(size.warmup_steps):
         step()
@@ -135,6 +186,37 @@ def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device
         _synchronize(device)  # the host runs ahead of the GPU: time to the end of its work
         per_step.append((time.perf_counter() - started) / size.steps)
     return statistics.median(per_step)
+
+
+def _build(size: BenchSize, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(n_layer=size.layers, n_head=size.heads, n_embd=size.width, block_size=size.context)
+    return build_model(model_cfg, vocab_size=size.vocab).to(device)
+
+
+def measure_lever(lever: Lever, size: BenchSize, device: torch.device, flops: int, peak_tflops: float | None) -> dict:
+    """One arm on a fresh model and optimizer: its step time, tokens/s, MFU and peak GPU memory.
+    A failure (a compiler or kernel missing on this machine) is the arm's ``error``, not fatal."""
+    size = replace(size, batch=lever.batch or size.batch)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.reset()  # each arm compiles afresh (the on-disk caches stay)
+    started = time.perf_counter()
+    try:
+        model = _build(size, device)
+        optimizer = build_inner_optimizer(InnerConfig(), model)
+        if lever.compile_mode is not None:
+            model.compile(mode=None if lever.compile_mode == "default" else lever.compile_mode)  # in place
+        tokens = torch.randint(0, size.vocab, (size.batch, size.context + 1), device=device)
+        step_s = _inner_step_s(model, optimizer, (tokens[:, :-1], tokens[:, 1:]), size, device, lever.attention)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}", "batch": size.batch}
+    figures = {"batch": size.batch, **_arm(step_s, size, flops, peak_tflops)}
+    figures["wall_s"] = time.perf_counter() - started
+    if device.type == "cuda":
+        figures["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return figures
 
 
 def _outer_sync_s(model: torch.nn.Module, global_device: str, size: BenchSize, device: torch.device) -> dict:
@@ -165,8 +247,53 @@ def _arm(step_s: float, size: BenchSize, flops: int, peak_tflops: float | None) 
     return {"step_s": step_s, "tokens_per_s": tokens_per_s, "mfu": mfu}
 
 
+def _print_lever(name: str, figures: dict, size: BenchSize) -> None:
+    if "error" in figures:
+        print(f"inner step ({name}): failed: {figures['error']}")
+        return
+    mfu = f"MFU {figures['mfu']:.1%}" if figures["mfu"] is not None else "MFU ? (no peak for this device)"
+    memory = f", peak {figures['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in figures else ""
+    print(
+        f"inner step ({name}, batch {figures['batch']}): {figures['tokens_per_s']:,.0f} tok/s, "
+        f"{figures['step_s'] * 1e3:.1f} ms/step, {mfu}{memory} (target >= {TARGET_MFU:.0%}; "
+        f"median of {size.repeats} x {size.steps} steps; {figures['wall_s']:.0f} s with compiling)"
+    )
+
+
+def _outer_figures(size: BenchSize, device: torch.device, step_s: float) -> dict:
+    """The outer sync's local work and the digest, per global device, as a share of a round of
+    ``size.sync_every`` steps of ``step_s``."""
+    model, outer = _build(size, device), {}
+    for global_device in GLOBAL_DEVICES:
+        figures = _outer_sync_s(model, global_device, size, device)
+        local_s = figures["sync_s"] + figures["digest_s"]
+        figures["round_fraction"] = local_s / (size.sync_every * step_s + local_s)
+        outer[global_device] = figures
+        print(
+            f"outer sync, local work, outer.global_device={global_device}: {figures['sync_s'] * 1e3:.1f} ms "
+            f"+ {figures['digest_s'] * 1e3:.1f} ms for the params' digest = "
+            f"{figures['round_fraction']:.2%} of a round of H={size.sync_every} (target < {TARGET_OUTER_FRACTION:.0%})"
+        )
+    return outer
+
+
+def _write(out: Path, record: dict) -> str:
+    """Write ``record`` to ``out/gpu.json`` (after every arm: a run stopped part-way keeps what it measured)."""
+    line = json.dumps(record)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "gpu.json.partial"
+    partial.write_text(line + "\n")
+    partial.replace(out / "gpu.json")
+    return line
+
+
 def run_gpu_benchmark(
-    *, size: BenchSize, out: Path, allow_cpu: bool = False, peak_tflops: float | None = None, compile_model: bool = True
+    *,
+    size: BenchSize,
+    out: Path,
+    allow_cpu: bool = False,
+    peak_tflops: float | None = None,
+    levers: Sequence[str] = DEFAULT_LEVERS,
 ) -> int:
     """Measure, print the figures and one JSON line, write it to ``out/gpu.json``. Raises
     ``NoCudaDevice`` when no GPU is visible and ``allow_cpu`` is not set."""
@@ -181,16 +308,10 @@ def run_gpu_benchmark(
     if peak_tflops is None and device.type == "cuda":
         peak_tflops = peak_tflops_for(device_name)
         peak_source = "table" if peak_tflops else None
-
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(n_layer=size.layers, n_head=size.heads, n_embd=size.width, block_size=size.context)
-    model = build_model(model_cfg, vocab_size=size.vocab).to(device)
-    optimizer = build_inner_optimizer(InnerConfig(), model)
-    fused = bool(optimizer.defaults.get("fused"))
-    tokens = torch.randint(0, size.vocab, (size.batch, size.context + 1), device=device)
-    batch = (tokens[:, :-1], tokens[:, 1:])
-    params = sum(p.numel() for p in model.parameters())
-    flops = flops_per_token(model, size)
+    model = _build(size, device)
+    params, flops = sum(p.numel() for p in model.parameters()), flops_per_token(model, size)
+    fused = bool(build_inner_optimizer(InnerConfig(), model).defaults.get("fused"))
+    del model
     print(
         f"gpu bench: {device_name} (peak {peak_tflops or '?'} TFLOP/s bf16"
         f"{', from ' + peak_source if peak_source else ''}), torch {torch.__version__}"
@@ -200,50 +321,6 @@ def run_gpu_benchmark(
         f"{params / 1e6:.1f}M params; batch {size.batch} x {size.context}; bf16 autocast, "
         f"{'fused' if fused else 'foreach'} AdamW; {flops / 1e9:.2f} GFLOP/token"
     )
-
-    inner, peak_bytes = {}, []
-    arms = ["eager"] + (["compiled"] if compile_model else [])
-    for arm in arms:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            if arm == "compiled":
-                model.compile()  # in place, as worker.compile=true does
-            inner[arm] = _arm(_inner_step_s(model, optimizer, batch, size, device), size, flops, peak_tflops)
-        except Exception as error:  # a compiler missing on this machine must not cost the other figures
-            inner[arm] = {"error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"}
-            print(f"inner step ({arm}): failed: {inner[arm]['error']}")
-            continue
-        if device.type == "cuda":
-            peak_bytes.append(torch.cuda.max_memory_allocated(device))
-        figures = inner[arm]
-        mfu = f"MFU {figures['mfu']:.1%}" if figures["mfu"] is not None else "MFU ? (no peak for this device)"
-        print(
-            f"inner step ({arm}): {figures['tokens_per_s']:,.0f} tok/s, {figures['step_s'] * 1e3:.1f} ms/step, "
-            f"{mfu} (target >= {TARGET_MFU:.0%}; median of {size.repeats} x {size.steps} steps)"
-        )
-    measured = [figures for figures in inner.values() if "step_s" in figures]
-    if not measured:
-        raise RuntimeError("no inner-step arm ran; see the lines above")
-    best = min(measured, key=lambda figures: figures["step_s"])
-
-    outer = {}
-    round_steps_s = size.sync_every * best["step_s"]
-    for global_device in GLOBAL_DEVICES:
-        figures = _outer_sync_s(model, global_device, size, device)
-        local_s = figures["sync_s"] + figures["digest_s"]
-        figures["round_fraction"] = local_s / (round_steps_s + local_s)
-        outer[global_device] = figures
-        print(
-            f"outer sync, local work, outer.global_device={global_device}: {figures['sync_s'] * 1e3:.1f} ms "
-            f"+ {figures['digest_s'] * 1e3:.1f} ms for the params' digest = "
-            f"{figures['round_fraction']:.2%} of a round of H={size.sync_every} (target < {TARGET_OUTER_FRACTION:.0%})"
-        )
-    outer_fraction = min(figures["round_fraction"] for figures in outer.values())
-    peak_memory_gb = max(peak_bytes) / 1e9 if peak_bytes else None
-    if peak_memory_gb is not None:
-        print(f"peak GPU memory (inner steps): {peak_memory_gb:.2f} GB")
-
     record = {
         "bench": "gpu",
         "device": device.type,
@@ -256,25 +333,50 @@ def run_gpu_benchmark(
         "flops_per_token": flops,
         "peak_tflops": peak_tflops,
         "peak_tflops_source": peak_source,
-        "inner": inner,
-        "tokens_per_s": best["tokens_per_s"],
-        "mfu": best["mfu"],
-        "outer": outer,
-        "outer_round_fraction": outer_fraction,
-        "peak_memory_gb": peak_memory_gb,
+        "inner": {},
         "targets": {"mfu": TARGET_MFU, "outer_round_fraction": TARGET_OUTER_FRACTION},
-        "meets": {
-            "mfu": best["mfu"] >= TARGET_MFU if best["mfu"] is not None else None,
-            "outer_round_fraction": outer_fraction < TARGET_OUTER_FRACTION,
-        },
-        "wall_s": time.perf_counter() - started,
+        "complete": False,
     }
-    line = json.dumps(record)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(line + "\n")
-    print(line)
+    for name in levers:
+        record["inner"][name] = measure_lever(LEVERS[name], size, device, flops, peak_tflops)
+        _print_lever(name, record["inner"][name], size)
+        _write(out, {**record, "wall_s": time.perf_counter() - started})
+    _summarize(record, size, device)
+    record.update(complete=True, wall_s=time.perf_counter() - started)
+    print(_write(out, record))
     print(f"wrote {out / 'gpu.json'}", file=sys.stderr)
     return 0
+
+
+def _summarize(record: dict, size: BenchSize, device: torch.device) -> None:
+    """The best arm at the base batch (the headline MFU), the best of all, and the outer sync's
+    share of a round of the base batch's step; into ``record``."""
+    measured = {name: figures for name, figures in record["inner"].items() if "step_s" in figures}
+    if not measured:
+        raise RuntimeError("no inner-step arm ran; see the lines above")
+    at_batch = [f for f in measured.values() if f["batch"] == size.batch] or list(measured.values())
+    best = min(at_batch, key=lambda figures: figures["step_s"])
+    best_any = max(measured.items(), key=lambda item: item[1]["tokens_per_s"])
+    outer = _outer_figures(size, device, best["step_s"])
+    outer_fraction = min(figures["round_fraction"] for figures in outer.values())
+    peaks = [f["peak_memory_gb"] for f in at_batch if "peak_memory_gb" in f]
+    record.update(
+        tokens_per_s=best["tokens_per_s"],
+        mfu=best["mfu"],
+        best_lever=best_any[0],
+        best_mfu=best_any[1]["mfu"],
+        outer=outer,
+        outer_round_fraction=outer_fraction,
+        peak_memory_gb=max(peaks) if peaks else None,
+        meets={
+            "mfu": best_any[1]["mfu"] >= TARGET_MFU if best_any[1]["mfu"] is not None else None,
+            "outer_round_fraction": outer_fraction < TARGET_OUTER_FRACTION,
+        },
+    )
+    if best_any[1]["mfu"] is not None:
+        print(f"best arm: {best_any[0]}, MFU {best_any[1]['mfu']:.1%} (target >= {TARGET_MFU:.0%})")
+    if record["peak_memory_gb"] is not None:
+        print(f"peak GPU memory (inner steps, batch {size.batch}): {record['peak_memory_gb']:.2f} GB")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -287,8 +389,20 @@ def run_from_args(args: argparse.Namespace) -> int:
         out=Path(args.out),
         allow_cpu=args.allow_cpu or args.smoke,
         peak_tflops=args.peak_tflops,
-        compile_model=not args.no_compile and torch.cuda.is_available(),
+        levers=_chosen_levers(args),
     )
+
+
+def _chosen_levers(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--levers`` as given, or the defaults less the compiled arms on the CPU; with ``--no-compile``
+    only the eager arm."""
+    names = tuple(args.levers.split(",")) if args.levers else DEFAULT_LEVERS
+    unknown = [name for name in names if name not in LEVERS]
+    if unknown:
+        raise UsageError(f"--levers: {', '.join(unknown)} not among {', '.join(LEVERS)}")
+    if args.no_compile or (not args.levers and not torch.cuda.is_available()):
+        names = tuple(name for name in names if LEVERS[name].compile_mode is None) or ("eager",)
+    return names
 
 
 def add_arguments(parser) -> None:
@@ -300,14 +414,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, help="repeats of the timed steps (default 3)")
     parser.add_argument("--sync-every", type=int, help="H, for the outer sync's share of a round (default 100)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by its name)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arm")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arms")
+    parser.add_argument("--levers", help=f"comma-separated arms among {', '.join(LEVERS)} (default: all but the last)")
     parser.add_argument("--out", default="runs/bench-gpu", help="output folder (gpu.json)")
 
 
 def main(args: argparse.Namespace) -> int:
     """``diloco bench gpu``."""
-    from diloco.errors import UsageError
-
     try:
         return run_from_args(args)
     except NoCudaDevice as error:
@@ -321,7 +434,7 @@ def standalone(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     try:
         return run_from_args(parser.parse_args(argv))
-    except NoCudaDevice as error:
+    except (NoCudaDevice, UsageError) as error:
         print(f"diloco: error: {error}", file=sys.stderr)
         return 2
 

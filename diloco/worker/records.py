@@ -179,6 +179,7 @@ class WorkerLog:
             "wall_s": round(self.elapsed_s(), 3),
             "param_count": param_count,
             "peak_rss_bytes": peak_rss_bytes(),
+            "peak_gpu_bytes": peak_gpu_bytes(),
             "param_sha256": param_hash,
         }
         self._emit(record, step)
@@ -194,6 +195,13 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def peak_gpu_bytes() -> int:
+    """The most GPU memory PyTorch's allocator has held for tensors in this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
 
 
 def totals_state(totals: Totals, log: WorkerLog) -> dict:
