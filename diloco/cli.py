@@ -240,7 +240,14 @@ def _local_run_config(args):
     corpus = load_corpus(cfg.data)
     on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()  # the workers all on one machine
     device = torch.device("cuda" if on_gpu else "cpu")
-    check_model_fits(cfg.model, vocab_size=corpus.vocab_size, device=device, workers_here=args.workers)
+    check_model_fits(
+        cfg.model,
+        vocab_size=corpus.vocab_size,
+        device=device,
+        workers_here=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: one step at a time
+        batch_size=cfg.inner.batch_size,
+        global_on_gpu=cfg.outer.global_device == "model",
+    )
     return cfg, config_path, overrides
 
 
@@ -369,6 +376,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _is_out_of_gpu_memory(error: Exception) -> bool:
+    torch = sys.modules.get("torch")  # imported only by the commands that use it
+    return torch is not None and isinstance(error, torch.cuda.OutOfMemoryError)
+
+
+def _out_of_gpu_memory() -> str:
+    """The one line for a worker whose GPU ran out of memory (its checkpoints stay on disk)."""
+    import torch
+
+    reached = ""
+    if torch.cuda.is_available():
+        used, total = torch.cuda.max_memory_reserved(), torch.cuda.get_device_properties(0).total_memory
+        reached = f" (this process reached {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+    return (
+        f"the GPU ran out of memory{reached}: "
+        "lower inner.batch_size, run fewer workers on this GPU (worker.gpu_memory_fraction is each one's "
+        "share), or choose a smaller model; rerunning the same command resumes from the last checkpoint"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(
@@ -386,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except UserError as error:  # errors.py: every mistake the user has to fix
         print(f"diloco: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as error:
+        if not _is_out_of_gpu_memory(error):
+            raise
+        print(f"diloco: error: {_out_of_gpu_memory()}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("diloco: interrupted", file=sys.stderr)

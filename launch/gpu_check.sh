@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# One GPU, under 10 minutes: the framework measured and trained end to end on it. Every step writes
-# its figures under $OUT_DIR as soon as it ends, so a run stopped part-way keeps what it measured.
+# One GPU: the framework measured and trained end to end on it, in steps that each write their
+# figures under $OUT_DIR as soon as they end (a run stopped part-way keeps what it measured):
 #
-#   1. the CUDA unit tests (tests/unit/test_gpu_path.py: fused AdamW, pinned copies, compiled
-#      state_dict keys, the global copy on the GPU)                          -> $OUT_DIR/pytest.log
-#   2. `diloco bench gpu`: the inner step's tokens/s and MFU of the 111M GPT, eager and compiled,
-#      with each lever on MFU as an arm (batch 64, cuDNN attention), and a round's local work
-#                                                                           -> $OUT_DIR/gpu.json
-#   3. `diloco bench gpu-train`: 4 workers over hivemind sharing the GPU (one killed and restarted
-#      mid-run), one worker alone at the global batch (the data-parallel baseline), 4 simulated
-#      DiLoCo workers at equal tokens, all on the real corpus                 -> $OUT_DIR/gpu-train.json
+#   pytest   the CUDA unit tests (tests/unit/test_gpu_path.py: fused AdamW, pinned copies, compiled
+#            state_dict keys, the global copy on the GPU)                       -> pytest.log
+#   bench    `diloco bench gpu`: the 111M GPT's inner step, eager and compiled, each lever on MFU
+#            an arm of its own, and a round's local work (~3 min)             -> gpu.json, bench.log
+#   run      `diloco bench gpu-train --parts run`: 4 workers over hivemind sharing the GPU, one
+#            killed and restarted mid-run (~3.5 min)               -> gpu-train-run.json, run.log
+#   quality  `diloco bench gpu-train --parts alone,diloco`: one worker at the global batch (the
+#            data-parallel baseline) and 4 simulated DiLoCo workers at equal tokens, on the real
+#            corpus (~5.5 min)                                 -> gpu-train-quality.json, quality.log
 #
-#   bash launch/gpu_check.sh                          # set up ./.venv, then measure
+# plus gpu-train-runs.tgz (the runs' records, configs and logs, without checkpoints).
+#
+#   bash launch/gpu_check.sh                          # set up ./.venv, then every step
 #   bash launch/gpu_check.sh --smoke                  # tiny sizes on the CPU: rehearses every step
-#   SETUP=0 PYTHON=python3 bash launch/gpu_check.sh   # a machine with the packages and no network
+#   SETUP=0 PYTHON=python3 STEPS="pytest bench run" bash launch/gpu_check.sh   # a machine with the
+#   SETUP=0 PYTHON=python3 STEPS=quality bash launch/gpu_check.sh              # packages, in two calls
 #
 # Knobs (environment variables):
 #   SETUP=1              run launch/setup.sh first (0: use $PYTHON as it is)
@@ -22,8 +26,8 @@
 #   RUNS_DIR=runs/gpu-check-runs  gpu-train's run directories (checkpoints: tens of GB)
 #   DATA=runs/pycorpus/cache  the token cache of `diloco corpus` (gpu-train's corpus); a
 #                        tokens.bin.xz beside tokens.json is unpacked first
-#   STEPS="pytest bench train"  which steps to run
-#   PYTEST_S=45 BENCH_S=150 TRAIN_S=370   each step's limit in seconds
+#   STEPS="pytest bench run quality"   which steps to run
+#   PYTEST_S=90 BENCH_S=210 RUN_S=300 QUALITY_S=360   each step's limit in seconds
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SETUP=${SETUP:-1}
@@ -31,10 +35,11 @@ PYTHON=${PYTHON:-.venv/bin/python}
 OUT_DIR=${OUT_DIR:-runs/gpu-check}
 RUNS_DIR=${RUNS_DIR:-runs/gpu-check-runs}
 DATA=${DATA:-runs/pycorpus/cache}
-STEPS=${STEPS:-pytest bench train}
-BENCH_S=${BENCH_S:-150}
-TRAIN_S=${TRAIN_S:-370}
-PYTEST_S=${PYTEST_S:-45}
+STEPS=${STEPS:-pytest bench run quality}
+PYTEST_S=${PYTEST_S:-90}
+BENCH_S=${BENCH_S:-210}
+RUN_S=${RUN_S:-300}
+QUALITY_S=${QUALITY_S:-360}
 SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then
   SMOKE=1
@@ -69,24 +74,36 @@ if has bench; then
     step bench "$BENCH_S" "$PYTHON" -m diloco.bench.gpu --smoke --out "$OUT_DIR" --levers eager
   else
     step bench "$BENCH_S" "$PYTHON" -m diloco.bench.gpu --out "$OUT_DIR" \
-      --levers compiled,compiled-batch64,compiled-batch64-cudnn-attention,eager
+      --levers compiled,compiled-batch64,eager,compiled-batch64-max-autotune
   fi
 fi
-if has train; then
-  if [ "$SMOKE" = 1 ]; then
-    step train "$TRAIN_S" "$PYTHON" -m diloco.cli bench gpu-train --smoke --out "$RUNS_DIR"
-  else
-    if [ -f "$DATA/tokens.bin.xz" ] && [ ! -f "$DATA/tokens.bin" ]; then
-      xz -d -k -T0 "$DATA/tokens.bin.xz" 2>/dev/null || "$PYTHON" -c 'import lzma, shutil, sys
+unpack() {  # the token cache travels packed: tokens.bin.xz beside tokens.json
+  if [ -f "$DATA/tokens.bin.xz" ] && [ ! -f "$DATA/tokens.bin" ]; then
+    xz -d -k -T0 "$DATA/tokens.bin.xz" 2>/dev/null || "$PYTHON" -c 'import lzma, shutil, sys
 with lzma.open(sys.argv[1]) as packed, open(sys.argv[2], "wb") as out:
     shutil.copyfileobj(packed, out, 1 << 24)' "$DATA/tokens.bin.xz" "$DATA/tokens.bin"
-    fi
-    step train "$TRAIN_S" "$PYTHON" -m diloco.cli bench gpu-train --out "$RUNS_DIR" \
-      --timeout-s 160 "data.token_cache=$DATA"
   fi
-  cp "$RUNS_DIR/gpu-train.json" "$OUT_DIR/" 2>/dev/null
+}
+
+train() {  # train NAME LIMIT_S PARTS: `diloco bench gpu-train` for those parts, its JSON into $OUT_DIR
+  local name=$1 limit=$2 parts=$3
+  if [ "$SMOKE" = 1 ]; then
+    step "$name" "$limit" "$PYTHON" -m diloco.cli bench gpu-train --smoke --parts "$parts" --out "$RUNS_DIR/$name"
+  else
+    unpack
+    step "$name" "$limit" "$PYTHON" -m diloco.cli bench gpu-train --parts "$parts" --out "$RUNS_DIR/$name" \
+      --timeout-s $((limit - 30)) "data.token_cache=$DATA"
+  fi
+  cp "$RUNS_DIR/$name/gpu-train.json" "$OUT_DIR/gpu-train-$name.json" 2>/dev/null
   # the runs' records, configs and logs, without their checkpoints
-  tar -czf "$OUT_DIR/gpu-train-runs.tgz" -C "$RUNS_DIR" --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
+  tar -czf "$OUT_DIR/gpu-train-runs.tgz" -C "$RUNS_DIR" --exclude='checkpoints' . 2>/dev/null
+}
+
+if has run; then
+  train run "$RUN_S" run
+fi
+if has quality; then
+  train quality "$QUALITY_S" alone,diloco
 fi
 echo "== gpu_check: done in $((SECONDS - started)) s; failed: ${failed[*]:-none}"
 [ ${#failed[@]} = 0 ]

@@ -111,16 +111,11 @@ LEVERS = {
         Lever("compiled-batch64", batch=64),
         Lever("compiled-batch64-cudnn-attention", batch=64, attention="cudnn"),
         Lever("compiled-max-autotune", compile_mode="max-autotune-no-cudagraphs"),
+        Lever("compiled-batch64-max-autotune", batch=64, compile_mode="max-autotune-no-cudagraphs"),
     )
 }
-DEFAULT_LEVERS = (
-    "eager",
-    "compiled",
-    "compiled-cudnn-attention",
-    "compiled-batch32",
-    "compiled-batch64",
-    "compiled-batch64-cudnn-attention",
-)
+DEFAULT_LEVERS = ("eager", "compiled", "compiled-batch64", "compiled-batch64-cudnn-attention")
+SMOKE_LEVERS = ("eager", "compiled")  # on a GPU; the CPU's smoke run measures the eager arm alone
 
 
 # a code-path check that runs in seconds on a CPU (the tests' and CI's)
@@ -396,7 +391,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def _chosen_levers(args: argparse.Namespace) -> tuple[str, ...]:
     """``--levers`` as given, or the defaults less the compiled arms on the CPU; with ``--no-compile``
     only the eager arm."""
-    names = tuple(args.levers.split(",")) if args.levers else DEFAULT_LEVERS
+    names = tuple(args.levers.split(",")) if args.levers else SMOKE_LEVERS if args.smoke else DEFAULT_LEVERS
     unknown = [name for name in names if name not in LEVERS]
     if unknown:
         raise UsageError(f"--levers: {', '.join(unknown)} not among {', '.join(LEVERS)}")
@@ -415,7 +410,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sync-every", type=int, help="H, for the outer sync's share of a round (default 100)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's peak dense bf16 TFLOP/s (default: by its name)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile arms")
-    parser.add_argument("--levers", help=f"comma-separated arms among {', '.join(LEVERS)} (default: all but the last)")
+    parser.add_argument(
+        "--levers", help=f"comma-separated arms among {', '.join(LEVERS)} (default: {', '.join(DEFAULT_LEVERS)})"
+    )
     parser.add_argument("--out", default="runs/bench-gpu", help="output folder (gpu.json)")
 
 

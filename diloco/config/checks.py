@@ -84,6 +84,10 @@ def validate(cfg: Config) -> None:
         f"worker.precision={cfg.worker.precision!r} is not one of {', '.join(PRECISIONS)}",
     )
     require(cfg.worker.threads >= 0, f"worker.threads={cfg.worker.threads} must be >= 0 (0 = torch default)")
+    require(
+        0 <= cfg.worker.gpu_memory_fraction <= 1,
+        f"worker.gpu_memory_fraction={cfg.worker.gpu_memory_fraction} must be in [0, 1] (0 = all of the GPU)",
+    )
     validate_inner_config(cfg.inner)
     validate_outer_config(cfg.outer)
     validate_overlap_config(cfg.outer)

@@ -37,6 +37,7 @@ class WorkerConfig:
     site_sharding: str = "ddp"  # inside a site: ddp (rank 0 syncs for all) / fsdp (FSDP2; each rank syncs its shard)
     precision: str = "fp32"  # the inner step's forward: fp32 / bf16 (autocast; params and optimizer stay fp32)
     compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys); pays off on a GPU
+    gpu_memory_fraction: float = 0.0  # the most of its GPU's memory this worker may take; 0 = all (diloco local: 1/M)
 
     @property
     def shards(self) -> int:

@@ -71,6 +71,15 @@ def _worker_command(
     ]
 
 
+def _gpu_share(cfg: Config, workers: int) -> list[str]:
+    """Workers sharing this machine's GPU each take 1/M of its memory, unless the config says otherwise:
+    one worker's burst then fails that worker alone, with the one-line out-of-memory error."""
+    on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()
+    if not on_gpu or workers < 2 or cfg.worker.gpu_memory_fraction:
+        return []
+    return [f"worker.gpu_memory_fraction={1 / workers:.6f}"]
+
+
 class _Progress:
     """Follows each worker's JSONL file: its latest step and round records, and the bytes it sent."""
 
@@ -124,6 +133,7 @@ def run_local(
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // workers)
+    overrides = [*overrides, *_gpu_share(cfg, workers)]
     children: list[subprocess.Popen] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"

@@ -131,6 +131,8 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
+    if device.type == "cuda" and cfg.worker.gpu_memory_fraction:  # workers sharing a GPU: each its share
+        torch.cuda.set_per_process_memory_fraction(cfg.worker.gpu_memory_fraction, device)
 
     # data: this worker's shard of the train split, and the held-out batches every worker shares
     corpus = load_corpus(cfg.data)
@@ -154,7 +156,13 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
 
     # model and optimizers: refused at once if it cannot fit (memory.py); the same seed gives every
     # worker the same initial params
-    check_model_fits(cfg.model, vocab_size=corpus.vocab_size, device=device)
+    check_model_fits(
+        cfg.model,
+        vocab_size=corpus.vocab_size,
+        device=device,
+        batch_size=cfg.inner.batch_size,
+        global_on_gpu=cfg.outer.global_device == "model",
+    )
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size)
     synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards

@@ -82,6 +82,7 @@ def test_fp32_precision_changes_nothing():
         (["worker.precision=fp16"], "worker.precision"),
         (["outer.global_device=gpu"], "outer.global_device"),
         (["outer.global_device=model", "outer.overlap=delayed"], "outer.overlap=none"),
+        (["worker.gpu_memory_fraction=1.5"], "worker.gpu_memory_fraction"),
     ],
 )
 def test_bad_gpu_settings_are_one_line_config_errors(overrides, names):
@@ -234,3 +235,47 @@ def test_on_cuda_a_compiled_model_keeps_its_state_dict_keys():
     model.compile()
     _train(model, build_inner_optimizer(InnerConfig(), model), 2, precision="bf16", device="cuda")
     assert list(model.state_dict()) == keys
+
+
+def test_the_gpu_estimate_counts_each_workers_activations(monkeypatch):
+    import diloco.worker.memory as memory
+
+    gpt_111m = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    activations = memory.activation_bytes(gpt_111m, vocab_size=32768, batch_size=16)
+    # between what bench gpu measured on an H200 at batch 16: 8.6 GB compiled, 12.7 GB eager
+    assert 8.6e9 < activations < 12.7e9
+    assert memory.activation_bytes(ModelConfig(kind="hf"), vocab_size=32768, batch_size=16) == 0
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**40)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 141 * 2**30))
+    fits = {"vocab_size": 32768, "device": torch.device("cuda"), "batch_size": 16}
+    memory.check_model_fits(gpt_111m, workers_here=3, **fits)  # 3 x (1.7 GiB + 9.6 GiB) < 40 GiB
+    with pytest.raises(ConfigError) as error:
+        memory.check_model_fits(gpt_111m, workers_here=4, global_on_gpu=True, **fits)
+    assert "4 workers sharing cuda need about 48.4 GiB of GPU memory" in str(error.value)
+    assert "40.0 GiB is free on cuda; lower inner.batch_size, run fewer workers" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("device", "workers", "share"),
+    [("cuda", 4, ["worker.gpu_memory_fraction=0.250000"]), ("cuda", 1, []), ("cpu", 4, [])],
+)
+def test_workers_sharing_a_gpu_each_take_their_share(device, workers, share, monkeypatch):
+    from diloco.tools.launcher import _gpu_share
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _gpu_share(load_config(None, [f"worker.device={device}"]), workers) == share
+    assert _gpu_share(load_config(None, ["worker.device=cuda", "worker.gpu_memory_fraction=0.5"]), 4) == []
+
+
+def test_a_gpu_out_of_memory_is_one_line(monkeypatch, capsys):
+    import diloco.cli
+
+    def out_of_memory(args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setitem(diloco.cli.COMMANDS, "config", out_of_memory)
+    assert main(["config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("diloco: error: the GPU ran out of memory")
+    assert "lower inner.batch_size" in captured.err and "resumes from the last checkpoint" in captured.err

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from diloco.bench.gpu_train import phase_shares, steady_tokens_per_s
+from diloco.bench.gpu_train import first_round_tokens_per_s, phase_shares
 from diloco.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_phase_shares_leave_out_the_first_round_and_sum_to_one():
@@ -28,12 +34,11 @@ def test_phase_shares_of_a_single_round_count_it():
     }
 
 
-def test_steady_tokens_per_s_is_the_median_after_the_first_round():
-    records = [{"event": "step", "step": step, "tokens_per_s": rate} for step, rate in [(10, 1.0), (20, 5.0)]]
-    records += [{"event": "round", "round": 1}, {"event": "step", "step": 30, "tokens_per_s": 7.0}]
-    records += [{"event": "step", "step": 40, "tokens_per_s": 9.0}]
-    assert steady_tokens_per_s(records, sync_every=20) == 8.0
-    assert steady_tokens_per_s(records[:2], sync_every=20) is None
+def test_tokens_per_s_is_the_first_rounds_median_less_its_compiling_record():
+    rates = [(10, 1.0), (20, 5.0), (30, 7.0), (40, 9.0), (50, 100.0)]  # compiling; round 1 ends at 40
+    records = [{"event": "step", "step": step, "tokens_per_s": rate} for step, rate in rates]
+    assert first_round_tokens_per_s(records, sync_every=40) == 7.0
+    assert first_round_tokens_per_s(records[:1], sync_every=40) is None
 
 
 def test_unknown_part_is_a_one_line_error(tmp_path, capsys):
@@ -50,7 +55,20 @@ def test_smoke_alone_and_diloco_train_on_the_cpu_and_write_their_figures(tmp_pat
         figures = record[part]
         assert figures["exit_code"] == 0 and figures["finished"] == workers and figures["params_identical"]
         assert figures["tokens"] == 20 * 4 * 2 * 64  # steps x batch x M x context: equal tokens
-        assert figures["phase_shares"]["training"] > 0 and figures["tokens_per_s_steady"] > 0
+        assert figures["phase_shares"]["training"] > 0
+    assert record["alone"]["tokens_per_s"] > 0 and record["diloco"]["tokens_per_s"] is None
     assert record["diloco_over_data_parallel_val_loss"] == pytest.approx(
         record["diloco"]["val_loss"] / record["alone"]["val_loss"], abs=1e-4
     )
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_rehearses_the_bench_step_on_the_cpu(tmp_path):
+    env = {**os.environ, "SETUP": "0", "PYTHON": sys.executable, "STEPS": "bench", "OUT_DIR": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", "launch/gpu_check.sh", "--smoke"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "== gpu_check: done" in done.stdout and "failed: none" in done.stdout
+    assert json.loads((tmp_path / "gpu.json").read_text())["complete"]
+    assert (tmp_path / "bench.log").read_text().startswith("gpu bench: cpu")
