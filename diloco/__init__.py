@@ -7,8 +7,10 @@ it (``config/`` also reads the settings dataclasses of the worker's modules), an
 import-linter contract in ``pyproject.toml`` keeps it so:
 
 - ``cli.py``          the ``diloco`` command
-- ``bench/``          ``diloco bench overhead / quality / compression / utilization / faults / nat / scale / gpu``
-- ``tools/``          the local launcher (``diloco local``), the network testbed, ``diloco status``, ``diloco plot``
+- ``bench/``          ``diloco bench overhead / quality / compression / utilization / faults / nat / scale / gpu /
+                      gpu-train``
+- ``tools/``          the local launcher (``diloco local``), the network testbed, ``diloco status``, ``diloco plot``,
+                      ``diloco corpus``
 - ``worker/``         one worker at run time: ``train.py``, the loop, read top to bottom; how rounds
                       sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement and
                       sites (several GPUs as one worker); joining a live run; checkpoints; records and
@@ -19,7 +21,8 @@ import-linter contract in ``pyproject.toml`` keeps it so:
                       (``core/outer.py``: **the outer step happens here**), overlapped outer steps,
                       when a round ends, the outer step's host copies
 - ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface
-- ``data/``           a corpus of tokens, per-worker shards, the held-out split; Hugging Face datasets; a token cache
+- ``data/``           a corpus of tokens, per-worker shards, the held-out split; Hugging Face datasets; a token cache;
+                      the installed packages' Python source as a corpus, and its BPE tokenizer
 - ``comm/``           how pseudo-gradients travel: ``CommBackend``; hivemind (``comm/hivemind/``: the
                       backend, its averager, the gloo data plane, the roster, the run key), simulated,
                       torchrun; robust aggregation; the bound of every wait

@@ -20,7 +20,7 @@ bf16, compiled, on the real corpus that ``diloco corpus`` builds), each a real `
   GPU) with Nesterov's outer step, as many inner steps as ``alone``: the quality figure is its
   final val loss over ``alone``'s.
 
-    diloco bench gpu-train                        # the three on a GPU (about 6 minutes on an H200)
+    diloco bench gpu-train                        # the three on a GPU (about 9 minutes on an H200)
     diloco bench gpu-train --parts alone,diloco   # some of them
     diloco bench gpu-train --smoke                # a tiny model on the CPU: checks the code path (CI)
 
