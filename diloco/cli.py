@@ -244,9 +244,11 @@ def _local_run_config(args):
         cfg.model,
         vocab_size=corpus.vocab_size,
         device=device,
-        workers_here=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: one step at a time
+        workers_here=args.workers,
         batch_size=cfg.inner.batch_size,
+        precision=cfg.worker.precision,
         global_on_gpu=cfg.outer.global_device == "model",
+        stepping_at_once=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: they take turns
     )
     return cfg, config_path, overrides
 
@@ -387,12 +389,14 @@ def _out_of_gpu_memory() -> str:
 
     reached = ""
     if torch.cuda.is_available():
-        used, total = torch.cuda.max_memory_reserved(), torch.cuda.get_device_properties(0).total_memory
-        reached = f" (this process reached {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+        device = torch.cuda.current_device()
+        used = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        reached = f" (cuda:{device}: this process reached {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
     return (
-        f"the GPU ran out of memory{reached}: "
-        "lower inner.batch_size, run fewer workers on this GPU (worker.gpu_memory_fraction is each one's "
-        "share), or choose a smaller model; rerunning the same command resumes from the last checkpoint"
+        f"the GPU ran out of memory{reached}: lower inner.batch_size, run fewer workers on this GPU "
+        "(worker.gpu_memory_fraction is each one's share), or choose a smaller model; rerunning the same "
+        "command resumes from the last checkpoint, if the run wrote one"
     )
 
 

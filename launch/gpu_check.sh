@@ -5,19 +5,19 @@
 #   pytest   the CUDA unit tests (tests/unit/test_gpu_path.py: fused AdamW, pinned copies, compiled
 #            state_dict keys, the global copy on the GPU)                       -> pytest.log
 #   bench    `diloco bench gpu`: the 111M GPT's inner step, eager and compiled, each lever on MFU
-#            an arm of its own, and a round's local work (~3 min)             -> gpu.json, bench.log
+#            an arm of its own, and a round's local work (~2 min)             -> gpu.json, bench.log
 #   run      `diloco bench gpu-train --parts run`: 4 workers over hivemind sharing the GPU, one
-#            killed and restarted mid-run (~3.5 min)               -> gpu-train-run.json, run.log
+#            killed and restarted mid-run (limit 5 min)                  -> gpu-train.json, run.log
 #   quality  `diloco bench gpu-train --parts alone,diloco`: one worker at the global batch (the
 #            data-parallel baseline) and 4 simulated DiLoCo workers at equal tokens, on the real
-#            corpus (~5.5 min)                                 -> gpu-train-quality.json, quality.log
+#            corpus (~3.5 min)                                        -> gpu-train.json, quality.log
 #
 # plus gpu-train-runs.tgz (the runs' records, configs and logs, without checkpoints).
 #
 #   bash launch/gpu_check.sh                          # set up ./.venv, then every step
 #   bash launch/gpu_check.sh --smoke                  # tiny sizes on the CPU: rehearses every step
 #   SETUP=0 PYTHON=python3 STEPS="pytest bench run" bash launch/gpu_check.sh   # a machine with the
-#   SETUP=0 PYTHON=python3 STEPS=quality bash launch/gpu_check.sh              # packages, in two calls
+#   SETUP=0 PYTHON=python3 STEPS=quality bash launch/gpu_check.sh              # packages, in two sittings
 #
 # Knobs (environment variables):
 #   SETUP=1              run launch/setup.sh first (0: use $PYTHON as it is)
@@ -27,7 +27,7 @@
 #   DATA=runs/pycorpus/cache  the token cache of `diloco corpus` (gpu-train's corpus); a
 #                        tokens.bin.xz beside tokens.json is unpacked first
 #   STEPS="pytest bench run quality"   which steps to run
-#   PYTEST_S=90 BENCH_S=210 RUN_S=300 QUALITY_S=360   each step's limit in seconds
+#   PYTEST_S=90 BENCH_S=150 RUN_S=300 QUALITY_S=300   each step's limit in seconds
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SETUP=${SETUP:-1}
@@ -37,9 +37,9 @@ RUNS_DIR=${RUNS_DIR:-runs/gpu-check-runs}
 DATA=${DATA:-runs/pycorpus/cache}
 STEPS=${STEPS:-pytest bench run quality}
 PYTEST_S=${PYTEST_S:-90}
-BENCH_S=${BENCH_S:-210}
+BENCH_S=${BENCH_S:-150}
 RUN_S=${RUN_S:-300}
-QUALITY_S=${QUALITY_S:-360}
+QUALITY_S=${QUALITY_S:-300}
 SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then
   SMOKE=1
@@ -74,27 +74,29 @@ if has bench; then
     step bench "$BENCH_S" "$PYTHON" -m diloco.bench.gpu --smoke --out "$OUT_DIR" --levers eager
   else
     step bench "$BENCH_S" "$PYTHON" -m diloco.bench.gpu --out "$OUT_DIR" \
-      --levers compiled,compiled-batch64,eager,compiled-batch64-max-autotune
+      --levers compiled,compiled-batch64,eager
   fi
 fi
 unpack() {  # the token cache travels packed: tokens.bin.xz beside tokens.json
   if [ -f "$DATA/tokens.bin.xz" ] && [ ! -f "$DATA/tokens.bin" ]; then
-    xz -d -k -T0 "$DATA/tokens.bin.xz" 2>/dev/null || "$PYTHON" -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as packed, open(sys.argv[2], "wb") as out:
-    shutil.copyfileobj(packed, out, 1 << 24)' "$DATA/tokens.bin.xz" "$DATA/tokens.bin"
+    "$PYTHON" -c 'import lzma, os, shutil, sys
+with lzma.open(sys.argv[1]) as packed, open(sys.argv[2] + ".partial", "wb") as out:
+    shutil.copyfileobj(packed, out, 1 << 24)
+os.replace(sys.argv[2] + ".partial", sys.argv[2])' "$DATA/tokens.bin.xz" "$DATA/tokens.bin"
   fi
 }
 
-train() {  # train NAME LIMIT_S PARTS: `diloco bench gpu-train` for those parts, its JSON into $OUT_DIR
+train() {  # train NAME LIMIT_S PARTS: `diloco bench gpu-train` for those parts, each its share of the limit
   local name=$1 limit=$2 parts=$3
+  local each=$(((limit - 30) / $(echo "$parts" | tr ',' '\n' | wc -l)))
   if [ "$SMOKE" = 1 ]; then
-    step "$name" "$limit" "$PYTHON" -m diloco.cli bench gpu-train --smoke --parts "$parts" --out "$RUNS_DIR/$name"
+    step "$name" "$limit" "$PYTHON" -m diloco.cli bench gpu-train --smoke --parts "$parts" --out "$RUNS_DIR"
   else
     unpack
-    step "$name" "$limit" "$PYTHON" -m diloco.cli bench gpu-train --parts "$parts" --out "$RUNS_DIR/$name" \
-      --timeout-s $((limit - 30)) "data.token_cache=$DATA"
+    step "$name" "$limit" "$PYTHON" -m diloco.cli bench gpu-train --parts "$parts" --out "$RUNS_DIR" \
+      --timeout-s "$each" "data.token_cache=$DATA"
   fi
-  cp "$RUNS_DIR/$name/gpu-train.json" "$OUT_DIR/gpu-train-$name.json" 2>/dev/null
+  cp "$RUNS_DIR/gpu-train.json" "$OUT_DIR/" 2>/dev/null
   # the runs' records, configs and logs, without their checkpoints
   tar -czf "$OUT_DIR/gpu-train-runs.tgz" -C "$RUNS_DIR" --exclude='checkpoints' . 2>/dev/null
 }

@@ -162,7 +162,7 @@ class Cluster:
         self.close()
 
 
-def _written_records(run_dir: Path, index: int) -> list[dict]:
+def written_records(run_dir: Path, index: int) -> list[dict]:
     """Worker ``index``'s records so far, whole lines only: it may be writing the last one."""
     path = run_dir / f"worker-{index}.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
@@ -170,7 +170,7 @@ def _written_records(run_dir: Path, index: int) -> list[dict]:
 
 
 def latest_step(run_dir: Path, index: int) -> int:
-    steps = [record.get("step", -1) for record in _written_records(run_dir, index)]
+    steps = [record.get("step", -1) for record in written_records(run_dir, index)]
     return max(steps, default=-1)
 
 
@@ -253,7 +253,7 @@ def _intrude(run: Injection) -> None:
 
 
 def _intruder_rounds(run: Injection) -> None:
-    rounds = [r for r in _written_records(run.run_dir, run.plan.workers) if r.get("event") == "round"]
+    rounds = [r for r in written_records(run.run_dir, run.plan.workers) if r.get("event") == "round"]
     grouped = [r for r in rounds if r.get("peers", 1) > 1]
     run.notes.append(f"wrong-key worker: {len(rounds)} rounds, {len(grouped)} of them in a group")
 
@@ -365,7 +365,7 @@ class _RunLiveness:
     def live(self) -> bool:
         if self.worker.poll() is not None:
             return False
-        return not any(r.get("event") == "end" for r in _written_records(self.run_dir, self.index))
+        return not any(r.get("event") == "end" for r in written_records(self.run_dir, self.index))
 
 
 def _reached_step_while_live(run_dir: Path, index: int, step: int, run: _RunLiveness, timeout_s: float) -> bool:
@@ -396,7 +396,7 @@ def _measure(
 ) -> ScenarioResult:
     ends, syncs, faulty_syncs, healthy_rounds = {}, [], [], []
     for index in codes:
-        records = _written_records(run_dir, index)
+        records = written_records(run_dir, index)
         times = [r.get("comm_s", 0.0) for r in records if r.get("event") == "round"]
         (faulty_syncs if index in faulty else syncs).extend(times)
         end = next((r for r in reversed(records) if r.get("event") == "end"), None)

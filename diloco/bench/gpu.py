@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -159,8 +160,7 @@ def _attention(kind: str):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
-    return sdpa_kernel([backends[kind]])
+    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION}[kind]])
 
 
 def _inner_step_s(model, optimizer, batch, size: BenchSize, device: torch.device, attention: str) -> float:
@@ -193,10 +193,11 @@ def measure_lever(lever: Lever, size: BenchSize, device: torch.device, flops: in
     """One arm on a fresh model and optimizer: its step time, tokens/s, MFU and peak GPU memory.
     A failure (a compiler or kernel missing on this machine) is the arm's ``error``, not fatal."""
     size = replace(size, batch=lever.batch or size.batch)
+    torch._dynamo.reset()  # each arm compiles afresh (the on-disk caches stay)
+    gc.collect()  # the last arm's model and graphs, before this arm's peak is counted
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    torch._dynamo.reset()  # each arm compiles afresh (the on-disk caches stay)
     started = time.perf_counter()
     try:
         model = _build(size, device)

@@ -20,7 +20,7 @@ bf16, compiled, on the real corpus that ``diloco corpus`` builds), each a real `
   GPU) with Nesterov's outer step, as many inner steps as ``alone``: the quality figure is its
   final val loss over ``alone``'s.
 
-    diloco bench gpu-train                        # the three on a GPU (about 9 minutes on an H200)
+    diloco bench gpu-train                        # the three on a GPU (alone and diloco: 3.5 min on an H200)
     diloco bench gpu-train --parts alone,diloco   # some of them
     diloco bench gpu-train --smoke                # a tiny model on the CPU: checks the code path (CI)
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -42,7 +41,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from diloco.bench.faults import Cluster, latest_step, written_records
 from diloco.errors import UsageError
+from diloco.tools.launcher import threads_per_worker
 
 PARTS = ("run", "alone", "diloco")
 
@@ -57,7 +58,7 @@ class TrainPlan:
     batch: int = 16  # sequences per worker step
     sync_every: int = 100  # H
     run_steps: int = 300  # inner steps of the hivemind run (a worker is killed in its second round)
-    quality_steps: int = 800  # inner steps of alone and diloco, each worker (52M tokens each at M=4)
+    quality_steps: int = 400  # inner steps of alone and diloco, each worker (26M tokens each at M=4)
     timeout_s: float = 600.0  # each part
 
 
@@ -86,12 +87,6 @@ SMOKE = TrainPlan(
 )
 
 
-def _records(run_dir: Path, index: int) -> list[dict]:
-    path = run_dir / f"worker-{index}.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
 def phase_shares(rounds: Sequence[dict]) -> dict[str, float]:
     """Each phase's share of the rounds' time (the first round, which compiles, left out when
     there are others), from the round records' ``phases_s``."""
@@ -108,7 +103,11 @@ def phase_shares(rounds: Sequence[dict]) -> dict[str, float]:
 def first_round_tokens_per_s(records: Sequence[dict], sync_every: int) -> float | None:
     """The median tokens/s of a worker's step records in its first round, less the first record
     (compiling is in it). The run loses a worker in its second round: its first is fault-free."""
-    steps = [r for r in records if r.get("event") == "step" and r.get("step", 0) <= sync_every]
+    steps = []
+    for record in (r for r in records if r.get("event") == "step"):
+        if record["step"] > sync_every or (steps and record["step"] <= steps[-1]["step"]):
+            break  # past the first round, or a restarted process's records (the file is appended to)
+        steps.append(record)
     rates = [r["tokens_per_s"] for r in steps[1:]]
     return statistics.median(rates) if rates else None
 
@@ -117,7 +116,7 @@ def _end_figures(run_dir: Path, workers: int, sync_every: int) -> dict:
     """What the workers' end and round records say of a finished run."""
     ends, rounds, steady, first = [], [], [], []
     for index in range(workers):
-        records = _records(run_dir, index)
+        records = written_records(run_dir, index)
         ends += [r for r in records if r.get("event") == "end"][-1:]
         rounds += [r for r in records if r.get("event") == "round"]
         steady.append(first_round_tokens_per_s(records, sync_every))
@@ -130,15 +129,19 @@ def _end_figures(run_dir: Path, workers: int, sync_every: int) -> dict:
         "param_sha256": sorted(hashes),
         "tokens_per_s": sum(steady) if None not in steady else None,  # of all workers, in the first round
         "phase_shares": phase_shares(rounds),
-        "round_s_median": statistics.median(sum(r["phases_s"].values()) for r in rounds if r.get("phases_s"))
-        if rounds
-        else None,
+        "round_s_median": _median_round_s(rounds),
         "peak_gpu_gb": [round(end.get("peak_gpu_bytes", 0) / 1e9, 2) for end in ends],
         "peak_host_gb": [round(end.get("peak_rss_bytes", 0) / 1e9, 2) for end in ends],
         # the first worker's, round by round
         "val_losses": [(r["round"], r["val_loss"]) for r in first],
         "phases_by_round": [r.get("phases_s", {}) for r in first],
     }
+
+
+def _median_round_s(rounds: Sequence[dict]) -> float | None:
+    """The median seconds of the rounds after the first (which compiles), from their phases."""
+    timed = [sum(r["phases_s"].values()) for r in rounds if r.get("phases_s") and r["round"] > 1]
+    return statistics.median(timed) if timed else None
 
 
 def _common(plan: TrainPlan, run_dir: Path, steps: int, run_id: str) -> list[str]:
@@ -213,28 +216,31 @@ def kill_step(plan: TrainPlan) -> int:
 
 def run_with_a_restart(plan: TrainPlan, out: Path) -> dict:
     """M hivemind workers; the last is killed mid-round 2 and restarted with the same command."""
-    from diloco.bench.faults import Cluster, latest_step
-
     run_dir, victim = out / "run", plan.workers - 1
     settings = [
         *_common(plan, run_dir, plan.run_steps, "gpu_run"),
         f"worker.count={plan.workers}",
         f"inner.batch_size={plan.batch}",
         "checkpoint.every_rounds=1",
+        f"worker.gpu_memory_fraction={1 / plan.workers:.6f}",  # as diloco local sets it (on a GPU only)
     ]
-    threads = max(1, (os.cpu_count() or 1) // plan.workers)
+    threads = threads_per_worker(plan.workers)
     started = time.monotonic()
+
+    def left_s() -> float:  # one deadline for the whole part
+        return max(1.0, plan.timeout_s - (time.monotonic() - started))
+
     with Cluster(settings, run_dir, slots=plan.workers) as cluster:
         for index in range(plan.workers):
             cluster.start(index, threads=threads)
-        cluster.wait_for_step(victim, kill_step(plan), plan.timeout_s)
+        cluster.wait_for_step(victim, kill_step(plan), left_s())
         # its first round's checkpoint on disk (written in the background), so that it resumes from it
-        _wait_for_file(run_dir / "checkpoints" / f"worker-{victim}" / "round-000001.pt", plan.timeout_s)
+        _wait_for_file(run_dir / "checkpoints" / f"worker-{victim}" / "round-000001.pt", left_s())
         killed_at = latest_step(run_dir, victim)
         cluster.signal(victim, signal.SIGKILL)
-        cluster.processes[victim].wait()
+        cluster.processes[victim].wait(timeout=30)  # SIGKILL: at once
         cluster.start(victim, threads=threads)
-        codes = cluster.wait_all(max(1.0, plan.timeout_s - (time.monotonic() - started)))
+        codes = cluster.wait_all(left_s())
     figures = {"exit_codes": codes, "wall_s": round(time.monotonic() - started, 1), "killed_at_step": killed_at}
     figures.update(_end_figures(run_dir, plan.workers, plan.sync_every))
     log = (run_dir / f"worker-{victim}.log").read_text(errors="replace")
@@ -263,11 +269,20 @@ def _print_part(part: str, figures: dict) -> None:
 
 @dataclass
 class Results:
-    """Where the figures go, written after every part."""
+    """Where the figures go, written after every part. Parts run before into the same folder with
+    the same plan are kept (a GPU's time may come in several sittings), so the ratios can use them."""
 
     out: Path
     plan: TrainPlan
     figures: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            earlier = json.loads((self.out / "gpu-train.json").read_text())
+        except (OSError, ValueError):
+            return
+        if earlier.get("plan") == json.loads(json.dumps(asdict(self.plan))):
+            self.figures = {key: value for key, value in earlier.items() if key not in ("bench", "plan")}
 
     def write(self) -> str:
         record = {"bench": "gpu-train", "plan": asdict(self.plan), **self.figures}
@@ -305,7 +320,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, help="M (default 4)")
     parser.add_argument("--sync-every", type=int, help="H, inner steps per round (default 100)")
     parser.add_argument("--run-steps", type=int, help="inner steps of the hivemind run (default 300)")
-    parser.add_argument("--quality-steps", type=int, help="inner steps of alone and diloco (default 800)")
+    parser.add_argument("--quality-steps", type=int, help="inner steps of alone and diloco (default 400)")
     parser.add_argument("--timeout-s", type=float, help="each part's limit (default 600)")
     parser.add_argument("--out", default="runs/bench-gpu-train", help="output folder (gpu-train.json, logs, runs)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE settings for every run")
@@ -328,6 +343,8 @@ def main(args: argparse.Namespace) -> int:
     }
     plan = replace(plan, **{key: value for key, value in chosen.items() if value is not None})
     plan = replace(plan, overrides=(*plan.overrides, *args.overrides))
+    if plan.workers < 2 or plan.sync_every < 1 or plan.quality_steps < 1:
+        raise UsageError(f"--workers {plan.workers} --sync-every {plan.sync_every}: need 2 workers or more, H >= 1")
     if plan.config and not Path(plan.config).is_file():
         raise UsageError(f"--config {plan.config}: no such file")
     if "run" in parts and plan.run_steps <= kill_step(plan):

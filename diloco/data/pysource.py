@@ -4,7 +4,9 @@ trained on it here.
 ``collect_python_sources(out_dir)`` writes the ``.py`` files of the running interpreter's
 site-packages (``sysconfig`` ``purelib``/``platlib``; diloco itself left out) into one
 deterministic set of text shards, ``out_dir/text/shard-00000.txt``, ... (about ``SHARD_BYTES``
-each), files in sorted relative-path order, each preceded by a line ``# file: <relative path>``;
+each), files in the order of their relative paths' sha256 (a fixed shuffle: the held-out tail and
+each worker's shard hold files of every package, not the last ones in alphabetical order), each
+preceded by a line ``# file: <relative path>``;
 files that are not valid UTF-8, and empty ones, are skipped. ``out_dir/manifest.json`` records the
 file count, bytes, each shard's sha256 and the versions of the distributions found. Run again with
 the same installed files, it reuses the shards as they are (their mtimes too, so a token cache
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FILE, TEXT_DIR = "manifest.json", "text"
 SHARD_BYTES = 16 << 20  # one shard is one document when tokenized: several per batch keep every core busy
-FORMAT = 1  # bump when the shard layout changes: old shards are rewritten
+FORMAT = 2  # bump when the shard layout changes: old shards are rewritten (2: files in a fixed shuffle)
 SPECIAL_TOKEN = "<|endoftext|>"
 FILE_MARKER = "# file: "
 SKIPPED_PREFIXES = ("diloco-", "diloco.", "__editable___diloco")  # this project (beside diloco/), however installed
@@ -63,8 +65,8 @@ def _skipped(relative: Path, path: Path, bin_dir: Path) -> bool:
 
 
 def _python_files(roots: list[Path]) -> list[tuple[str, Path]]:
-    """``(relative path, path)`` of every ``.py`` file under ``roots``, sorted by relative path; the
-    first root wins a relative path found in two."""
+    """``(relative path, path)`` of every ``.py`` file under ``roots``, in the order of the relative
+    paths' sha256 (the same on every machine); the first root wins a relative path found in two."""
     bin_dir = Path(sys.prefix).resolve() / "bin"
     found: dict[str, Path] = {}
     for root in roots:
@@ -75,7 +77,7 @@ def _python_files(roots: list[Path]) -> list[tuple[str, Path]]:
                 relative = path.relative_to(root)
                 if name.endswith(".py") and path.is_file() and not _skipped(relative, path, bin_dir):
                     found.setdefault(relative.as_posix(), path)
-    return sorted(found.items())
+    return sorted(found.items(), key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
 
 
 def _inputs_digest(files: list[tuple[str, Path]], settings: dict[str, Any]) -> str:

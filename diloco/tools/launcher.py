@@ -71,6 +71,11 @@ def _worker_command(
     ]
 
 
+def threads_per_worker(workers: int) -> int:
+    """Torch threads for each of ``workers`` processes sharing this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 def _gpu_share(cfg: Config, workers: int) -> list[str]:
     """Workers sharing this machine's GPU each take 1/M of its memory, unless the config says otherwise:
     one worker's burst then fails that worker alone, with the one-line out-of-memory error."""
@@ -132,7 +137,7 @@ def run_local(
     Returns the exit code: 0 when every worker finished."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = threads_per_worker(workers)
     overrides = [*overrides, *_gpu_share(cfg, workers)]
     children: list[subprocess.Popen] = []
     logs = []

@@ -161,7 +161,9 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
         vocab_size=corpus.vocab_size,
         device=device,
         batch_size=cfg.inner.batch_size,
+        precision=cfg.worker.precision,
         global_on_gpu=cfg.outer.global_device == "model",
+        gpu_share=cfg.worker.gpu_memory_fraction,
     )
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size)

@@ -44,26 +44,34 @@ def check_model_fits(
     device: torch.device,
     workers_here: int = 1,
     batch_size: int = 0,
+    precision: str = "bf16",
     global_on_gpu: bool = False,
+    stepping_at_once: int | None = None,
+    gpu_share: float = 0.0,
 ) -> None:
     """``check_fits`` for the model of ``model_cfg`` at ``batch_size`` sequences a step: refused
-    before anything is allocated."""
+    before anything is allocated. ``stepping_at_once``: the workers whose activations coexist
+    (simulated workers take turns: 1; default all); ``gpu_share``: the fraction of the GPU each
+    worker may take (``worker.gpu_memory_fraction``; 0 = all that is free)."""
     check_fits(
         count_parameters(model_cfg, vocab_size=vocab_size),
         device=device,
         workers_here=workers_here,
-        activation_bytes=activation_bytes(model_cfg, vocab_size=vocab_size, batch_size=batch_size),
+        activation_bytes=activation_bytes(model_cfg, vocab_size=vocab_size, batch_size=batch_size, precision=precision),
         gpu_copies=GPU_COPIES + (2 if global_on_gpu else 0),
+        stepping_at_once=workers_here if stepping_at_once is None else stepping_at_once,
+        gpu_share=gpu_share,
     )
 
 
-def activation_bytes(model_cfg: ModelConfig, *, vocab_size: int, batch_size: int) -> int:
-    """The inner step's activations on a GPU, estimated for the built-in GPT (0 for other models)."""
+def activation_bytes(model_cfg: ModelConfig, *, vocab_size: int, batch_size: int, precision: str = "bf16") -> int:
+    """The inner step's activations on a GPU, estimated for the built-in GPT (0 for other models);
+    fp32 activations take twice bf16's."""
     if model_cfg.kind != "gpt":
         return 0
     per_token = ACTIVATION_BYTES_PER_LAYER_WIDTH * model_cfg.n_layer * model_cfg.n_embd
     per_token += ACTIVATION_BYTES_PER_VOCAB * vocab_size
-    return batch_size * model_cfg.block_size * per_token
+    return batch_size * model_cfg.block_size * per_token * (2 if precision == "fp32" else 1)
 
 
 def available_host_bytes() -> int | None:
@@ -85,6 +93,8 @@ def check_fits(
     workers_here: int = 1,
     activation_bytes: int = 0,
     gpu_copies: float = GPU_COPIES,
+    stepping_at_once: int = 1,
+    gpu_share: float = 0.0,
 ) -> None:
     """Raise ``ConfigError`` (one line: the estimate and what is free) when ``workers_here`` workers
     of ``param_count`` parameters cannot fit in this machine's memory (or the GPU's)."""
@@ -101,16 +111,23 @@ def check_fits(
             f"or a machine with more memory"
         )
     if on_gpu:
-        free_gpu, _ = torch.cuda.mem_get_info(device)
-        need_gpu = workers_here * (param_bytes * gpu_copies + activation_bytes)
-        if need_gpu > free_gpu:
-            sharing = f"{workers_here} workers sharing {device}" if workers_here > 1 else "a worker"
-            raise ConfigError(
-                f"the model has {what}: {sharing} need about {_gb(need_gpu)} of GPU memory (weights, "
-                f"gradients, optimizer moments and the activations of a step: {_gb(activation_bytes)} each) "
-                f"and {_gb(free_gpu)} is free on {device}; lower inner.batch_size, run fewer workers on "
-                "this GPU, or choose a smaller model"
-            )
+        need_gpu = workers_here * param_bytes * gpu_copies + stepping_at_once * activation_bytes
+        _check_gpu(need_gpu, what=what, device=device, workers_here=workers_here, gpu_share=gpu_share)
+
+
+def _check_gpu(need: float, *, what: str, device: torch.device, workers_here: int, gpu_share: float) -> None:
+    """The GPU's side of ``check_fits``: ``need`` bytes against what is free (or this worker's share)."""
+    free, total = torch.cuda.mem_get_info(device)
+    if gpu_share:
+        free = min(free, gpu_share * total)
+    if need <= free:
+        return
+    sharing = f"{workers_here} workers sharing {device} need" if workers_here > 1 else "a worker needs"
+    raise ConfigError(
+        f"the model has {what}: {sharing} about {_gb(need)} of GPU memory (weights, gradients, optimizer "
+        f"moments, a step's activations) and {_gb(free)} is {'its share' if gpu_share else 'free'} on {device}; "
+        "lower inner.batch_size, run fewer workers on this GPU, or choose a smaller model"
+    )
 
 
 def _gb(count: float) -> str:

@@ -77,12 +77,13 @@ class WorkerLog:
         self._window_steps += 1
         if not due:
             return
+        loss_value = loss.item()  # waits for the device's queued steps: the window ends when they are done
         tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
         record = {
             "event": "step",
             "step": step,
             "round": round_index,
-            "loss": loss.item(),
+            "loss": loss_value,
             "lr": lr,
             "tokens_per_s": round(tokens_per_s, 1),
             "time_s": round(self.elapsed_s(), 4),

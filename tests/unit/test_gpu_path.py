@@ -253,6 +253,9 @@ def test_the_gpu_estimate_counts_each_workers_activations(monkeypatch):
         memory.check_model_fits(gpt_111m, workers_here=4, global_on_gpu=True, **fits)
     assert "4 workers sharing cuda need about 48.4 GiB of GPU memory" in str(error.value)
     assert "40.0 GiB is free on cuda; lower inner.batch_size, run fewer workers" in str(error.value)
+    memory.check_model_fits(gpt_111m, workers_here=4, global_on_gpu=True, stepping_at_once=1, **fits)  # simulated
+    with pytest.raises(ConfigError, match="and 28.2 GiB is its share on cuda"):
+        memory.check_model_fits(gpt_111m, gpu_share=0.2, **{**fits, "batch_size": 64})  # about 41 GiB, over 0.2 x 141
     assert "\n" not in str(error.value)
 
 

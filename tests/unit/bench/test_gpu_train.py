@@ -39,6 +39,8 @@ def test_tokens_per_s_is_the_first_rounds_median_less_its_compiling_record():
     records = [{"event": "step", "step": step, "tokens_per_s": rate} for step, rate in rates]
     assert first_round_tokens_per_s(records, sync_every=40) == 7.0
     assert first_round_tokens_per_s(records[:1], sync_every=40) is None
+    restarted = [records[0], records[1], {"event": "step", "step": 10, "tokens_per_s": 1e9}, *records[2:]]
+    assert first_round_tokens_per_s(restarted, sync_every=40) == 5.0  # a second life's records left out
 
 
 def test_unknown_part_is_a_one_line_error(tmp_path, capsys):
