@@ -21,7 +21,8 @@ import-linter contract in ``pyproject.toml`` keeps it so:
                       (``core/outer.py``: **the outer step happens here**), overlapped outer steps,
                       when a round ends, the outer step's host copies
 - ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface
-- ``data/``           a corpus of tokens, per-worker shards, the held-out split; Hugging Face datasets; a token cache;
+- ``data/``           what a corpus is read from (``source.py``, a leaf); a corpus of tokens, per-worker shards, the
+                      held-out split; Hugging Face datasets; a token cache;
                       the installed packages' Python source as a corpus, and its BPE tokenizer
 - ``comm/``           how pseudo-gradients travel: ``CommBackend``; hivemind (``comm/hivemind/``: the
                       backend, its averager, the gloo data plane, the roster, the run key), simulated,

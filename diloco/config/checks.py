@@ -13,7 +13,7 @@ from diloco.config.schema import CLIENT_MODES, SITE_SHARDINGS, Config
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
 from diloco.core.overlap import validate_overlap_config
-from diloco.data.corpus import validate_data_config
+from diloco.data.source import validate_data_config
 from diloco.errors import ConfigError, require
 from diloco.models.gpt import validate_model_config
 from diloco.optional_deps import is_installed, missing_message

@@ -11,7 +11,7 @@ from diloco.comm import CommConfig
 from diloco.compression import CompressionConfig
 from diloco.core.inner import InnerConfig
 from diloco.core.outer import OuterConfig
-from diloco.data.corpus import DataConfig
+from diloco.data.source import DataConfig
 from diloco.models.gpt import ModelConfig
 from diloco.worker.checkpoint import CheckpointConfig
 from diloco.worker.faults import FaultConfig

@@ -32,49 +32,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.errors import DataError, require
+from diloco.data.source import (
+    BYTE_VOCAB_SIZE,
+    DataConfig,
+    text_files,
+    truncate_documents,
+)
+from diloco.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 DEFAULT_CORPUS_CAP = 4_000_000  # bytes of stdlib source in the embedded corpus (~4 MB)
-BYTE_VOCAB_SIZE = 256  # token ids without a tokenizer: one per byte value
-
-
-@dataclass
-class DataConfig:
-    path: str = ""  # text file or folder of text files; "" = embedded default corpus
-    dataset: str = ""  # a Hugging Face dataset: a save_to_disk folder, or .txt/.jsonl/.parquet/.csv files (glob)
-    text_field: str = "text"  # the column of data.dataset that holds the text
-    split: str = "train"  # the split of a save_to_disk DatasetDict to read (validation is its tail)
-    tokenizer: str = ""  # a local tokenizer (folder saved by save_pretrained, or a tokenizer.json); "" = byte-level
-    val_fraction: float = 0.1  # last fraction of the corpus held out for validation
-    max_bytes: int = 0  # 0 = no limit; else truncate corpus to this many bytes of text (keeps tests fast)
-    shard_chunk: int = 0  # tokens: deal chunks of this size round-robin to the workers; 0 = one contiguous region each
-    token_cache: str = ""  # folder: data.path/dataset ids built once, mmapped; alone: as built; "" = in memory
-
-
-def validate_data_config(data: DataConfig) -> None:
-    """Raise ``ConfigError`` naming the ``data.*`` setting to change."""
-    require(0 < data.val_fraction < 1, f"data.val_fraction={data.val_fraction} must be in (0, 1)")
-    require(data.shard_chunk >= 0, f"data.shard_chunk={data.shard_chunk} must be >= 0 (0 = contiguous shards)")
-    require(not (data.path and data.dataset), "set one of data.path (text files) and data.dataset (a HF dataset)")
-    has_glob = any(char in data.dataset for char in "*?[")
-    require(
-        not data.dataset or has_glob or Path(data.dataset).expanduser().exists(),
-        f"data.dataset={data.dataset!r} does not exist",
-    )
-    require(bool(data.text_field), "data.text_field must name the column that holds the text")
-    require(
-        not data.tokenizer or Path(data.tokenizer).expanduser().exists(),
-        f"data.tokenizer={data.tokenizer!r} does not exist (a local folder or tokenizer.json; nothing is downloaded)",
-    )
-    # the token cache streams data.dataset or data.path; alone, it names a cache built before (checked
-    # when the corpus loads: a machine may receive the cache after its config is checked)
-    require(
-        not Path(data.token_cache).expanduser().is_file(),
-        f"data.token_cache={data.token_cache!r} is a file; it names a folder (created if missing)",
-    )
 
 
 @dataclass
@@ -83,13 +51,6 @@ class Corpus:
     val: torch.Tensor  # the remaining token ids
     source: str  # human description of where the text came from
     vocab_size: int = BYTE_VOCAB_SIZE  # token ids are in [0, vocab_size): 256 bytes, or the tokenizer's
-
-
-def token_dtype(vocab_size: int) -> torch.dtype:
-    """The narrowest dtype that holds every id below ``vocab_size`` (in memory or in a token cache)."""
-    if vocab_size <= 2**8:
-        return torch.uint8
-    return torch.uint16 if vocab_size <= 2**16 else torch.int32
 
 
 def embedded_corpus(cap: int = DEFAULT_CORPUS_CAP) -> bytes:
@@ -106,19 +67,6 @@ def embedded_corpus(cap: int = DEFAULT_CORPUS_CAP) -> bytes:
     return b"".join(chunks)[:cap]
 
 
-def text_files(path: str) -> list[Path]:
-    """The files ``data.path`` names: itself (a file), or its ``TEXT_SUFFIXES`` files in sorted order."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data.path {path!r} does not exist")
-    if p.is_file():
-        return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise DataError(f"data.path {path!r} is a folder with no {'/'.join(TEXT_SUFFIXES)} files")
-    return files
-
-
 def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
     """The text files under ``data.path``, one document each, in sorted order."""
     p = Path(path).expanduser()
@@ -132,19 +80,6 @@ def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
     if not any(documents):
         raise DataError(f"data.path {path!r}: all {len(files)} text files are empty")
     return documents, f"{len(files)} text files under {p}"
-
-
-def truncate_documents(documents: list[bytes], max_bytes: int) -> list[bytes]:
-    """The documents up to ``max_bytes`` bytes in total (the last one cut); all of them with 0."""
-    if not max_bytes:
-        return documents
-    kept, total = [], 0
-    for document in documents:
-        if total >= max_bytes:
-            break
-        kept.append(document[: max_bytes - total])
-        total += len(kept[-1])
-    return kept
 
 
 def _read_tokens(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:

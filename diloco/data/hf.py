@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diloco.data.corpus import DataConfig, DataError, token_dtype, truncate_documents
+from diloco.data.source import DataConfig, token_dtype, truncate_documents
+from diloco.errors import DataError
 from diloco.optional_deps import import_hf
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.data.corpus import BYTE_VOCAB_SIZE, DataConfig, DataError, text_files, token_dtype
+from diloco.data.source import BYTE_VOCAB_SIZE, DataConfig, text_files, token_dtype
+from diloco.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diloco.data.corpus import BYTE_VOCAB_SIZE
+from diloco.data.source import BYTE_VOCAB_SIZE
 from diloco.models.hf import build_hf_model, validate_hf_model_config
 
 logger = logging.getLogger(__name__)

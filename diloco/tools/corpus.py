@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diloco.data.corpus import DataConfig
 from diloco.data.pysource import TEXT_DIR, collect_python_sources, train_bpe_tokenizer
+from diloco.data.source import DataConfig
 from diloco.data.token_cache import load_token_cache
 from diloco.errors import DataError
 

@@ -17,7 +17,8 @@ import torch
 
 from diloco.cli import main
 from diloco.config import ConfigError, load_config
-from diloco.data.corpus import DataConfig, DataError, ShardSampler, load_corpus, shard_bounds
+from diloco.data.corpus import DataError, ShardSampler, load_corpus, shard_bounds
+from diloco.data.source import DataConfig
 from diloco.models.gpt import ModelConfig, build_model
 from diloco.models.hf import HF_PRESETS
 from diloco.optional_deps import is_installed

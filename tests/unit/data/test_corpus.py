@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from diloco.data.corpus import (
-    DataConfig,
     DataError,
     ShardSampler,
     embedded_corpus,
@@ -14,6 +13,7 @@ from diloco.data.corpus import (
     shard_regions,
     val_batches,
 )
+from diloco.data.source import DataConfig
 from diloco.models.gpt import ModelConfig, build_model
 
 BLOCK = 8

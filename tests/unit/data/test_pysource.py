@@ -14,8 +14,9 @@ import torch
 
 from diloco.cli import main
 from diloco.config import load_config
-from diloco.data.corpus import DataConfig, DataError, load_corpus
+from diloco.data.corpus import DataError, load_corpus
 from diloco.data.pysource import collect_python_sources, train_bpe_tokenizer
+from diloco.data.source import DataConfig
 from diloco.optional_deps import is_installed
 
 pytestmark = pytest.mark.skipif(not is_installed("tokenizers"), reason="needs tokenizers: pip install 'diloco[hf]'")
