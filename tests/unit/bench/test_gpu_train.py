@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.bench.gpu_train import first_round_tokens_per_s, phase_shares
+from diloco.bench.gpu_train import SMOKE, first_round_tokens_per_s, phase_shares
 from diloco.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,3 +74,19 @@ def test_gpu_check_smoke_rehearses_the_bench_step_on_the_cpu(tmp_path):
     assert "== gpu_check: done" in done.stdout and "failed: none" in done.stdout
     assert json.loads((tmp_path / "gpu.json").read_text())["complete"]
     assert (tmp_path / "bench.log").read_text().startswith("gpu bench: cpu")
+
+
+@pytest.mark.slow
+def test_alone_rounds_are_plain_training(tmp_path):
+    """``alone``'s outer step (sgd, lr 1, momentum 0) sets the params to the local ones: rounds every
+    10 steps end where one round at the very end does, up to fp32 rounding."""
+    ends = {}
+    for sync_every in (10, 30):
+        run_dir = tmp_path / f"h{sync_every}"
+        overrides = [*SMOKE.overrides, "inner.steps=30", f"outer.sync_every={sync_every}", "outer.optimizer=sgd"]
+        overrides += ["outer.lr=1.0", "outer.momentum=0.0", "checkpoint.every_rounds=0", f"run.dir={run_dir}"]
+        assert (
+            main(["local", *overrides, "comm.backend=simulator", f"comm.run_id=h{sync_every}", "--workers", "1"]) == 0
+        )
+        ends[sync_every] = json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
+    assert ends[10] == pytest.approx(ends[30], abs=2e-4)
