@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when the file layout or the tokenization rule changes: old caches rebuild
 TOKENS_FILE, HEADER_FILE, LOCK_FILE = "tokens.bin", "tokens.json", "tokens.lock"
+LOCK_WAIT_S = 6 * 3600.0  # the longest a worker waits for another process building the cache
 PROGRESS_EVERY_TOKENS = 10_000_000  # a log line each time the build passes another 10 M tokens
 BATCH_BYTES, BATCH_FILES = 32 << 20, 1024  # data.path: files read into one batch until either is reached
 
@@ -131,15 +133,35 @@ def _identity(cfg: DataConfig) -> dict[str, Any]:
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path`` (released by the kernel if this process dies)."""
     with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("token cache %s: another process holds it, waiting", lock_path.parent)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+        _lock_within(handle, lock_path.parent, LOCK_WAIT_S)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_within(handle, folder: Path, limit_s: float) -> None:
+    """Take the exclusive lock of ``handle``, waiting for a process that builds the cache (the kernel
+    lets go of a dead one's) at most ``limit_s`` seconds, with a line every minute; ``DataError`` then."""
+    started = time.monotonic()
+    next_line = started
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            now = time.monotonic()
+            if now - started > limit_s:
+                raise DataError(
+                    f"token cache {folder}: another process has been building it for over {limit_s / 3600:g} h; "
+                    "wait for it, or stop it and build the cache again"
+                ) from None
+            if now >= next_line:
+                logger.info(
+                    "token cache %s: another process is building it; waiting (%.0f s so far)", folder, now - started
+                )
+                next_line = now + 60
+            time.sleep(0.5)  # polling a lock another process holds (flock has no timeout)
 
 
 def _read_header(folder: Path) -> dict[str, Any]:

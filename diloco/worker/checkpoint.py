@@ -162,6 +162,10 @@ class CheckpointWriter:
     ):
         self.directory, self.worker_index, self.keep = Path(directory), worker_index, keep
         self._on_write = on_write  # save_checkpoint's
+        # a process killed while writing leaves its temp file: the worker's next life removes it
+        for stale in _worker_dir(self.directory, worker_index).glob(".round-*.tmp"):
+            stale.unlink(missing_ok=True)
+            logger.info("removed %s, a checkpoint an earlier process did not finish writing", stale)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_write_s = 0.0  # how long the last finished write took, in its thread

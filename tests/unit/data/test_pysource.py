@@ -113,3 +113,17 @@ def test_the_corpus_command_rejects_a_file_in_one_line(tmp_path, capsys):
             signal.signal(sig, handler)
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "is a file" in err[0] and "--vocab=100" in err[1]
+
+
+def test_waiting_for_another_builder_of_the_cache_is_bounded(tmp_path):
+    import fcntl
+
+    from diloco.data.token_cache import _lock_within
+
+    lock = tmp_path / "tokens.lock"
+    with open(lock, "a") as builder, open(lock, "a") as waiter:
+        fcntl.flock(builder, fcntl.LOCK_EX)  # another process building the cache (flock is per open file)
+        with pytest.raises(DataError, match="another process has been building it for over"):
+            _lock_within(waiter, tmp_path, limit_s=0.6)
+        fcntl.flock(builder, fcntl.LOCK_UN)
+        _lock_within(waiter, tmp_path, limit_s=0.6)  # free: taken at once

@@ -13,6 +13,7 @@ import torch
 from diloco.config import load_config
 from diloco.tools.launcher import simulate
 from diloco.worker.checkpoint import (
+    CheckpointWriter,
     capture_rng_state,
     list_checkpoints,
     load_latest_checkpoint,
@@ -163,8 +164,6 @@ def test_a_stopped_run_resumes_bit_exact(tmp_path):
 
 
 def test_the_writer_writes_a_snapshot_that_later_steps_cannot_change(tmp_path):
-    from diloco.worker.checkpoint import CheckpointWriter
-
     weights = torch.zeros(1000)
     started, release = threading.Event(), threading.Event()
 
@@ -184,8 +183,6 @@ def test_the_writer_writes_a_snapshot_that_later_steps_cannot_change(tmp_path):
 
 
 def test_the_writer_runs_one_write_at_a_time_and_hands_a_failed_ones_error_to_the_next_save(tmp_path):
-    from diloco.worker.checkpoint import CheckpointWriter
-
     active, most = [0], [0]
     lock = threading.Lock()
 
@@ -214,3 +211,15 @@ def test_the_writer_runs_one_write_at_a_time_and_hands_a_failed_ones_error_to_th
     with pytest.raises(TypeError):
         writer.save(5, {"round": 5})
     assert load_latest_checkpoint(tmp_path, 0)["round"] == 3
+
+
+def test_a_new_writer_removes_the_temp_file_a_killed_process_left(tmp_path):
+    folder = tmp_path / "worker-1"
+    folder.mkdir()
+    left = folder / ".round-000003.pt.3k6vtae2.tmp"  # as a SIGKILL mid-write leaves it
+    left.write_bytes(b"\0" * 100)
+    other_worker = tmp_path / "worker-0" / ".round-000003.pt.abcdefgh.tmp"
+    other_worker.parent.mkdir()
+    other_worker.write_bytes(b"\0")
+    CheckpointWriter(tmp_path, 1)
+    assert not left.exists() and other_worker.exists()
