@@ -5,7 +5,7 @@ no ``data.path`` the corpus is this machine's own Python standard library source
 wherever Python does and reads back byte-identical on every run. ``data.dataset`` reads a
 Hugging Face dataset instead, and ``data.tokenizer`` turns any of these texts into a local
 tokenizer's ids (both in ``diloco/data/hf.py``). Whatever the source, the corpus is one flat
-token tensor, so sharding, sampling and evaluation below are one code path. With
+token tensor, so sharding, sampling and the held-out batches below are one code path. With
 ``data.token_cache`` that tensor is a memory-mapped file built once from a streamed
 ``data.dataset`` or ``data.path`` (``diloco/data/token_cache.py``), for corpora larger than
 memory: sampling only gathers windows from it, so pages are read from disk as windows need them.
@@ -18,7 +18,7 @@ Usage::
                            shard_index=rank, num_shards=world, seed=0)
     x, y = sampler.next_batch()                      # int64 [16, 64]; y is x shifted by one
     val = val_batches(corpus.val, block_size=64, batch_size=16, num_batches=8)
-    val_loss = evaluate(model, val)
+    val_loss = evaluate(model, val)                  # diloco/core/evaluation.py
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from diloco.data.source import (
     BYTE_VOCAB_SIZE,
@@ -254,36 +253,3 @@ def val_batches(
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(tokens) - block_size, (num_batches, batch_size), generator=g)
     return [_windows(tokens, row, block_size) for row in starts]
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean loss of ``model`` over ``batches``, in eval mode; the model's mode is restored after."""
-    if not batches:
-        raise ValueError("evaluate needs at least one batch")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    try:
-        total = 0.0
-        for x, y in batches:
-            _, loss = model(x.to(device), targets=y.to(device))
-            total += loss.item()  # one host sync per batch; eval is rare enough not to matter
-    finally:
-        model.train(was_training)
-    return total / len(batches)
-
-
-# Workers simulated in one process (comm.backend=simulator) with blocking rounds hold bit-identical
-# params after every round: each distinct set of params is evaluated once, keyed by its hash and
-# the held-out set's.
-_EVALUATED: dict[tuple[str, str], float] = {}
-
-
-def evaluate_cached(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], key: tuple[str, str]) -> float:
-    """``evaluate``, once per ``key`` (the hash of the params, the hash of ``batches``) in this process."""
-    if key not in _EVALUATED:
-        if len(_EVALUATED) > 256:
-            _EVALUATED.clear()
-        _EVALUATED[key] = evaluate(model, batches)
-    return _EVALUATED[key]

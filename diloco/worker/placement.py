@@ -24,7 +24,7 @@ from torch import nn
 
 from diloco.comm.base import CommBackend, CommConfig
 from diloco.config import ConfigError, WorkerConfig
-from diloco.data.corpus import evaluate, evaluate_cached
+from diloco.core.evaluation import evaluate, evaluate_cached
 from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend, local_shards, shard_comm, shard_model
 
 Batch = Sequence[torch.Tensor]

@@ -19,8 +19,8 @@ import time
 
 from diloco.config import Config
 from diloco.core.digest import tensors_digest
+from diloco.core.evaluation import evaluate
 from diloco.core.inner import inner_step, lr_at
-from diloco.data.corpus import evaluate
 from diloco.worker.build import build_worker
 from diloco.worker.faults import check_stop, slow_down
 

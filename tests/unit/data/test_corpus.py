@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from diloco.core.evaluation import evaluate
 from diloco.data.corpus import (
     DataError,
     ShardSampler,
     embedded_corpus,
-    evaluate,
     load_corpus,
     shard_bounds,
     shard_regions,
