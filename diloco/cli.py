@@ -162,43 +162,24 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
 
 def _cmd_join(args) -> int:
-    import tempfile
-
-    from omegaconf import OmegaConf
-
-    from diloco.comm.hivemind.backend import probe_roster
-    from diloco.comm.hivemind.roster import free_slot, nobody_answered
     from diloco.config import load_config
-    from diloco.worker.joining import JoinError, config_digest, config_from_run
+    from diloco.tools.join import choose_slot, run_config_file
 
     config_path, overrides = _split_config(args.config, args.overrides)
     overrides = _peer_overrides(overrides, args.peers)
     cfg = load_config(config_path, overrides)
     if cfg.comm.backend != "hivemind":
         raise UsageError(f"joining a live run needs comm.backend=hivemind, not {cfg.comm.backend}")
-    entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=cfg.comm.matchmaking_s).items() if not e.leaving}
-    if not entries:
-        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers, cfg.comm.matchmaking_s))
-    # the run's plan and slots are the run's, whatever the joiner's own file says
-    planned = max((e.planned for e in entries.values()), default=0) or cfg.worker.count
-    slots = max((e.slots for e in entries.values()), default=0) or cfg.worker.shards
-    slot = free_slot(entries, slots)
-    if slot is None:
-        raise UsageError(
-            f"run {cfg.comm.run_id!r} is full: its {slots} data shards are all held by live workers "
-            f"(a run takes volunteers up to its worker.slots)"
-        )
-    print(f"joining run {cfg.comm.run_id!r} as worker {slot} ({len(entries)} live)", flush=True)
-    args.overrides = [*overrides, f"worker.count={planned}", f"worker.slots={slots}", f"worker.index={slot}"]
+    place = choose_slot(cfg)
+    print(f"joining run {cfg.comm.run_id!r} as worker {place.slot} ({len(place.entries)} live)", flush=True)
+    args.overrides = [*overrides, *place.overrides]
     if config_path is not None:
         args.config = config_path
         return _cmd_train(args, join=True)
     # no config file: the run's own, from a live peer, with this volunteer's overrides on top
-    tree = config_from_run(entries, cfg.comm.run_id)
-    with tempfile.TemporaryDirectory(prefix="diloco-join-") as folder:
-        args.config = str(Path(folder) / "run-config.yaml")
-        Path(args.config).write_text(OmegaConf.to_yaml(tree))
-        print(f"took the run's config from a live peer (sha256 {config_digest(tree)[:12]})", flush=True)
+    with run_config_file(place.entries, cfg.comm.run_id) as (path, digest):
+        args.config = str(path)
+        print(f"took the run's config from a live peer (sha256 {digest[:12]})", flush=True)
         return _cmd_train(args, join=True)
 
 
@@ -284,26 +265,9 @@ def _cmd_testbed(args) -> int:
 
 
 def _cmd_bootstrap(args) -> int:
-    import threading
+    from diloco.tools.bootstrap import run_bootstrap
 
-    from diloco.comm.base import CommConfig
-    from diloco.comm.hivemind import reachability
-    from diloco.comm.hivemind.backend import bounded_dht_call, start_dht, visible_addresses
-
-    dht = start_dht(CommConfig(host=args.host, port=args.port), initial_peers=[])
-    try:
-        for address in visible_addresses(dht):
-            print(f"bootstrap peer up: comm.initial_peers=['{address}']", flush=True)
-        # until Ctrl-C or SIGTERM: dial back the workers that ask whether they are reachable
-        dht_call, answered, never = bounded_dht_call(dht, threading.Lock(), timeout_s=10.0), {}, threading.Event()
-        while not never.wait(1.0):
-            try:
-                reachability.answer(dht_call, own_peer_id=str(dht.peer_id), answered=answered)
-            except Exception:  # the DHT did not answer this time: the next second may
-                logging.getLogger(__name__).debug("dial-back round failed", exc_info=True)
-    finally:
-        dht.shutdown()
-    return 0
+    return run_bootstrap(host=args.host, port=args.port)
 
 
 def _cmd_config(args) -> int:
