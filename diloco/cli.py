@@ -297,8 +297,6 @@ def _cmd_corpus(args) -> int:
 
     if args.vocab <= 257 or args.vocab > 2**31:
         raise UsageError(f"--vocab={args.vocab} must be above 257 (the 256 bytes and <|endoftext|>)")
-    if args.max_bytes < 0:
-        raise UsageError(f"--max-bytes={args.max_bytes} must be >= 0 (0 = all of it)")
     summary = build_corpus(args.out_dir, vocab_size=args.vocab, max_bytes=args.max_bytes)
     print(
         f"corpus {summary['out_dir']}: {summary['files']} files, {summary['bytes'] / 1e6:.1f} MB of text, "

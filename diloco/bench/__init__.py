@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+from pathlib import Path
 
 from diloco.errors import UsageError
 
@@ -56,3 +58,14 @@ def seeds(args: argparse.Namespace) -> range:
     if args.seeds < 1 or args.first_seed < 0:
         raise UsageError(f"--seeds {args.seeds} --first-seed {args.first_seed}: need at least one seed, from 0 up")
     return range(args.first_seed, args.first_seed + args.seeds)
+
+
+def write_json(path: Path, record: dict) -> str:
+    """Replace ``path`` with ``record`` as one JSON line in one step (a reader sees the old file or
+    the new one; a benchmark stopped part-way leaves what it had measured); the line."""
+    line = json.dumps(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(line + "\n")
+    partial.replace(path)
+    return line

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from diloco.bench import write_json
 from diloco.comm.base import CommBackend, SyncResult
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES
@@ -273,16 +273,6 @@ def _outer_figures(size: BenchSize, device: torch.device, step_s: float) -> dict
     return outer
 
 
-def _write(out: Path, record: dict) -> str:
-    """Write ``record`` to ``out/gpu.json`` (after every arm: a run stopped part-way keeps what it measured)."""
-    line = json.dumps(record)
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / "gpu.json.partial"
-    partial.write_text(line + "\n")
-    partial.replace(out / "gpu.json")
-    return line
-
-
 def run_gpu_benchmark(
     *,
     size: BenchSize,
@@ -336,10 +326,10 @@ def run_gpu_benchmark(
     for name in levers:
         record["inner"][name] = measure_lever(LEVERS[name], size, device, flops, peak_tflops)
         _print_lever(name, record["inner"][name], size)
-        _write(out, {**record, "wall_s": time.perf_counter() - started})
+        write_json(out / "gpu.json", {**record, "wall_s": time.perf_counter() - started})  # after every arm
     _summarize(record, size, device)
     record.update(complete=True, wall_s=time.perf_counter() - started)
-    print(_write(out, record))
+    print(write_json(out / "gpu.json", record))
     print(f"wrote {out / 'gpu.json'}", file=sys.stderr)
     return 0
 

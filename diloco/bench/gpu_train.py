@@ -41,9 +41,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from diloco.bench import write_json
 from diloco.bench.faults import Cluster, latest_step, written_records
+from diloco.config import load_config
 from diloco.errors import UsageError
-from diloco.tools.launcher import threads_per_worker
+from diloco.tools.launcher import gpu_share_override, threads_per_worker
 
 PARTS = ("run", "alone", "diloco")
 
@@ -114,13 +116,13 @@ def first_round_tokens_per_s(records: Sequence[dict], sync_every: int) -> float 
 
 def _end_figures(run_dir: Path, workers: int, sync_every: int) -> dict:
     """What the workers' end and round records say of a finished run."""
-    ends, rounds, steady, first = [], [], [], []
+    ends, by_worker, steady = [], [], []
     for index in range(workers):
         records = written_records(run_dir, index)
         ends += [r for r in records if r.get("event") == "end"][-1:]
-        rounds += [r for r in records if r.get("event") == "round"]
+        by_worker.append([r for r in records if r.get("event") == "round"])
         steady.append(first_round_tokens_per_s(records, sync_every))
-        first = first or [r for r in records if r.get("event") == "round"]
+    rounds, first = [r for worker in by_worker for r in worker], by_worker[0] if by_worker else []
     hashes = {end["param_sha256"] for end in ends}
     return {
         "finished": len(ends),
@@ -194,11 +196,9 @@ def run_alone_or_simulated(plan: TrainPlan, out: Path, part: str) -> dict:
 
 
 def _context(run_dir: Path) -> int:
-    """The run's sequence length, from the config every run directory keeps."""
-    for line in (run_dir / "config.yaml").read_text().splitlines() if (run_dir / "config.yaml").exists() else []:
-        if line.strip().startswith("block_size:"):
-            return int(line.split(":", 1)[1])
-    return 0
+    """The run's sequence length, from the config every run directory keeps (0 if it never started)."""
+    config = run_dir / "config.yaml"
+    return load_config(str(config), []).model.block_size if config.exists() else 0
 
 
 def _wait_for_file(path: Path, timeout_s: float) -> None:
@@ -222,7 +222,7 @@ def run_with_a_restart(plan: TrainPlan, out: Path) -> dict:
         f"worker.count={plan.workers}",
         f"inner.batch_size={plan.batch}",
         "checkpoint.every_rounds=1",
-        f"worker.gpu_memory_fraction={1 / plan.workers:.6f}",  # as diloco local sets it (on a GPU only)
+        gpu_share_override(plan.workers),  # as diloco local sets it (it applies on a GPU only)
     ]
     threads = threads_per_worker(plan.workers)
     started = time.monotonic()
@@ -285,12 +285,9 @@ class Results:
             self.figures = {key: value for key, value in earlier.items() if key not in ("bench", "plan")}
 
     def write(self) -> str:
-        record = {"bench": "gpu-train", "plan": asdict(self.plan), **self.figures}
-        line = json.dumps(record)
-        partial = self.out / "gpu-train.json.partial"
-        partial.write_text(line + "\n")
-        partial.replace(self.out / "gpu-train.json")
-        return line
+        return write_json(
+            self.out / "gpu-train.json", {"bench": "gpu-train", "plan": asdict(self.plan), **self.figures}
+        )
 
 
 def run_gpu_train(plan: TrainPlan, out: Path, parts: Sequence[str] = PARTS) -> int:

@@ -34,6 +34,7 @@ import torch
 from diloco.data.source import (
     BYTE_VOCAB_SIZE,
     DataConfig,
+    describe_path,
     text_files,
     truncate_documents,
 )
@@ -74,11 +75,11 @@ def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
         data = p.read_bytes()[:cap] if cap else p.read_bytes()
         if not data:
             raise DataError(f"data.path {path!r} is an empty file")
-        return [data], f"file {p}"
+        return [data], describe_path(path, files)
     documents = [f.read_bytes() for f in files]
     if not any(documents):
         raise DataError(f"data.path {path!r}: all {len(files)} text files are empty")
-    return documents, f"{len(files)} text files under {p}"
+    return documents, describe_path(path, files)
 
 
 def _read_tokens(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:

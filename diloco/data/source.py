@@ -83,3 +83,9 @@ def truncate_documents(documents: list[bytes], max_bytes: int) -> list[bytes]:
         kept.append(document[: max_bytes - total])
         total += len(kept[-1])
     return kept
+
+
+def describe_path(path: str, files: list[Path]) -> str:
+    """How the source line names ``data.path``: the file, or how many text files under the folder."""
+    where = Path(path).expanduser()
+    return f"file {where}" if where.is_file() else f"{len(files)} text files under {where}"

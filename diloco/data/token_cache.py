@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.data.source import BYTE_VOCAB_SIZE, DataConfig, text_files, token_dtype
+from diloco.data.source import BYTE_VOCAB_SIZE, DataConfig, describe_path, text_files, token_dtype
 from diloco.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -230,8 +230,7 @@ def _open_source(cfg: DataConfig) -> tuple[Iterator[list[bytes]], str]:
 
         return open_documents(cfg, streaming=True)
     files = text_files(cfg.path)
-    where = Path(cfg.path).expanduser()
-    return _file_batches(files), f"file {where}" if where.is_file() else f"{len(files)} text files under {where}"
+    return _file_batches(files), describe_path(cfg.path, files)
 
 
 def _file_batches(files: list[Path]) -> Iterator[list[bytes]]:

@@ -82,7 +82,12 @@ def _gpu_share(cfg: Config, workers: int) -> list[str]:
     on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()
     if not on_gpu or workers < 2 or cfg.worker.gpu_memory_fraction:
         return []
-    return [f"worker.gpu_memory_fraction={1 / workers:.6f}"]
+    return [gpu_share_override(workers)]
+
+
+def gpu_share_override(workers: int) -> str:
+    """The setting that gives each of ``workers`` sharing one GPU its share of its memory."""
+    return f"worker.gpu_memory_fraction={1 / workers:.6f}"
 
 
 class _Progress:
