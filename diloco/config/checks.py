@@ -59,15 +59,8 @@ def _check_adaptive(cfg: Config) -> None:
     )
 
 
-def validate(cfg: Config) -> None:
-    """Combinations the schema's types cannot express. Each failure names the key to change. A
-    section's own checks live beside its code (``validate_outer_config``, ...); those across
-    sections are here."""
-    _check_hf_extra(cfg)
-    try:
-        validate_model_config(cfg.model)
-    except ValueError as error:  # the model's checks raise ValueError (models/gpt.py, models/hf.py)
-        raise ConfigError(str(error)) from None
+def _check_worker(cfg: Config) -> None:
+    """The ``worker.*`` settings, each alone and against the run's plan."""
     require(cfg.worker.count >= 1, f"worker.count={cfg.worker.count} must be at least 1")
     _check_site(cfg)
     require(cfg.worker.slots >= 0, f"worker.slots={cfg.worker.slots} must be >= 0 (0 = worker.count)")
@@ -88,6 +81,18 @@ def validate(cfg: Config) -> None:
         0 <= cfg.worker.gpu_memory_fraction <= 1,
         f"worker.gpu_memory_fraction={cfg.worker.gpu_memory_fraction} must be in [0, 1] (0 = all of the GPU)",
     )
+
+
+def validate(cfg: Config) -> None:
+    """Combinations the schema's types cannot express. Each failure names the key to change. A
+    section's own checks live beside its code (``validate_outer_config``, ...); those across
+    sections are here."""
+    _check_hf_extra(cfg)
+    try:
+        validate_model_config(cfg.model)
+    except ValueError as error:  # the model's checks raise ValueError (models/gpt.py, models/hf.py)
+        raise ConfigError(str(error)) from None
+    _check_worker(cfg)
     validate_inner_config(cfg.inner)
     validate_outer_config(cfg.outer)
     validate_overlap_config(cfg.outer)

@@ -131,8 +131,6 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
-    if device.type == "cuda" and cfg.worker.gpu_memory_fraction:  # workers sharing a GPU: each its share
-        torch.cuda.set_per_process_memory_fraction(cfg.worker.gpu_memory_fraction, device)
 
     # data: this worker's shard of the train split, and the held-out batches every worker shares
     corpus = load_corpus(cfg.data)
@@ -156,15 +154,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
 
     # model and optimizers: refused at once if it cannot fit (memory.py); the same seed gives every
     # worker the same initial params
-    check_model_fits(
-        cfg.model,
-        vocab_size=corpus.vocab_size,
-        device=device,
-        batch_size=cfg.inner.batch_size,
-        precision=cfg.worker.precision,
-        global_on_gpu=cfg.outer.global_device == "model",
-        gpu_share=cfg.worker.gpu_memory_fraction,
-    )
+    _claim_memory(cfg, device, vocab_size=corpus.vocab_size)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size)
     synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
@@ -322,6 +312,22 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints: Path) ->
             f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
             f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
         ) from None
+
+
+def _claim_memory(cfg: Config, device: torch.device, *, vocab_size: int) -> None:
+    """This worker's share of its GPU (``worker.gpu_memory_fraction``), and the refusal of a model
+    that cannot fit in it or in the host's memory (memory.py), before anything is allocated."""
+    if device.type == "cuda" and cfg.worker.gpu_memory_fraction:  # workers sharing a GPU: each its share
+        torch.cuda.set_per_process_memory_fraction(cfg.worker.gpu_memory_fraction, device)
+    check_model_fits(
+        cfg.model,
+        vocab_size=vocab_size,
+        device=device,
+        batch_size=cfg.inner.batch_size,
+        precision=cfg.worker.precision,
+        global_on_gpu=cfg.outer.global_device == "model",
+        gpu_share=cfg.worker.gpu_memory_fraction,
+    )
 
 
 def _device(name: str) -> torch.device:
