@@ -37,8 +37,9 @@ def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cl
     real = torch.cat([p.flatten() for p in first["hivemind"]["outer"]["global_params"]])
     simulated = torch.cat([p.flatten() for p in first["simulator"]["outer"]["global_params"]])
     # relative to the size of the params: both ran the same arithmetic, up to the order of float sums
-    # inside torch's kernels (one thread per process against two threads in turn)
-    assert ((simulated - real).norm() / real.norm()).item() < 1e-5
+    # inside torch's kernels (one thread per process against two threads in turn) and of hivemind's
+    # sums (in arrival order): seen up to 1.1e-5 after a few rounds
+    assert ((simulated - real).norm() / real.norm()).item() < 5e-5
     losses = {
         b: next(r["val_loss"] for r in read_records(tmp_path / b, 0) if r["event"] == "round" and r["round"] == whole)
         for b in ("hivemind", "simulator")
