@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import abc
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from diloco.comm.robust import norm_of, screen
-from diloco.compression import Codec, PayloadError, all_finite
 from diloco.errors import CommError as CommError  # raised here; importers take it from here too
 
 # how a worker offers its state: ``read(use)`` is ``use(live state)`` under the outer step's lock, or None once stale
@@ -89,7 +86,7 @@ class StateRank:
 
 def fingerprint_of(digest: bytes) -> float:
     """A ``StateRank`` fingerprint in [0, 1) from a hash digest (its first 24 bits: exact in the
-    float that carries a state's download priority, see comm/hivemind/backend.py)."""
+    float that carries a state's download priority, see comm/hivemind/state_offers.py)."""
     return int.from_bytes(digest[:3], "big") / (1 << 24)
 
 
@@ -113,7 +110,7 @@ class Averaging(abc.ABC):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         """Replace ``tensors`` in place by their ``weight``-weighted mean over the workers of round
-        ``round_index``, sent compressed by the backend's codec (see ``average_payloads``). Every
+        ``round_index``, sent compressed by the backend's codec (see ``reduce.average_payloads``). Every
         worker that took part ends with bit-identical tensors. On failure the tensors are left as
         they were and the result says so. ``fragment`` names which of the parameter fragments
         given to ``build_backend`` the tensors are (streaming syncs them separately)."""
@@ -258,78 +255,3 @@ class PendingAverage:
     def abandoned(self) -> bool:
         """Still running after a ``wait`` gave up on it: it may yet write into its tensors."""
         return self._thread is not None and self._thread.is_alive()
-
-
-@dataclass
-class Contribution:
-    """One worker's compressed tensors (one payload each) and its weight, as a reducer receives them."""
-
-    worker: str  # who sent it, for the log
-    payloads: Sequence[bytes]
-    weight: float
-
-
-def average_payloads(
-    codec: Codec,
-    contributions: Sequence[Contribution],
-    numels: Sequence[int],
-    *,
-    round_index: int,
-    max_norm_ratio: float = 0.0,
-    clip_to_median: bool = False,
-) -> tuple[list[torch.Tensor], list[Contribution]]:
-    """The rule every transport follows to average compressed tensors (``codec`` decodes them).
-
-    Each contribution is decoded (one with an invalid payload or weight is dropped, with a log line
-    that names the sender and the reason); the decoded contributions are screened by their norms
-    (``robust.screen``: one far above the median is dropped, and with ``clip_to_median`` those
-    above it are scaled down to it); the weighted mean is taken in fp32, in the order given;
-    and the result is what ``codec`` restores from the compressed mean. That last step is what a
-    reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves
-    (a codec that ``gathers`` is not compressed again: its ``gathered_mean``, checked to be finite).
-    Returns the flat averaged tensors and the contributions that were used (none when nothing, or
-    no usable average, came of them). hivemind's reducers follow the same rule part by part (their
-    sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
-    """
-    decoded, used = [], []
-    for contribution in contributions:
-        try:
-            if not (math.isfinite(contribution.weight) and contribution.weight > 0):
-                raise PayloadError(f"weight {contribution.weight} is not a positive number")
-            if len(contribution.payloads) != len(numels):
-                raise PayloadError(f"{len(contribution.payloads)} payloads, expected {len(numels)}")
-            decoded.append([codec.decompress(p, n) for p, n in zip(contribution.payloads, numels)])
-            used.append(contribution)
-        except PayloadError as error:
-            logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, contribution.worker, error)
-    screening = screen(
-        {i: norm_of(values) for i, values in enumerate(decoded)},
-        max_norm_ratio=max_norm_ratio,
-        clip_to_median=clip_to_median,
-    )
-    for i, reason in screening.dropped.items():
-        logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
-    decoded = [
-        [v * screening.scales[i] for v in values] if screening.scales[i] != 1.0 else values
-        for i, values in enumerate(decoded)
-        if i in screening.scales
-    ]
-    used = [c for i, c in enumerate(used) if i in screening.scales]
-    if not used:
-        return [], []
-    total = sum(c.weight for c in used)
-    means = []
-    for k in range(len(numels)):
-        try:  # as a reducer replies with it; a codec that gathers is not compressed again
-            if codec.gathers:  # every peer takes the gathered mean itself, as hivemind's do
-                mean = codec.gathered_mean(((values[k], c.weight) for values, c in zip(decoded, used)), numels[k])
-                if not all_finite(mean):
-                    raise PayloadError("the mean is not finite")
-                means.append(mean)
-                continue
-            mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
-            means.append(codec.reply_codec.roundtrip(mean))
-        except PayloadError as error:  # finite inputs can still overflow
-            logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
-            return [], []
-    return means, used

@@ -7,7 +7,7 @@ before it even builds its model, so the shared global RNG gives every worker the
 params): exactly one computes at a time (so each one's measured compute time is its own, as
 if it had the machine to itself), and a round's mean is taken in worker order, so a run is
 deterministic for a seed. Pseudo-gradients are compressed and checked exactly as over the
-network (``average_payloads`` in base.py): bytes are counted from the real payloads.
+network (``average_payloads`` in reduce.py): bytes are counted from the real payloads.
 
 The link model turns the bytes of each round into the time the round would take on such links:
 in hivemind's butterfly all-reduce each of n workers uploads (n-1)/n of the payload to the
@@ -31,7 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
 

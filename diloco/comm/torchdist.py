@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import CommBackend, CommConfig, Contribution, SyncResult, average_payloads
+from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import screen
 from diloco.compression import Codec
 

@@ -10,7 +10,7 @@ import threading
 
 from diloco.comm.base import CommConfig
 from diloco.comm.hivemind import reachability
-from diloco.comm.hivemind.backend import bounded_dht_call, start_dht, visible_addresses
+from diloco.comm.hivemind.peer import bounded_dht_call, start_dht, visible_addresses
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from diloco.comm.hivemind.backend import probe_roster
+from diloco.comm.hivemind.peer import probe_roster
 from diloco.comm.hivemind.roster import free_slot, nobody_answered
 from diloco.config import Config
 from diloco.errors import UsageError

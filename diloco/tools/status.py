@@ -67,7 +67,7 @@ def show_status(cfg: CommConfig, *, watch: bool, timeout_s: float, out: TextIO =
     the run answers within ``timeout_s`` (and not watching): a wrong address, run id or run key."""
     from hivemind.utils import get_dht_time
 
-    from diloco.comm.hivemind.backend import first_entries, roster_reader
+    from diloco.comm.hivemind.peer import first_entries, roster_reader
 
     terminal = out.isatty()
     with roster_reader(cfg) as read:

@@ -49,8 +49,8 @@ def _peer(
             run_id=f"wire_{name}", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, deadline_s=40
         )
         backend = HivemindBackend(cfg, templates=_tensors(0), num_workers=count, codec=codec)
-        if prefer is not None and backend._meter is not None:
-            backend._meter.preferred = lambda **_: prefer  # a scripted measure of the link
+        if prefer is not None and backend.averaging.codecs.meter is not None:
+            backend.averaging.codecs.meter.preferred = lambda **_: prefer  # a scripted measure of the link
         try:
             tensors = _tensors(index)
             result = backend.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=40)
@@ -67,7 +67,7 @@ def _peer(
 def _run_peers(
     count: int, codecs: list[str], bad_peer: int = -1, bad: str = "", preferences: list[int] | None = None
 ) -> dict:
-    from diloco.comm.hivemind.backend import start_dht, visible_addresses
+    from diloco.comm.hivemind.peer import start_dht, visible_addresses
 
     bootstrap = start_dht(CommConfig())
     context = mp.get_context("spawn")

@@ -64,7 +64,7 @@ def _codec():
 
 
 def _run_peers(count: int, planes: list[str], bad: dict[int, str] | None = None, reports: int | None = None) -> dict:
-    from diloco.comm.hivemind.backend import start_dht, visible_addresses
+    from diloco.comm.hivemind.peer import start_dht, visible_addresses
 
     bad = bad or {}
     bootstrap = start_dht(CommConfig())

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from diloco.comm.base import CommConfig
-from diloco.comm.hivemind.backend import bounded_dht_call, start_dht, visible_addresses
+from diloco.comm.hivemind.peer import bounded_dht_call, start_dht, visible_addresses
 from diloco.comm.hivemind.roster import Roster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

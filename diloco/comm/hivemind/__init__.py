@@ -1,15 +1,22 @@
 """The hivemind transport: peers on a DHT, averaging in groups found by matchmaking.
 
-- ``backend.py``       ``HivemindBackend``: a worker's DHT peer, its averagers and its roster record;
-                       how a round is matched, retried, and its state offered and downloaded
-- ``averager.py``      hivemind's averager made bit-identical across peers, with byte counts
-                       and the robust screening of declared norms
-- ``gathered.py``      a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
-- ``gloo_plane.py``    a bulk data plane beside it: fp32 rounds through a gloo all-reduce
-- ``roster.py``        who is in the run now (heartbeats on the DHT) and the group size a round waits for
-- ``reachability.py``  whether a joining worker can be dialled (else it joins as a client)
-- ``run_key.py``       the run key: HMAC-signed DHT records and a keyed schema hash
-- ``owned_dht.py``     a DHT process that dies with the worker that started it
+- ``backend.py``         ``HivemindBackend``: a worker's transport, composed of the parts below
+- ``peer.py``            its DHT peer: start-up, reachability and client mode, bounded DHT calls;
+                         the short-lived peers ``diloco status`` and ``diloco join`` read the roster with
+- ``averaging.py``       a round's averaging: one averager per fragment, the retry among survivors,
+                         the outer step alone when nobody else is left
+- ``group_round.py``     one attempt in a group: matchmaking, the all-reduce, screening, the result
+- ``state_exchange.py``  the worker's state offered to peers and taken from them after a failed round
+- ``state_offers.py``    the offers as the DHT carries them: (round, rank) packed in one priority
+- ``membership.py``      the worker's roster record and its view of who is live
+- ``averager.py``         hivemind's averager made bit-identical across peers, with byte counts
+                         and the robust screening of declared norms
+- ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
+- ``gloo_plane.py``      a bulk data plane beside it: fp32 rounds through a gloo all-reduce
+- ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
+- ``reachability.py``    whether a joining worker can be dialled (else it joins as a client)
+- ``run_key.py``         the run key: HMAC-signed DHT records and a keyed schema hash
+- ``owned_dht.py``       a DHT process that dies with the worker that started it
 
 Nothing is imported here: ``diloco status`` reads the roster without loading the averager.
 """

@@ -531,25 +531,13 @@ class ExactAverager(DecentralizedAverager):
     def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
         """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers
         are in. Raises ``TimeoutError`` if the averager's process does not take it within ``timeout_s``."""
-        future = MPFuture()
-        self._outer_pipe.send(
-            ("_set_group", [], dict(group_bits=group_bits, target_group_size=target_group_size, future=future))
-        )
-        try:
-            future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the averager did not take the round's group key within {timeout_s:.0f} s") from None
+        sent = dict(group_bits=group_bits, target_group_size=target_group_size)
+        ask_within(self._outer_pipe, "_set_group", sent, timeout_s=timeout_s, what="the round's group key")
 
-    @contextlib.contextmanager
     def tensors_within(self, timeout_s: float):
         """``get_tensors()``, waiting at most ``timeout_s`` for the averager to release them (it holds
         them through an all-reduce, one given up on included); raises ``TimeoutError`` past it."""
-        if not self.lock_averaged_tensors.acquire(timeout=timeout_s):
-            raise TimeoutError(f"the averager held its tensors for more than {timeout_s:.0f} s (an earlier all-reduce)")
-        try:
-            yield self._averaged_tensors
-        finally:
-            self.lock_averaged_tensors.release()
+        return held_within(self.lock_averaged_tensors, self._averaged_tensors, timeout_s)
 
     async def _set_group(self, group_bits: str, target_group_size: int, future: MPFuture):
         try:
@@ -647,3 +635,26 @@ def _serialize(state: dict) -> io.BytesIO:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer
+
+
+def ask_within(pipe, method: str, kwargs: dict, *, timeout_s: float, what: str) -> None:
+    """Have the averager's process run ``method(**kwargs, future=...)`` through ``pipe``; raises
+    ``TimeoutError`` naming ``what`` if it has not done so within ``timeout_s``."""
+    future = MPFuture()
+    pipe.send((method, [], dict(kwargs, future=future)))
+    try:
+        future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"the averager did not take {what} within {timeout_s:.0f} s") from None
+
+
+@contextlib.contextmanager
+def held_within(lock, tensors: list, timeout_s: float):
+    """``tensors`` under ``lock`` (the averager's, shared with its process), waiting at most
+    ``timeout_s`` for it; raises ``TimeoutError`` past it."""
+    if not lock.acquire(timeout=timeout_s):
+        raise TimeoutError(f"the averager held its tensors for more than {timeout_s:.0f} s (an earlier all-reduce)")
+    try:
+        yield tensors
+    finally:
+        lock.release()

@@ -48,7 +48,7 @@ class PartialRead(RuntimeError):
 class Roster:
     """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)``, a DHT
     request made with ``return_future=True``, and waits a bounded time for its answer
-    (``comm.hivemind.bounded_dht_call``)."""
+    (``peer.bounded_dht_call``)."""
 
     def __init__(
         self,
@@ -253,3 +253,17 @@ def free_slot(entries: dict[int, RosterEntry], slots: int) -> int | None:
     """The lowest worker index in ``range(slots)`` that no live worker holds; None when all are taken."""
     taken = {i for i, entry in entries.items() if not entry.leaving}
     return next((i for i in range(slots) if i not in taken), None)
+
+
+def live_counts(roster: Roster) -> tuple[int, int] | None:
+    """(live workers besides ``roster``'s own that serve their state, live workers in all, clients
+    and ours included), from one read of the records: the offers a worker looking for a state waits
+    for (a planned worker never seen is not waited for). None when the DHT did not answer, or found
+    only part of the records."""
+    try:
+        entries = roster.own_entries()
+    except Exception:
+        logger.debug("roster read failed", exc_info=True)
+        return None
+    live = [(i, e) for i, e in entries.items() if not e.leaving]
+    return sum(1 for i, e in live if i != roster.worker_index and e.serves_state), len(live)

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, Contribution, SyncResult, average_payloads
+from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import norm_of, screen
 from diloco.compression import CompressionConfig, NoCompression, build_codec
 from diloco.config import ConfigError, load_config

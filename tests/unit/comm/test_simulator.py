@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from diloco.comm.base import Contribution
+from diloco.comm.reduce import Contribution
 from diloco.comm.simulator import SimulatedGroup, round_time_s
 from diloco.compression import NoCompression, build_codec
 from diloco.config import load_config

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.comm.base import Contribution, average_payloads
+from diloco.comm.reduce import Contribution, average_payloads
 from diloco.compression import CODECS, CompressionConfig, ErrorFeedback, PayloadError, build_codec
 from diloco.compression.codec import HEADER_BYTES
 

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, Contribution, SyncResult, average_payloads
+from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.reduce import Contribution, average_payloads
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import ConfigError, load_config
 from diloco.core.outer import OuterStep, build_outer_optimizer

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.dht.validation import DHTRecord
 
-from diloco.comm.hivemind.backend import bounded_dht_call
+from diloco.comm.hivemind.peer import bounded_dht_call
 from diloco.comm.hivemind.roster import PartialRead, Roster, free_slot
 from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
 

@@ -1,5 +1,6 @@
-"""How a hivemind worker reads its peers' state offers after a round (logic only: the DHT and the
-download are stand-ins; tests/integration/test_volunteer.py runs the real thing)."""
+"""How a hivemind worker reads its peers' state offers after a round and chooses one to take
+(logic only: the DHT, the roster and the download are stand-ins handed to the real state exchange;
+tests/integration/test_volunteer.py runs the real thing)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from types import SimpleNamespace
 import torch
 
 from diloco.comm.base import StateRank
-from diloco.comm.hivemind.backend import HivemindBackend, _offer, _priority
+from diloco.comm.hivemind.roster import PartialRead, RosterEntry, live_counts
+from diloco.comm.hivemind.state_exchange import HivemindStateExchange
+from diloco.comm.hivemind.state_offers import offer_of, priority
 
 
 class _Averager:
@@ -26,41 +29,68 @@ class _Averager:
         return metadata, [torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)]
 
 
-def _backend(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> HivemindBackend:
-    backend = HivemindBackend.__new__(HivemindBackend)  # no DHT: the offers are scripted below
-    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(2, 0.5))]
-    reads = iter(offers_over_time)
-    last = offers_over_time[-1]
-    backend._state_offers = lambda: next(reads, last)
-    backend._live_peers = lambda: (live - 1, live)
-    backend.num_workers = live
-    backend.client_mode = False
-    return backend
+class _Roster:
+    """``live`` workers, this one (index 0) among them, each serving its state; ``reads`` counts
+    the reads."""
+
+    worker_index = 0
+
+    def __init__(self, live: int):
+        self.live, self.reads = live, 0
+
+    def own_entries(self):
+        self.reads += 1
+        return {i: RosterEntry(i, 0, 0) for i in range(self.live)}
 
 
-def _serving_the_best(offers_over_time: list[list[tuple[int, StateRank]]], live: int) -> HivemindBackend:
-    """A backend whose download serves, as hivemind does, the highest priority offered at the time."""
-    readings, latest = iter(offers_over_time), []
+class _UnreadRoster:
+    worker_index = 0
 
-    def offers():
-        latest[:] = next(readings, latest)
-        return list(latest)
+    def own_entries(self):  # the DHT did not answer
+        raise TimeoutError("the DHT did not answer within 3 s")
+
+
+class _Offers:
+    """The offers read over time: one reading a call, the last one again after that."""
+
+    def __init__(self, readings: list[list[tuple[int, StateRank]]]):
+        self._readings, self.latest = iter(readings), readings[-1] if readings else []
+
+    def read(self):
+        self.latest = next(self._readings, self.latest)
+        return list(self.latest)
+
+
+def _exchange(offers, live: int, *, server=None, client_mode: bool = False, roster=None) -> HivemindStateExchange:
+    offers = offers if isinstance(offers, _Offers) else _Offers(offers)
+    return HivemindStateExchange(
+        server=server or _Averager({"global_params": [torch.ones(1)]}, 0, StateRank(2, 0.5)),
+        offers=offers,
+        roster=roster or _Roster(live),
+        num_workers=live,
+        client_mode=client_mode,
+        linger_s=0.0,
+    )
+
+
+def _serving_the_best(
+    offers_over_time: list[list[tuple[int, StateRank]]], live: int, **kwargs
+) -> HivemindStateExchange:
+    """A state exchange whose download serves, as hivemind does, the highest priority offered at the time."""
+    offers = _Offers(offers_over_time)
 
     class _ServesTheBest:
         def load_state_from_peers(self, timeout):
-            round_index, rank = max(latest)
+            round_index, rank = max(offers.latest)
             served = _Averager({"global_params": [torch.full((1,), rank.fingerprint)]}, round_index, rank)
             return served.load_state_from_peers(timeout)
 
-    backend = _backend([[]], live=live)
-    backend._averagers = [_ServesTheBest()]
-    backend._state_offers = offers
-    return backend
+    return _exchange(offers, live, server=_ServesTheBest(), **kwargs)
 
 
 def test_priority_packs_round_and_rank_exactly():
     rank = StateRank(3, 0.25)
-    assert _offer(_priority(12, rank)) == (12, rank)
+    assert offer_of(priority(12, rank)) == (12, rank)
 
 
 def test_a_peer_still_in_its_outer_step_is_waited_for_not_taken_as_absent():
@@ -68,20 +98,18 @@ def test_a_peer_still_in_its_outer_step_is_waited_for_not_taken_as_absent():
     the peer that averaged in a group of 2 has not offered its state yet. Concluding "nobody did
     better" then would leave our params apart from that peer's: wait for every live peer."""
     dropped = [(0, StateRank(0, 0.1)), (0, StateRank(0, 0.2))]
-    backend = _backend([dropped, dropped, [*dropped, (0, StateRank(2, 0.5))]], live=4)
-    found = backend.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0)
+    states = _exchange([dropped, dropped, [*dropped, (0, StateRank(2, 0.5))]], live=4)
+    found = states.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0)
     assert found is not None and found.round == 0 and found.rank == StateRank(2, 0.5)
     torch.testing.assert_close(found.state["global_params"][0], torch.ones(1))
 
 
 def test_when_every_live_peer_offers_this_round_and_none_ranks_higher_nobody_is_asked():
-    backend = _backend([[(0, StateRank(0, 0.1)), (0, StateRank(1, 0.2))]], live=3)
-    assert backend.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0) is None
+    states = _exchange([[(0, StateRank(0, 0.1)), (0, StateRank(1, 0.2))]], live=3)
+    assert states.fetch_state(0, better_than=StateRank(1, 0.3), timeout_s=5.0) is None
 
 
 def test_only_live_peers_that_serve_state_are_waited_for():
-    from diloco.comm.hivemind.roster import PartialRead, RosterEntry
-
     class _Roster:
         worker_index = 0
 
@@ -93,9 +121,7 @@ def test_only_live_peers_that_serve_state_are_waited_for():
                 3: RosterEntry(3, 2, 40, leaving=True),
             }
 
-    backend = HivemindBackend.__new__(HivemindBackend)
-    backend.roster = _Roster()
-    assert backend._live_others() == 1
+    assert live_counts(_Roster()) == (1, 3)
 
     class _PartialRoster:
         worker_index = 0
@@ -103,8 +129,7 @@ def test_only_live_peers_that_serve_state_are_waited_for():
         def own_entries(self):  # a lookup that did not find this worker's own record
             raise PartialRead("the roster read did not find this worker's own record")
 
-    backend.roster = _PartialRoster()
-    assert backend._live_others() is None  # unknown, not nobody: a client does not give up on its round
+    assert live_counts(_PartialRoster()) is None  # unknown, not nobody: a client does not give up on its round
 
 
 def test_an_unsynced_peers_state_is_not_taken_while_a_peer_that_averaged_may_still_offer_one():
@@ -113,24 +138,22 @@ def test_an_unsynced_peers_state_is_not_taken_while_a_peer_that_averaged_may_sti
     outer step (its offer is of an earlier round). Taking the dropped peer's state then, as the
     best offered so far, would end us on neither side's params: wait for the one that averaged."""
     dropped, averaged = (5, StateRank(0, 0.9)), (5, StateRank(2, 0.5))
-    backend = _serving_the_best([[dropped, (3, StateRank(0))], [dropped, (3, StateRank(0))], [dropped, averaged]], 3)
-    found = backend.fetch_state(5, better_than=StateRank(0, 0.3), timeout_s=10.0, newer=True)
+    states = _serving_the_best([[dropped, (3, StateRank(0))], [dropped, (3, StateRank(0))], [dropped, averaged]], 3)
+    found = states.fetch_state(5, better_than=StateRank(0, 0.3), timeout_s=10.0, newer=True)
     assert found is not None and found.rank == StateRank(2, 0.5), found
 
 
 def test_once_every_live_peer_offers_this_round_an_unsynced_state_above_ours_is_taken():
     """Two sides cut off from each other, each alone (peers 0): one takes the other's state."""
-    backend = _backend([[(0, StateRank(0, 0.5))]], live=2)
-    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))]
-    found = backend.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=5.0)
+    served = _Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))
+    states = _exchange([[(0, StateRank(0, 0.5))]], live=2, server=served)
+    found = states.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(0, 0.5)
 
 
-def _client(offers: list[tuple[int, StateRank]], served: tuple[int, StateRank], live: int) -> HivemindBackend:
-    backend = _backend([offers], live=live)
-    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, *served)]
-    backend.client_mode = True
-    return backend
+def _client(offers, served: tuple[int, StateRank], live: int) -> HivemindStateExchange:
+    server = _Averager({"global_params": [torch.ones(1)]}, *served)
+    return _exchange(offers if isinstance(offers, _Offers) else [offers], live=live, server=server, client_mode=True)
 
 
 def test_a_client_whose_params_no_serving_peer_holds_takes_a_served_state_of_its_own_size():
@@ -147,8 +170,8 @@ def test_a_client_whose_params_a_serving_peer_holds_ranks_them_by_fingerprint_as
     """A split round: our group's serving peer offers our very state (same size, same fingerprint)
     and outranks the other group's: nothing to take, as that peer concludes too."""
     ours, other = (1, StateRank(2, 0.7)), (1, StateRank(2, 0.2))
-    backend = _client([ours, other], other, live=3)
-    assert backend.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
+    states = _client([ours, other], other, live=3)
+    assert states.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
 
 
 def test_a_client_waits_for_its_own_groups_serving_peer_before_taking_another_groups_state():
@@ -157,10 +180,9 @@ def test_a_client_waits_for_its_own_groups_serving_peer_before_taking_another_gr
     our fingerprint. Lowering our rank then would take the other group's params, which its own
     peers drop a moment later for ours: wait until every serving peer has offered."""
     ours, other = (1, StateRank(2, 0.7)), (1, StateRank(2, 0.2))
-    backend = _client([], other, live=3)
-    readings = iter([[(0, StateRank(2, 0.9)), other], [(0, StateRank(2, 0.9)), other], [ours, other]])
-    backend._state_offers = lambda: next(readings, [ours, other])
-    assert backend.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
+    readings = _Offers([[(0, StateRank(2, 0.9)), other], [(0, StateRank(2, 0.9)), other], [ours, other]])
+    states = _client(readings, other, live=3)
+    assert states.fetch_state(1, better_than=StateRank(2, 0.7), timeout_s=5.0) is None
 
 
 def test_a_state_that_wins_only_by_its_fingerprint_is_taken_once_every_live_peer_has_offered():
@@ -168,16 +190,15 @@ def test_a_state_that_wins_only_by_its_fingerprint_is_taken_once_every_live_peer
     highest has not offered yet: taking the middle one's state would strand us on params that
     the middle one itself drops for the highest's."""
     middle, highest = (2, StateRank(1, 0.5)), (2, StateRank(1, 0.9))
-    backend = _serving_the_best([[middle], [middle], [middle, highest]], live=3)
-    found = backend.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=5.0)
+    states = _serving_the_best([[middle], [middle], [middle, highest]], live=3)
+    found = states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(1, 0.9)
 
 
 def test_an_unread_roster_is_not_taken_for_every_peer_having_offered():
-    backend = _backend([[(0, StateRank(0, 0.5))]], live=2)
-    backend._live_peers = lambda: None  # the DHT did not answer
-    backend._averagers = [_Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))]
-    assert backend.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=1.0) is None
+    served = _Averager({"global_params": [torch.ones(1)]}, 0, StateRank(0, 0.5))
+    states = _exchange([[(0, StateRank(0, 0.5))]], live=2, server=served, roster=_UnreadRoster())
+    assert states.fetch_state(0, better_than=StateRank(0, 0.3), timeout_s=1.0) is None
 
 
 def test_a_bigger_groups_state_is_taken_at_once_only_when_no_other_group_can_match_it():
@@ -185,12 +206,12 @@ def test_a_bigger_groups_state_is_taken_at_once_only_when_no_other_group_can_mat
     before the second, whose fingerprint ranks higher: taking the first at once would strand us
     on params that its own peers drop for the second's. A group of three of five is taken at once."""
     first, second = (4, StateRank(2, 0.3)), (4, StateRank(2, 0.8))
-    backend = _serving_the_best([[first] * 2, [first] * 2, [first] * 2 + [second] * 2], live=5)
-    found = backend.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
+    states = _serving_the_best([[first] * 2, [first] * 2, [first] * 2 + [second] * 2], live=5)
+    found = states.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(2, 0.8), found
     majority = (4, StateRank(3, 0.1))
-    backend = _serving_the_best([[majority] * 3], live=5)
-    found = backend.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
+    states = _serving_the_best([[majority] * 3], live=5)
+    found = states.fetch_state(4, better_than=StateRank(1, 0.5), timeout_s=5.0)
     assert found is not None and found.rank == StateRank(3, 0.1), found
 
 
@@ -198,11 +219,10 @@ def test_a_bigger_groups_state_is_taken_at_once_when_the_workers_left_cannot_mat
     """Four workers split 2 + 1 + us alone; the other one alone is still in its inner steps (no offer
     yet). It cannot make a group of two on its own: the pair's state is taken at once, not after it."""
     pair = (3, StateRank(2, 0.4))
-    backend = _serving_the_best([[pair, pair]], live=4)
-    readings = []
-    backend._live_peers = lambda: readings.append(1) or (3, 4)
-    found = backend.fetch_state(3, better_than=StateRank(1, 0.9), timeout_s=5.0)
-    assert found is not None and found.rank == StateRank(2, 0.4) and len(readings) == 1, found
+    roster = _Roster(live=4)
+    states = _serving_the_best([[pair, pair]], live=4, roster=roster)
+    found = states.fetch_state(3, better_than=StateRank(1, 0.9), timeout_s=5.0)
+    assert found is not None and found.rank == StateRank(2, 0.4) and roster.reads == 1, found
 
 
 def test_a_live_peer_that_never_offers_is_waited_for_half_the_time_then_taken_for_a_straggler():
@@ -210,16 +230,16 @@ def test_a_live_peer_that_never_offers_is_waited_for_half_the_time_then_taken_fo
     nothing. Waiting for it the whole time would leave the other two apart: after half of it the
     higher fingerprint present wins, which the other concludes too."""
     other = (2, StateRank(1, 0.9))
-    backend = _serving_the_best([[other]], live=3)
+    states = _serving_the_best([[other]], live=3)
     started = time.monotonic()
-    found = backend.fetch_state(2, better_than=StateRank(1, 0.4), timeout_s=4.0)
+    found = states.fetch_state(2, better_than=StateRank(1, 0.4), timeout_s=4.0)
     assert found is not None and found.rank == StateRank(1, 0.9)
     assert 2.0 <= time.monotonic() - started < 3.5
 
 
 def test_stale_offers_of_peers_gone_are_given_up_after_one_failed_download():
-    backend = _backend([[(3, StateRank(2, 0.5))]], live=1)  # nobody else live; an offer left on the DHT
-    backend._averagers = [SimpleNamespace(load_state_from_peers=lambda timeout: None)]  # its peer is gone
+    gone = SimpleNamespace(load_state_from_peers=lambda timeout: None)  # the offer's peer is gone
+    states = _exchange([[(3, StateRank(2, 0.5))]], live=1, server=gone)  # nobody else live; an offer left on the DHT
     started = time.monotonic()
-    assert backend.fetch_state(3, better_than=StateRank(0, 0.1), timeout_s=10.0) is None
+    assert states.fetch_state(3, better_than=StateRank(0, 0.1), timeout_s=10.0) is None
     assert time.monotonic() - started < 2

@@ -1,0 +1,255 @@
+"""A round's averaging over hivemind: one averager per fragment of the params, the round's retry
+among survivors, and the outer step taken alone when nobody else is left.
+
+Each round is matched under its own DHT key (run id + round number), so a worker that is a round
+behind never averages with the others' newer pseudo-gradients. Rounds wait up to
+``comm.matchmaking_s`` for the group the roster expects (``roster.py``: the planned workers minus
+those seen gone, plus those that joined) and start at once when it is full. A round whose group
+broke (a peer crashed inside the all-reduce) is tried once more among the survivors, under a key
+of its own, while its deadline lasts. One attempt is ``group_round.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diloco.comm.base import Averaging, CommConfig, SyncResult
+from diloco.comm.bounds import round_limit_s
+from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
+from diloco.comm.hivemind.group_round import Attempt, CodecChoice, GroupRound
+from diloco.comm.hivemind.peer import Peer
+from diloco.comm.hivemind.roster import Roster, live_counts
+from diloco.comm.hivemind.run_key import resolve_run_key
+from diloco.comm.hivemind.state_offers import StateOffers
+from diloco.comm.reduce import Contribution, average_payloads
+from diloco.compression import Codec
+
+logger = logging.getLogger(__name__)
+
+
+def start_plane(cfg: CommConfig, peer: Peer) -> DataPlane | None:
+    """``comm.data_plane=gloo``: this worker's end of the plane, unless nobody can dial it."""
+    if cfg.data_plane != "gloo" or peer.client_mode:
+        return None
+    host = plane_host(cfg.host, cfg.announce_host, peer.visible_addresses)
+    try:
+        return DataPlane(
+            host,
+            start_timeout_s=cfg.startup_timeout_s,
+            connect_timeout_s=peer.control_s,
+            timeout_s=cfg.deadline_s,
+        )
+    except Exception as error:  # no port for its store at that address: hivemind carries every round
+        logger.warning("the gloo data plane did not start at %s (%s): averaging through hivemind", host, error)
+        return None
+
+
+def start_averager(
+    cfg: CommConfig, peer: Peer, views: Sequence[torch.Tensor], *, codec: Codec, fragment: int, num_workers: int
+):
+    """hivemind's averager of one fragment, averaging ``views`` in place (it also serves states)."""
+    from diloco.comm.hivemind.averager import ExactAverager
+
+    return ExactAverager(
+        views,
+        peer.dht,
+        codec=codec,
+        run_key=resolve_run_key(cfg.run_key),
+        client_mode=peer.client_mode,
+        max_norm_ratio=cfg.max_norm_ratio,
+        clip_to_median=cfg.clip_to_median,
+        start=True,
+        prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
+        target_group_size=num_workers,
+        min_group_size=2,
+        # a reducer's share of the vector is in proportion to the bandwidth it declares: a slow
+        # link then carries little more than its own contribution (None = the group's average)
+        bandwidth=cfg.bandwidth_mbps or None,
+        min_matchmaking_time=cfg.matchmaking_s,
+        request_timeout=cfg.request_timeout_s,
+        allreduce_timeout=cfg.deadline_s,
+        next_chunk_timeout=max(cfg.deadline_s / 4, cfg.request_timeout_s),
+        declare_state_period=max(cfg.deadline_s, 10.0),
+        shutdown_timeout=5,
+    )
+
+
+class HivemindAveraging(Averaging):
+    """The averaging of one worker: ``averagers`` (one per fragment, hivemind's ``ExactAverager``)
+    and ``flats`` (each one's tensors as one flat buffer, which the data plane reduces whole).
+    ``expected_peers()``: the group size a round waits for (``membership.py``); ``published()``:
+    whether this worker offers its state after rounds (then a peer's offer tells
+    whether a broken group failed for the others too)."""
+
+    averages_in_background = True  # the averager process does the work
+
+    def __init__(
+        self,
+        cfg: CommConfig,
+        *,
+        peer: Peer,
+        roster: Roster,
+        offers: StateOffers,
+        codec: Codec,
+        averagers: Sequence,
+        flats: Sequence[torch.Tensor],
+        plane: DataPlane | None,
+        num_workers: int,
+        expected_peers: Callable[[], int],
+        published: Callable[[], bool],
+    ):
+        self.cfg, self.codec, self.num_workers = cfg, codec, num_workers
+        self._peer, self._roster, self._offers = peer, roster, offers
+        self.averagers, self._flats, self.plane = list(averagers), list(flats), plane
+        self._busy = [threading.Lock() for _ in self.averagers]  # held while a fragment's average runs
+        self.expected_peers, self._published = expected_peers, published
+        self.codecs = CodecChoice(codec)
+        self.group_round = GroupRound(
+            cfg,
+            codecs=self.codecs,
+            own_id=peer.peer_id,
+            plane=plane,
+            stage=roster.stage,
+            others_averaged=offers.averaged_in_a_group,
+            others_gone=self._others_gone,
+            control_s=peer.control_s,
+        )
+        self._was_alone = False
+        self._said_unreachable_run = False
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        try:
+            if self._alone():
+                return self._average_alone(tensors, weight, round_index=round_index)
+            # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
+            # still hold the averager; the round fails at once rather than queue behind it
+            busy = self._busy[fragment]
+            if not busy.acquire(blocking=False):
+                return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
+            try:
+                return self._average(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
+            finally:
+                busy.release()
+        finally:
+            self.codecs.round_ended()  # the time to the next round is compute
+
+    def _average(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
+    ) -> SyncResult:
+        result = self._average_in_group(
+            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+        if (
+            not result.averaged
+            and self._peer.client_mode
+            and not self._said_unreachable_run
+            and self._serving_others() == 0
+        ):
+            self._said_unreachable_run = True  # clients cannot average among themselves
+            logger.warning(
+                "no worker of the run that can be dialled is live: clients alone cannot average; "
+                "forward a port and set comm.announce_host, or start one worker on a public address"
+            )
+        return result
+
+    def _serving_others(self) -> int | None:
+        live = live_counts(self._roster)
+        return None if live is None else live[0]
+
+    def _average_in_group(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
+    ) -> SyncResult:
+        averager, flat = self.averagers[fragment], self._flats[fragment]
+        expected = self.expected_peers()
+        deadline = time.monotonic() + deadline_s
+        # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
+        # bound matchmaking and the all-reduce, and this bounds hivemind
+        limit = time.monotonic() + round_limit_s(deadline_s)
+        result = self.group_round.run(
+            averager, flat, tensors, weight, Attempt(round_index, 0, expected, deadline_s, limit)
+        )
+        if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
+            return self._average_alone(tensors, weight, round_index=round_index)
+        remaining = deadline - time.monotonic()
+        if (
+            not result.averaged  # a partial round holds the group's common mean already: nothing to redo
+            and result.peers
+            and result.bytes_sent
+            and self._published()  # the others' state offers tell whether they failed too
+            and len(self.averagers) == 1  # not for a fragment's sync: offers are of whole rounds (overlap.py)
+            and remaining > self.cfg.request_timeout_s
+            and not self._averaged_by_others(round_index)
+        ):
+            # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
+            # survivors hold partial averages that differ; averaging once more among them, under a
+            # key of its own, gives them the same result instead. They retry at about the same
+            # time; the retry's leader starts after comm.matchmaking_s with whoever is there.
+            logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
+            retry_s = min(remaining, 2 * self.cfg.matchmaking_s)
+            retry = self.group_round.run(
+                averager, flat, tensors, weight, Attempt(round_index, 1, expected, retry_s, limit)
+            )
+            retry.bytes_sent += result.bytes_sent
+            retry.bytes_recv += result.bytes_recv
+            result = retry
+        return result
+
+    def _averaged_by_others(self, round_index: int) -> bool:
+        """Whether a peer offers a state of this round averaged in a group, within a moment: then the
+        group broke only for us (hivemind sometimes loses a reply to one sender), nobody else will
+        retry, and the round's catch-up takes that state instead."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while True:
+            if self._offers.averaged_in_a_group(round_index):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.25)
+
+    def _alone(self) -> bool:
+        """Whether no other worker is left to average with: a run planned for one, or one whose other
+        workers all left or stopped their heartbeats for good (the roster). Logs when that changes."""
+        alone = self.num_workers <= 1 or self._others_gone()
+        if alone != self._was_alone and self.num_workers > 1:
+            if alone:
+                logger.warning(
+                    "no other worker of the run is live (they left, or their heartbeats stopped): "
+                    "outer steps are taken alone until one is back"
+                )
+            else:
+                logger.warning("another worker is in the run again: rounds average in groups again")
+        self._was_alone = alone
+        return alone
+
+    def _others_gone(self) -> bool:
+        try:
+            return self._roster.others_gone()
+        except Exception:  # the DHT did not tell (no answer, part of the records, a dead daemon)
+            logger.debug("roster read failed", exc_info=True)
+            return False
+
+    def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
+        """Nobody to talk to, but the result is what the codec makes of it, as always."""
+        codec = self.codec.agreed([{"codec": self.codecs.preference(tensors, peers=1)}])
+        alone = [Contribution("self", [codec.compress(t) for t in tensors], weight)]
+        means, used = average_payloads(codec, alone, [t.numel() for t in tensors], round_index=round_index)
+        if not used:
+            return SyncResult(False, 1, weight, error="our own contribution was dropped")
+        for tensor, mean in zip(tensors, means):
+            tensor.copy_(mean.view_as(tensor))
+        drifted = self.num_workers > 1 and bool(self._roster.vanished)
+        return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted, codec=self.codecs.named(codec))
+
+    def finish(self) -> None:
+        """Our last round may be over while we still send a peer its averaged parts (we reduced them
+        for it): wait for those replies to go out, at most a moment."""
+        deadline = time.monotonic() + self._peer.control_s
+        while any(a.traffic.serving() for a in self.averagers) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline

@@ -1,0 +1,260 @@
+"""One attempt at a round in a group: matchmaking under the round's key, the all-reduce, and what
+the group's result means for this worker.
+
+The attempt declares the worker's weight, the norm of what it sends and (``compression.name=
+adaptive``) the codec it prefers; hivemind finds the group and every peer gathers the others'
+declarations. Every peer screens the group's contributions alike from the declared norms
+(``robust.py``) and agrees on the codec alike; then hivemind's averager reduces the vector, or the
+gloo data plane does (``gloo_plane.py``: fp32 rounds among peers that can all be dialled). A
+result is ok only when every part of the vector is the mean over the same contributions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diloco.comm.base import CommConfig, SyncResult
+from diloco.comm.hivemind import gloo_plane
+from diloco.comm.link_meter import LinkMeter
+from diloco.comm.robust import Screening, declared_norm, norm_of, screen
+from diloco.compression import Codec, all_finite
+
+logger = logging.getLogger(__name__)
+
+_ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any peer can lag
+_POLL_S = 1.0  # how often a worker waiting for a group checks whether the others went ahead
+
+
+def round_group_bits(round_index: int, attempt: int = 0) -> str:
+    """The hivemind group bits that key a round's matchmaking on the DHT (a retry gets its own key)."""
+    return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
+
+
+class CodecChoice:
+    """What a worker prefers to send next round and what it says it used (``compression.name=
+    adaptive``: its link's measure, ``link_meter.py``); for a fixed codec, no preference."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.meter = LinkMeter(codec) if codec.chosen_per_round else None
+        self._last_round_end = time.monotonic()  # the time from there to the next round is compute
+
+    def preference(self, tensors: Sequence[torch.Tensor], *, peers: int) -> int | None:
+        """The codec this worker prefers for its next round; None for a fixed codec, or before its
+        link was measured."""
+        if self.meter is None:
+            return None
+        between_rounds_s = time.monotonic() - self._last_round_end
+        return self.meter.preferred(
+            numel=sum(t.numel() for t in tensors), peers=peers, between_rounds_s=between_rounds_s
+        )
+
+    def measure(self, codec: Codec, moved_bytes: int, transfer_s: float) -> None:
+        """A round's transfer, for the next preference."""
+        if self.meter is not None:
+            self.meter.record(codec, moved_bytes, transfer_s)
+
+    def named(self, codec: Codec) -> str:
+        """What a round's result says of its codec: its label where it was agreed per round."""
+        return codec.label if self.codec.chosen_per_round else ""
+
+    def round_ended(self) -> None:
+        self._last_round_end = time.monotonic()
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One try at round ``round_index`` (``attempt`` 1: the retry among survivors), in a group the
+    roster expects to be ``expected`` workers, given ``timeout_s`` by hivemind and stopped at
+    ``limit`` (monotonic time) whatever hivemind does."""
+
+    round_index: int
+    attempt: int
+    expected: int
+    timeout_s: float
+    limit: float
+
+
+class GroupRound:
+    """Runs attempts on one worker's averagers. ``own_id``: our peer's id; ``plane``: the gloo data
+    plane or None; ``stage(name)`` tells the roster what the round is doing; ``others_averaged(round)``
+    and ``others_gone()`` tell a worker still matchmaking that waiting is pointless."""
+
+    def __init__(
+        self,
+        cfg: CommConfig,
+        *,
+        codecs: CodecChoice,
+        own_id,
+        plane,
+        stage: Callable[[str | None], None],
+        others_averaged: Callable[[int], bool],
+        others_gone: Callable[[], bool],
+        control_s: float,
+    ):
+        self.cfg, self.codecs, self.codec = cfg, codecs, codecs.codec
+        self._own_id, self._plane, self._stage = own_id, plane, stage
+        self._others_averaged, self._others_gone = others_averaged, others_gone
+        self._control_s = control_s
+
+    def run(
+        self, averager, flat: torch.Tensor, tensors: Sequence[torch.Tensor], weight: float, at: Attempt
+    ) -> SyncResult:
+        """Average ``tensors`` in place with the group ``averager`` finds (``flat``: the averager's
+        tensors as one buffer, for the data plane)."""
+        sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
+        averager.traffic.take_contributions()  # what an earlier round left
+        transfer_before = averager.traffic.transfer_s()
+        try:
+            gathered = self._step(averager, tensors, weight, at)
+        except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
+            gathered, failure = None, f"{type(error).__name__}: {error}"
+        else:
+            failure = "" if gathered is not None else "no group found before the deadline"
+        finally:
+            self._stage(None)
+        sent, recv, failed, drops = averager.traffic.read()
+        sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
+        transfer_s = averager.traffic.transfer_s() - transfer_before
+        if failure:
+            # a transfer that did not finish says the link is too slow for the codec it used (the
+            # averager's process says which; nothing is measured when no all-reduce began)
+            self.codecs.measure(self.codec.candidates[averager.traffic.used_codec()], sent + recv, transfer_s)
+            return SyncResult(False, 1, weight, sent, recv, error=failure)
+        # the group's screening (robust.py), which every peer computes alike from what it gathered
+        screening = screen(
+            {peer: declared_norm(g) for peer, g in gathered.items()},
+            max_norm_ratio=self.cfg.max_norm_ratio,
+            clip_to_median=self.cfg.clip_to_median,
+        )
+        codec = self.codec.agreed(gathered.values())  # as every peer of the group does
+        if gloo_plane.carries(codec, list(gathered.values())):  # hivemind found the group; gloo averages
+            started = time.monotonic()
+            result = self._over_plane(flat, tensors, gathered, screening)
+            self.codecs.measure(codec, result.bytes_sent + result.bytes_recv, time.monotonic() - started)
+            return dataclasses.replace(result, codec=self.codecs.named(codec))
+        self.codecs.measure(codec, sent + recv, transfer_s)
+        if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
+            screening.dropped.setdefault(self._own_id, "our payload is unusable (see the averager's log)")
+        traffic = (sent, recv, failed_values)
+        return self._result(averager, tensors, weight, gathered, screening, codec, traffic)
+
+    def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, at: Attempt) -> dict | None:
+        """Declare our contribution, load it into the averager and wait for the group's step: what
+        each peer of the group declared, or None when no group formed."""
+        # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
+        # (a codec agreed per round is not known yet: the norm of the tensors themselves then)
+        exact = self.codec.lossless or self.codec.chosen_per_round
+        norm = norm_of(tensors if exact else [self.codec.restore(t) for t in tensors])
+        preference = self.codecs.preference(tensors, peers=max(2, at.expected))
+        averager.set_group(
+            round_group_bits(at.round_index, at.attempt),
+            target_group_size=max(2, at.expected),
+            timeout_s=self._control_s,
+        )
+        with averager.tensors_within(self._control_s) as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+        plane = self._plane.declaration() if self._plane is not None else {}
+        declared = {"weight": weight, "norm": norm, **plane}
+        if preference is not None:
+            declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
+        control = averager.step(weight=weight, gather=declared, timeout=at.timeout_s, wait=False)
+        return self.await_step(control, at.round_index, limit=at.limit)
+
+    def await_step(self, control, round_index: int, *, limit: float):
+        """The step's result. A worker still looking for a group when a peer already offers the
+        round's state averaged in a group (the others went ahead without it: it came late) stops
+        looking, instead of matchmaking alone until the deadline; the catch-up then takes that state.
+        At ``limit`` (monotonic time) it stops waiting whatever hivemind is doing."""
+        started = time.monotonic()
+        while True:
+            self._stage("averaging" if control.began_allreduce else "matchmaking")
+            try:
+                return control.result(timeout=max(0.0, min(_POLL_S, limit - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                pass
+            if time.monotonic() >= limit:
+                stage = "the all-reduce" if control.began_allreduce else "matchmaking"
+                control.cancel()
+                raise TimeoutError(f"no result from the averager after {time.monotonic() - started:.0f} s in {stage}")
+            if not control.began_allreduce and self._others_averaged(round_index):
+                control.cancel()
+                raise TimeoutError("the others averaged this round without us")
+            if not control.began_allreduce and self._others_gone():
+                control.cancel()
+                raise TimeoutError("no other worker of the run is live")
+
+    def _result(
+        self, averager, tensors, weight: float, gathered: dict, screening: Screening, codec, traffic
+    ) -> SyncResult:
+        """What hivemind's all-reduce left in the averager's tensors means for us."""
+        sent, recv, failed_values = traffic
+        group = len(gathered)
+        if self._own_id in screening.dropped:  # the others refused our contribution: no retry
+            error = f"the group dropped our contribution: {screening.dropped[self._own_id]}"
+            return SyncResult(False, 0, weight, sent, recv, error=error, group=group)
+        if failed_values:
+            # some reducer dropped out: part of the buffers hold our own values, not the mean
+            error = f"{failed_values} values were not averaged"
+            return SyncResult(False, 1, weight, sent, recv, error=error, group=group)
+        try:
+            with averager.tensors_within(self._control_s) as buffers:
+                for buffer, tensor in zip(buffers, tensors):
+                    tensor.copy_(buffer)
+        except TimeoutError as error:
+            return SyncResult(False, 1, weight, sent, recv, error=str(error), group=group)
+        kept = screening.scales  # the peers whose contribution is in the mean
+        total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
+        counted = averager.traffic.take_contributions()
+        least, most = counted if counted is not None else (len(kept), len(kept))
+        named = self.codecs.named(codec)
+        if least < most:
+            # a reducer averaged a part without some sender (it could not reach it, or it came late):
+            # every worker holds the same mean, but that part is of fewer workers: not ok on any of them
+            error = f"part of the vector was averaged over only {least} of {most} contributions"
+            return SyncResult(
+                False, least, total_weight, sent, recv, error=error, group=group, partial=True, codec=named
+            )
+        # every part over the same contributions: fewer than kept when every reducer refused one it
+        # could not decode (the sender then knows: its own reducer refused it too)
+        return SyncResult(True, min(least, len(kept)), total_weight, sent, recv, group=group, codec=named)
+
+    def _over_plane(self, flat: torch.Tensor, tensors, gathered: dict, screening: Screening) -> SyncResult:
+        """The group's weighted mean through the data plane (gloo_plane.py): every peer scales its
+        own vector by its weight and screening factor (0: dropped, it still takes part so that
+        nobody waits for it), the ring all-reduce sums them, and every peer divides alike."""
+        own = self._own_id
+        weights = {peer: float(g.get("weight", 0.0)) for peer, g in gathered.items()}
+        kept = screening.scales
+        total_weight = sum(weights[peer] for peer in kept)
+        moved = gloo_plane.ring_bytes(flat.numel(), len(gathered))
+        factor = weights[own] * kept[own] if own in kept else 0.0
+        self._stage("averaging")
+        try:
+            if factor == 0.0:
+                flat.zero_()  # not mul_: our dropped vector may hold NaN
+            elif factor != 1.0:
+                flat.mul_(factor)
+            self._plane.all_reduce_sum(flat, gathered, own)
+            if own not in kept:
+                reason = screening.dropped.get(own, "dropped")
+                error = f"the group dropped our contribution: {reason}"
+                return SyncResult(False, 0, weights[own], moved, moved, error=error, group=len(gathered))
+            flat.div_(total_weight)
+            if not all_finite(flat):
+                raise ValueError("the mean is not finite")
+        except Exception as error:  # a peer gone or cut off, a timeout: the group's round failed
+            error = f"data plane: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            return SyncResult(False, 1, weights[own], moved, moved, error=error, group=len(gathered))
+        finally:
+            self._stage(None)
+        for mean, tensor in zip(flat.split([t.numel() for t in tensors]), tensors):
+            tensor.copy_(mean.view_as(tensor))
+        return SyncResult(True, len(kept), total_weight, moved, moved, group=len(gathered))

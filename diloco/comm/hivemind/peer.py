@@ -1,0 +1,201 @@
+"""A worker's hivemind peer: its DHT process, how it is reached, and bounded calls to it.
+
+``start_dht`` starts a DHT peer as ``comm.*`` says and turns p2pd's one error type into the user's
+mistake; ``bounded_dht_call`` makes every DHT request wait a bounded time; ``Peer`` is a worker's
+own peer, which with ``comm.client_mode=auto`` asks the run's peers to dial it back and restarts
+as a client when they cannot (``reachability.py``). ``roster_reader`` and ``probe_roster`` are the
+short-lived peers that ``diloco status`` and ``diloco join`` read the run's roster with.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from diloco.comm.base import CommConfig, CommError
+from diloco.comm.bounds import control_limit_s
+from diloco.comm.hivemind import reachability
+from diloco.comm.hivemind.roster import HEARTBEAT_S, Roster, RosterEntry
+from diloco.comm.hivemind.run_key import RunKeyValidator, resolve_run_key
+
+logger = logging.getLogger(__name__)
+
+
+def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None, client_mode: bool | None = None):
+    """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too); ``client_mode``:
+    dial out only (default: ``comm.client_mode=true``)."""
+    from diloco.comm.hivemind.owned_dht import OwnedDHT
+
+    peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
+    announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
+    run_key = resolve_run_key(cfg.run_key)
+    try:
+        return OwnedDHT(
+            initial_peers=peers,
+            host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
+            announce_maddrs=announce,
+            client_mode=cfg.client_mode == "true" if client_mode is None else client_mode,
+            use_relay=cfg.use_relay,
+            use_auto_relay=cfg.use_auto_relay,
+            record_validators=[RunKeyValidator(run_key)] if run_key else [],
+            start=True,
+            startup_timeout=cfg.startup_timeout_s,
+        )
+    except Exception as error:  # p2pd reports everything as one error type: tell the user which mistake
+        raise CommError(_explain_start_failure(str(error), cfg, peers)) from None
+
+
+def _explain_start_failure(message: str, cfg: CommConfig, peers: list[str]) -> str:
+    if "address already in use" in message:
+        return f"comm.port={cfg.port} is already in use on {cfg.host}; pick another, or comm.port=0 for any free port"
+    if "bootstrap peers" in message or "initial" in message:
+        return (
+            f"could not reach any of comm.initial_peers ({', '.join(peers)}): check the address, that the "
+            f"peer is running, and that its port is open"
+        )
+    if "multiaddr" in message.lower() or "invalid" in message.lower():
+        return f"comm.initial_peers or comm.host is not a valid address: {message.splitlines()[0]}"
+    return f"the hivemind peer did not start: {message.strip().splitlines()[-1]}"
+
+
+def bounded_dht_call(dht, lock: threading.Lock, *, timeout_s: float) -> Callable:
+    """``call(fn)``: sends ``fn(dht)``, a DHT request made with ``return_future=True``, under ``lock``
+    (hivemind's DHT handle is not safe to use from two threads at once) and waits at most
+    ``timeout_s`` for its answer, outside the lock; raises ``TimeoutError`` past it."""
+
+    def call(fn):
+        with lock:
+            future = fn(dht)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the DHT did not answer within {timeout_s:g} s") from None
+
+    return call
+
+
+def visible_addresses(dht) -> list[str]:
+    return [str(address) for address in dht.get_visible_maddrs()]
+
+
+@contextlib.contextmanager
+def roster_reader(cfg: CommConfig):
+    """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.initial_peers``:
+    yields a function returning the live workers' entries by index (``diloco status`` calls it
+    again and again). A peer without the run's key reads nothing. It only reads: a client on any free
+    port, which works behind NAT too."""
+    dht = start_dht(dataclasses.replace(cfg, port=0), client_mode=True)
+    try:
+        dht_call = bounded_dht_call(dht, threading.Lock(), timeout_s=control_limit_s(cfg.request_timeout_s))
+        yield Roster(dht_call, run_id=cfg.run_id, worker_index=-1, planned=0).entries
+    finally:
+        dht.shutdown()
+
+
+def probe_roster(cfg: CommConfig, *, timeout_s: float = 10.0) -> dict[int, RosterEntry]:
+    """The live workers of run ``cfg.run_id`` (a newcomer picks its slot from them); empty when
+    none answers within ``timeout_s``, which is also what a peer without the run's key sees."""
+    with roster_reader(cfg) as read:
+        return first_entries(read, timeout_s)
+
+
+def first_entries(read: Callable[[], dict[int, RosterEntry]], timeout_s: float) -> dict[int, RosterEntry]:
+    """``read()`` again until it finds workers or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            entries = read()
+        except TimeoutError:  # one read the DHT did not answer in time: ask again while time is left
+            entries = {}
+        if entries or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.5)  # the DHT may need a moment to find the record's holders
+
+
+class Peer:
+    """A worker's DHT peer. ``dht`` is hivemind's handle (the averagers run on it); ``call(fn)`` is
+    a bounded request to it (``bounded_dht_call``); ``client_mode``: it dials out only, so it reduces
+    no part and serves no state. With ``comm.client_mode=auto`` it starts listening and becomes a
+    client when the run's peers cannot dial it back."""
+
+    def __init__(self, cfg: CommConfig):
+        self.cfg = cfg
+        self.control_s = control_limit_s(cfg.request_timeout_s)
+        self.client_mode = cfg.client_mode == "true"
+        self._start()
+        self._dialbacks: dict[str, float] = {}  # requests answered: peer -> request time
+        if cfg.client_mode == "auto":
+            self._choose_mode()
+
+    def _start(self) -> None:
+        self.dht = start_dht(self.cfg, client_mode=self.client_mode)
+        self.call = bounded_dht_call(self.dht, threading.Lock(), timeout_s=self.control_s)
+
+    @property
+    def peer_id(self):
+        return self.dht.peer_id
+
+    @property
+    def visible_addresses(self) -> list[str]:
+        return visible_addresses(self.dht)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where a newcomer joins the run through us: a client cannot be dialled, so the peers it joined through."""
+        return list(self.cfg.initial_peers) if self.client_mode else self.visible_addresses
+
+    def _choose_mode(self) -> None:
+        """``comm.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
+        cannot, restart our peer in client mode. One that listens on loopback only in a run at other
+        addresses is a client at once (nobody there can dial it); one that starts a run, or joins a
+        run on loopback, is whatever it is: nobody else could tell."""
+        visible = self.visible_addresses
+        addresses = reachability.dialable_addresses(visible)
+        if self.cfg.initial_peers and reachability.listens_where_the_run_cannot_dial(visible, self.cfg.initial_peers):
+            logger.warning(
+                "listening on loopback only (comm.host=%s) while the run is at other addresses: joining as a "
+                "client: it sends its contribution, reduces no part, serves no state (set comm.host=0.0.0.0 "
+                "to take a full part)",
+                self.cfg.host,
+            )
+            self._become_client()
+            return
+        if not self.cfg.initial_peers or not addresses:
+            return
+        timeout_s = 2 * HEARTBEAT_S + reachability.DIAL_TIMEOUT_S * len(addresses) + self.control_s
+        try:
+            verdict = reachability.ask(self.call, str(self.peer_id), addresses, timeout_s=timeout_s)
+        except Exception:  # the DHT did not take the request: as if nobody answered
+            logger.debug("reachability request failed", exc_info=True)
+            verdict = None
+        where = ", ".join(f"{host}:{port}" for host, port in addresses)
+        if verdict is None:
+            logger.warning("no peer answered the reachability check within %.0f s: joining as reachable", timeout_s)
+        elif verdict:
+            logger.info("reachable at %s", where)
+        else:
+            logger.warning(
+                "not reachable from outside at %s: joining as a client: it sends its contribution, reduces no part, "
+                "serves no state (forward a port and set comm.announce_host to take a full part)",
+                where,
+            )
+            self._become_client()
+
+    def _become_client(self) -> None:
+        """Our peer restarted in client mode: it dials out only."""
+        self.dht.shutdown()
+        self.client_mode = True
+        self._start()
+
+    def answer_dialbacks(self) -> None:
+        """Dial back the peers that asked whether they are reachable (on the roster heartbeat's thread)."""
+        reachability.answer(self.call, own_peer_id=str(self.peer_id), answered=self._dialbacks)
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()

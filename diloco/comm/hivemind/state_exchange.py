@@ -1,0 +1,195 @@
+"""A hivemind worker's state, offered to the run's peers and taken from them.
+
+After each round a worker offers its state (``publish_state``): hivemind's averager serves it to
+whoever asks, highest priority first (``state_offers.py``: round, then group size, then the
+params' fingerprint). A worker whose round failed, was partial, or ran in a smaller group looks
+for a better state of that round (``fetch_state``), and takes it only when no better one can still
+come: see ``OfferReading`` for the rule. After its last round a worker stays a moment while a
+peer may still need its state (``linger``).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from diloco.comm.base import PeerState, StateExchange, StateRank, StateReader
+from diloco.comm.hivemind.roster import live_counts
+from diloco.comm.hivemind.state_offers import Offer, StateOffers, priority, same_offer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OfferReading:
+    """One look at the offers while a worker looks for a state after round ``round_index``: which
+    offer, if any, it should take. ``others``: live peers besides us that serve a state (None: the
+    roster was not read); ``workers``: who can be in a group; ``ours``: the rank to beat."""
+
+    round_index: int
+    offers: list[Offer]
+    others: int | None
+    workers: int
+    ours: StateRank
+    everyone_offered: bool  # every live peer that serves state has offered the round (or waited long enough)
+    newer: bool  # any later round's state is wanted too
+
+    def wanted(self, offered_round: int, rank: StateRank) -> bool:
+        if self.newer and offered_round > self.round_index:
+            return True
+        if offered_round != self.round_index or not rank > self.ours:
+            return False
+        # a bigger group's state at once when no other group can match it any more; any other once
+        # every live peer has offered the round: before, the peer that wins (a bigger group, or one
+        # of ours by its fingerprint) may still be in its outer step, and what we took would be
+        # params that its owner drops a moment later for the winner's
+        return (rank.peers > self.ours.peers and self._unmatched(rank)) or self.everyone_offered
+
+    def _unmatched(self, rank: StateRank) -> bool:
+        # groups share no worker: besides that group and us, the workers not seen in a smaller one
+        # this round are too few to make another of its size
+        smaller = sum(1 for r, o in self.offers if r == self.round_index and o.peers < rank.peers)
+        return self.workers - rank.peers - 1 - smaller < rank.peers
+
+    @property
+    def any_wanted(self) -> bool:
+        return any(self.wanted(r, rank) for r, rank in self.offers)
+
+
+class HivemindStateExchange(StateExchange):
+    """``server`` is the averager that serves our state and downloads a peer's (hivemind's
+    ``share_state`` / ``load_state_from_peers``); ``offers`` reads the others' offers; ``roster``
+    tells who is live and serves state (``roster.py``); ``client_mode``: nobody can dial us, so we
+    serve nothing; ``linger_s``: the most a worker stays after its last round for a peer behind."""
+
+    def __init__(self, *, server, offers: StateOffers, roster, num_workers: int, client_mode: bool, linger_s: float):
+        self._server, self._offers, self._roster = server, offers, roster
+        self.num_workers, self.client_mode, self.linger_s = num_workers, client_mode, linger_s
+        self.published: tuple[int, StateRank] | None = None  # (round, rank) of the state we offer
+
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
+        self.published = (round_index, rank)
+        if self.client_mode:  # nobody can dial us to download it (hivemind refuses to share in client mode)
+            return
+        self._server.share_state(  # serialized only when a peer asks for it
+            {"round": round_index, "peers": rank.peers, "fingerprint": rank.fingerprint},
+            state,
+            priority=priority(round_index, rank),
+        )
+
+    def fetch_state(
+        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+    ) -> PeerState | None:
+        deadline = time.monotonic() + timeout_s
+        # a live peer that has not offered by half the time is a straggler (stuck in a sync of its
+        # own), not one finishing its outer step: the offers there are then everyone's, and it
+        # takes the winner's state itself when it comes
+        patient_until = time.monotonic() + timeout_s / 2
+        download_failed = False
+        while time.monotonic() < deadline:
+            reading = self._read(round_index, better_than, newer, patient_until=patient_until)
+            if reading.others == 0 and (not reading.offers or download_failed):
+                return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
+            if reading.any_wanted:
+                # hivemind downloads from the highest priority first: the newest round, then the best rank
+                found = self._download(reading, max(1.0, deadline - time.monotonic()))
+                if found is not None:
+                    return found
+                download_failed = True
+            elif reading.everyone_offered:
+                # none ranks above us. A peer still in its outer step has not offered this round
+                # yet: wait for it rather than take the others' offers (a dropped peer's, say)
+                return None
+            # the others may still be finishing this round's outer step: ask again shortly
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return None
+
+    def _read(self, round_index: int, better_than: StateRank, newer: bool, *, patient_until: float) -> OfferReading:
+        offers = self._offers.read()
+        live = live_counts(self._roster)
+        others = None if live is None else live[0]
+        # every live peer that serves state has offered this round (one still in its outer step
+        # has not), or it was waited for long enough. Offers left by peers gone since are not
+        # waited for; an unread roster (None) is not "everyone"
+        everyone_offered = others is not None and (
+            sum(r >= round_index for r, _ in offers) >= others or time.monotonic() > patient_until
+        )
+        ours = better_than
+        if (
+            self.client_mode
+            and everyone_offered
+            and not any(same_offer((r, rank), (round_index, better_than)) for r, rank in offers)
+        ):
+            # nobody can take our state (a client serves none) and no peer that serves holds it:
+            # between states of one size, any served one wins over ours, or we stay apart
+            ours = StateRank(better_than.peers, -1.0)
+        workers = max(self.num_workers, 0 if live is None else live[1])  # who can be in a group
+        return OfferReading(round_index, offers, others, workers, ours, everyone_offered, newer)
+
+    def _download(self, reading: OfferReading, timeout_s: float) -> PeerState | None:
+        """The best state offered, if it is still one ``reading`` wants once downloaded."""
+        started = time.monotonic()
+        found = self._download_best(timeout_s)
+        if found is None:
+            return None
+        metadata, tensors = found
+        offered_round = metadata.get("round", -1)
+        rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
+        if not (reading.wanted(offered_round, rank) and tensors):
+            return None
+        logger.info(
+            "downloaded the state of a peer after round %d: %d bytes in %.2f s",
+            offered_round + 1,
+            tensors[0].numel(),
+            time.monotonic() - started,
+        )
+        state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
+        return PeerState(offered_round, rank, state)
+
+    def _download_best(self, timeout_s: float):
+        """hivemind's download of the best state offered, or None when it did not end within ``timeout_s``."""
+        try:
+            return self._server.load_state_from_peers(timeout=timeout_s)
+        except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
+            logger.warning("downloading a peer's state: no answer within %.0f s", timeout_s)
+            return None
+
+    def sole_state_source(self) -> bool:
+        if self.client_mode:  # nobody can take our state
+            return False
+        try:
+            return self._roster.serves_alone()
+        except Exception:  # the DHT did not tell: someone may serve a state of their own
+            logger.debug("roster read failed", exc_info=True)
+            return False
+
+    def linger(self) -> None:
+        """After the last round nobody would serve a peer that lost part of it: stay while a live peer
+        offers an older state or a worse one of that round (it may be fetching ours), or a live
+        client has not finished our rounds, at most ``linger_s``."""
+        if self.published is None or self.client_mode:  # a client serves no state: nobody waits on it
+            return
+        last_round, rank = self.published
+        deadline = time.monotonic() + self.linger_s
+        while time.monotonic() < deadline and (
+            any(r < last_round or (r == last_round and o < rank) for r, o in self._offers.read())
+            or self._clients_behind()
+        ):
+            time.sleep(0.5)
+
+    def _clients_behind(self) -> bool:
+        """Whether a live client has not finished the rounds we have: it offers no state, so only its
+        roster record tells, and after a lost part it can take a state only from a peer like us."""
+        try:
+            entries = self._roster.own_entries()
+        except Exception:  # the DHT did not tell: wait for nobody in particular
+            return False
+        done = self._roster.rounds_done
+        return any(
+            i != self._roster.worker_index and not e.leaving and not e.serves_state and e.round < done
+            for i, e in entries.items()
+        )

@@ -1,0 +1,93 @@
+"""The reduce rule every transport follows: decode each worker's compressed contribution, drop
+the unusable ones, screen the rest by their norms, take the weighted mean, and restore it as the
+codec replies with it. The simulator and torch.distributed apply it to whole vectors; hivemind's
+reducers apply the same rule part by part (``hivemind/averager.py``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diloco.comm.robust import norm_of, screen
+from diloco.compression import Codec, PayloadError, all_finite
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Contribution:
+    """One worker's compressed tensors (one payload each) and its weight, as a reducer receives them."""
+
+    worker: str  # who sent it, for the log
+    payloads: Sequence[bytes]
+    weight: float
+
+
+def average_payloads(
+    codec: Codec,
+    contributions: Sequence[Contribution],
+    numels: Sequence[int],
+    *,
+    round_index: int,
+    max_norm_ratio: float = 0.0,
+    clip_to_median: bool = False,
+) -> tuple[list[torch.Tensor], list[Contribution]]:
+    """The rule every transport follows to average compressed tensors (``codec`` decodes them).
+
+    Each contribution is decoded (one with an invalid payload or weight is dropped, with a log line
+    that names the sender and the reason); the decoded contributions are screened by their norms
+    (``robust.screen``: one far above the median is dropped, and with ``clip_to_median`` those
+    above it are scaled down to it); the weighted mean is taken in fp32, in the order given;
+    and the result is what ``codec`` restores from the compressed mean. That last step is what a
+    reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves
+    (a codec that ``gathers`` is not compressed again: its ``gathered_mean``, checked to be finite).
+    Returns the flat averaged tensors and the contributions that were used (none when nothing, or
+    no usable average, came of them). hivemind's reducers follow the same rule part by part (their
+    sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
+    """
+    decoded, used = [], []
+    for contribution in contributions:
+        try:
+            if not (math.isfinite(contribution.weight) and contribution.weight > 0):
+                raise PayloadError(f"weight {contribution.weight} is not a positive number")
+            if len(contribution.payloads) != len(numels):
+                raise PayloadError(f"{len(contribution.payloads)} payloads, expected {len(numels)}")
+            decoded.append([codec.decompress(p, n) for p, n in zip(contribution.payloads, numels)])
+            used.append(contribution)
+        except PayloadError as error:
+            logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, contribution.worker, error)
+    screening = screen(
+        {i: norm_of(values) for i, values in enumerate(decoded)},
+        max_norm_ratio=max_norm_ratio,
+        clip_to_median=clip_to_median,
+    )
+    for i, reason in screening.dropped.items():
+        logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
+    decoded = [
+        [v * screening.scales[i] for v in values] if screening.scales[i] != 1.0 else values
+        for i, values in enumerate(decoded)
+        if i in screening.scales
+    ]
+    used = [c for i, c in enumerate(used) if i in screening.scales]
+    if not used:
+        return [], []
+    total = sum(c.weight for c in used)
+    means = []
+    for k in range(len(numels)):
+        try:  # as a reducer replies with it; a codec that gathers is not compressed again
+            if codec.gathers:  # every peer takes the gathered mean itself, as hivemind's do
+                mean = codec.gathered_mean(((values[k], c.weight) for values, c in zip(decoded, used)), numels[k])
+                if not all_finite(mean):
+                    raise PayloadError("the mean is not finite")
+                means.append(mean)
+                continue
+            mean = sum(values[k] * (c.weight / total) for values, c in zip(decoded, used))
+            means.append(codec.reply_codec.roundtrip(mean))
+        except PayloadError as error:  # finite inputs can still overflow
+            logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
+            return [], []
+    return means, used
