@@ -9,7 +9,7 @@ import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
 from diloco.compression import ADAPTIVE, validate_compression_config
-from diloco.config.schema import CLIENT_MODES, SITE_SHARDINGS, Config
+from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, SITE_SHARDINGS, WANDB_MODES, Config
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
 from diloco.core.overlap import validate_overlap_config
@@ -17,8 +17,6 @@ from diloco.data.source import validate_data_config
 from diloco.errors import ConfigError, require
 from diloco.models.gpt import validate_model_config
 from diloco.optional_deps import is_installed, missing_message
-from diloco.worker.faults import BAD_PAYLOADS
-from diloco.worker.metrics import WANDB_MODES
 
 
 def _check_hf_extra(cfg: Config) -> None:
