@@ -3,8 +3,7 @@
 Workers each run many local (inner) optimizer steps on their own data shard, then average
 their pseudo-gradients with their peers and apply an outer optimizer (DiLoCo,
 arXiv:2311.08105). Where things live, from the top down: a package imports only those below
-it (``config/`` also reads the settings dataclasses of the worker's modules), and an
-import-linter contract in ``pyproject.toml`` keeps it so:
+it, and import-linter contracts in ``pyproject.toml`` keep it so:
 
 - ``cli.py``          the ``diloco`` command
 - ``bench/``          ``diloco bench overhead / quality / compression / utilization / faults / nat / scale / gpu /

@@ -6,10 +6,12 @@
 - ``rules.py``      the defaults an outer rule brings to other sections (``outer.optimizer=sparseloco``)
 - ``reference.py``  the reference table of every key (docs/configuration.md), from the schema itself
 
-Each component owns its settings dataclass beside its code (``ModelConfig`` in models/gpt.py,
-``OuterConfig`` in core/outer.py, ...); ``Config`` composes them. ``load_config`` merges, in order:
-the dataclass defaults, a YAML file (a short diff from the defaults), and ``KEY=VALUE``
-overrides from the command line, with omegaconf's struct mode on so a typo is an error::
+Each component below the config owns its settings dataclass beside its code (``ModelConfig`` in
+models/gpt.py, ``OuterConfig`` in core/outer.py, ...); the worker's sections (run, worker, logging,
+checkpoint, faults) are in schema.py, since the worker sits above the config; ``Config`` composes
+them. ``load_config`` merges, in order: the dataclass defaults, a YAML file (a short diff from the
+defaults), and ``KEY=VALUE`` overrides from the command line, with omegaconf's struct mode on so a
+typo is an error::
 
     cfg = load_config("configs/tiny.yaml", ["outer.sync_every=20", "inner.lr=3e-4"])
 
@@ -20,12 +22,15 @@ and what is allowed; the CLI prints it and exits 2.
 from __future__ import annotations
 
 from diloco.config.loading import load_config, masked, save_config, to_dict, to_yaml
-from diloco.config.schema import Config, RunConfig, WorkerConfig
+from diloco.config.schema import CheckpointConfig, Config, FaultConfig, LoggingConfig, RunConfig, WorkerConfig
 from diloco.errors import ConfigError
 
 __all__ = [
+    "CheckpointConfig",
     "Config",
     "ConfigError",
+    "FaultConfig",
+    "LoggingConfig",
     "RunConfig",
     "WorkerConfig",
     "load_config",

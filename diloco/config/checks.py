@@ -9,7 +9,7 @@ import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
 from diloco.compression import ADAPTIVE, validate_compression_config
-from diloco.config.schema import CLIENT_MODES, SITE_SHARDINGS, Config
+from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, SITE_SHARDINGS, WANDB_MODES, Config
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
 from diloco.core.overlap import validate_overlap_config
@@ -17,8 +17,6 @@ from diloco.data.source import validate_data_config
 from diloco.errors import ConfigError, require
 from diloco.models.gpt import validate_model_config
 from diloco.optional_deps import is_installed, missing_message
-from diloco.worker.faults import BAD_PAYLOADS
-from diloco.worker.metrics import WANDB_MODES
 
 
 def _check_hf_extra(cfg: Config) -> None:
@@ -83,17 +81,8 @@ def _check_worker(cfg: Config) -> None:
     )
 
 
-def validate(cfg: Config) -> None:
-    """Combinations the schema's types cannot express. Each failure names the key to change. A
-    section's own checks live beside its code (``validate_outer_config``, ...); those across
-    sections are here."""
-    _check_hf_extra(cfg)
-    try:
-        validate_model_config(cfg.model)
-    except ValueError as error:  # the model's checks raise ValueError (models/gpt.py, models/hf.py)
-        raise ConfigError(str(error)) from None
-    _check_worker(cfg)
-    validate_inner_config(cfg.inner)
+def _check_outer(cfg: Config) -> None:
+    """The ``outer.*`` settings, of the blocking and the overlapped outer step."""
     validate_outer_config(cfg.outer)
     validate_overlap_config(cfg.outer)
     require(
@@ -101,6 +90,10 @@ def validate(cfg: Config) -> None:
         f"outer.global_device={cfg.outer.global_device} works with blocking rounds only (outer.overlap=none); "
         "overlapped rounds keep the global params on the cpu",
     )
+
+
+def _check_compression(cfg: Config) -> None:
+    """The codec alone, and against the outer rule and the rounds that send what it compresses."""
     validate_compression_config(cfg.compression)
     require(
         cfg.outer.optimizer != "sparseloco"
@@ -114,6 +107,10 @@ def validate(cfg: Config) -> None:
         f"compression.name={cfg.compression.name} compresses pseudo-gradients; the data-parallel baseline "
         "(outer.sync_every=0) sends fp32 gradients: use compression.name=none",
     )
+
+
+def _check_faults(cfg: Config) -> None:
+    """The ``faults.*`` settings: a bad payload needs a payload to break."""
     require(
         cfg.faults.bad_payload in BAD_PAYLOADS,
         f"faults.bad_payload={cfg.faults.bad_payload!r} is not one of {', '.join(BAD_PAYLOADS[1:])} (or empty)",
@@ -127,16 +124,19 @@ def validate(cfg: Config) -> None:
         "faults.bad_payload with comm.backend=torchdist needs a codec (compression.name): "
         "fp32 goes through a plain all-reduce there, with no payload to break",
     )
-    require(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
+    require(
+        math.isfinite(cfg.faults.payload_scale),
+        f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",
+    )
+
+
+def _check_comm(cfg: Config) -> None:
+    """The ``comm.*`` settings: the transport, its peers and the bounds of its waits."""
     require(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
     require(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
     require(
         cfg.comm.max_norm_ratio == 0 or cfg.comm.max_norm_ratio > 1,
         f"comm.max_norm_ratio={cfg.comm.max_norm_ratio} must be 0 (off) or above 1",
-    )
-    require(
-        math.isfinite(cfg.faults.payload_scale),
-        f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",
     )
     require(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     require(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
@@ -166,6 +166,11 @@ def validate(cfg: Config) -> None:
         cfg.comm.matchmaking_s < cfg.comm.deadline_s,
         f"comm.matchmaking_s={cfg.comm.matchmaking_s} must be below comm.deadline_s={cfg.comm.deadline_s}",
     )
+
+
+def _check_records(cfg: Config) -> None:
+    """The ``logging.*`` and ``checkpoint.*`` settings: what a worker records and keeps."""
+    require(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
     require(
         cfg.logging.wandb in WANDB_MODES,
         f"logging.wandb={cfg.logging.wandb!r} is not one of {', '.join(WANDB_MODES)}",
@@ -175,4 +180,22 @@ def validate(cfg: Config) -> None:
         cfg.checkpoint.every_rounds >= 0,
         f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
     )
+
+
+def validate(cfg: Config) -> None:
+    """Combinations the schema's types cannot express. Each failure names the key to change. A
+    section's own checks live beside its code (``validate_outer_config``, ...); those across
+    sections are here."""
+    _check_hf_extra(cfg)
+    try:
+        validate_model_config(cfg.model)
+    except ValueError as error:  # the model's checks raise ValueError (models/gpt.py, models/hf.py)
+        raise ConfigError(str(error)) from None
+    _check_worker(cfg)
+    validate_inner_config(cfg.inner)
+    _check_outer(cfg)
+    _check_compression(cfg)
+    _check_faults(cfg)
+    _check_comm(cfg)
+    _check_records(cfg)
     validate_data_config(cfg.data)

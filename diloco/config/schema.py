@@ -1,6 +1,8 @@
-"""The schema: ``Config`` composed from each section's dataclass, which lives beside the code it
-configures (``ModelConfig`` in models/gpt.py, ``OuterConfig`` in core/outer.py, ...); the run and
-worker sections, which belong to no one module, are here."""
+"""The schema: ``Config`` composed from each section's dataclass. A section of a layer below the
+config lives beside the code it configures (``ModelConfig`` in models/gpt.py, ``OuterConfig`` in
+core/outer.py, ...); the sections of the worker, which sits above the config, are here: the run,
+the worker itself, its logging (worker/metrics.py), checkpoints (worker/checkpoint.py) and fault
+injection (worker/faults.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ from diloco.core.inner import InnerConfig
 from diloco.core.outer import OuterConfig
 from diloco.data.source import DataConfig
 from diloco.models.gpt import ModelConfig
-from diloco.worker.checkpoint import CheckpointConfig
-from diloco.worker.faults import FaultConfig
-from diloco.worker.metrics import LoggingConfig
 
 SITE_SHARDINGS = ("ddp", "fsdp")
+CLIENT_MODES = ("auto", "true", "false")
+WANDB_MODES = ("disabled", "offline", "online")
+BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", "scaled")
 
 
 @dataclass
@@ -46,6 +48,32 @@ class WorkerConfig:
 
 
 @dataclass
+class LoggingConfig:
+    wandb: str = "disabled"  # disabled | offline | online
+    project: str = "diloco"  # wandb project name
+    log_every: int = 10  # inner steps between step records / progress lines
+    eval_batches: int = 8  # validation batches evaluated after each round
+    eval_batch_size: int = 12  # sequences per validation batch (fixed, so runs of any batch size compare)
+    eval_every: int = 50  # data-parallel runs (outer.sync_every=0): inner steps between round records
+
+
+@dataclass
+class CheckpointConfig:
+    every_rounds: int = 1  # save every N outer rounds; 0 = never
+    keep: int = 2  # how many recent checkpoints to keep per worker
+
+
+@dataclass
+class FaultConfig:
+    worker: int = -1  # the worker the faults apply to; -1 = every worker
+    skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
+    stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
+    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
+    payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
+    step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
+
+
+@dataclass
 class Config:
     seed: int = 0  # same seed -> same initial model on every worker and the same data order
     run: RunConfig = field(default_factory=RunConfig)
@@ -63,6 +91,3 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir) if self.run.dir else Path("runs") / self.run.name
-
-
-CLIENT_MODES = ("auto", "true", "false")

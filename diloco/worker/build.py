@@ -96,49 +96,111 @@ class Worker:
         self.backend.shutdown()
 
 
-def _load_trained_parts(
-    state: dict,
-    checkpoints: Path,
-    *,
-    model: torch.nn.Module,
-    inner_optimizer: torch.optim.Optimizer,
-    outer: OuterStep,
-    error_feedback: ErrorFeedback,
-    sampler: ShardSampler,
-) -> None:
-    """``Worker.state_dict`` read back into what is trained, before the transport starts (a
-    checkpoint of another model is refused at once); the sync mode's own part comes after."""
-    _load_model_state(model, state["model"], checkpoints)
-    inner_optimizer.load_state_dict(state["inner_optimizer"])
-    outer.load_state_dict(state["outer"])
-    error_feedback.load_state_dict(state.get("error_feedback", {}))
-    sampler.load_state_dict(state["sampler"])
-    restore_rng_state(state["rng"])
+@dataclass
+class _Trained:
+    """What training changes, built alike on every worker from the seed; a checkpoint holds each."""
+
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+    error_feedback: ErrorFeedback
+    outer: OuterStep
+
+    def load_state_dict(self, state: dict, checkpoints: Path) -> None:
+        """``Worker.state_dict``'s parts read back, before the transport starts (a checkpoint of
+        another model is refused at once)."""
+        _load_model_state(self.model, state["model"], checkpoints)
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.outer.load_state_dict(state["outer"])
+        self.error_feedback.load_state_dict(state.get("error_feedback", {}))
 
 
 def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     """Set up one worker from ``cfg``, resumed from its newest checkpoint if it has one. With
     ``join`` a live run is required (checked before the first step, ``joining.py``)."""
-    # one process, or one rank of a site (worker.site, under torchrun) holding the whole model or
-    # (worker.site_sharding=fsdp) a shard of it: placement.py. A site's collectives wait for its
-    # slowest rank's round (comm/bounds.py)
-    site_timeout_s = site_limit_s(cfg.comm.deadline_s)
-    placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
-    if join:
-        placement.check_join()
-    device, ranks = placement.device, placement.ranks
+    placement = _placement(cfg, join=join)
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
+    sampler, held_out, vocab_size = _data(cfg, ranks=placement.ranks)
+    # refused at once if it cannot fit (memory.py)
+    _claim_memory(cfg, placement.device, vocab_size=vocab_size)
+    trained = _build_trained(cfg, placement, vocab_size=vocab_size)
 
-    # data: this worker's shard of the train split, and the held-out batches every worker shares
+    # resume: rerunning the same command continues from the newest valid checkpoint
+    step, round_index, totals = 0, 0, Totals()
+    checkpoints = run_dir / "checkpoints"
+    if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
+        placement.check_resume(checkpoints)
+        trained.load_state_dict(state, checkpoints)
+        sampler.load_state_dict(state["sampler"])
+        restore_rng_state(state["rng"])
+        step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
+        logger.info("worker %d resumed at step %d, after round %d", cfg.worker.index, step, round_index)
+    if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
+        save_config(cfg, run_dir / "config.yaml")
+
+    # a site's ranks connect through the site
+    backend = placement.connect(cfg.comm, _transport_opener(cfg, trained, placement.device))
+    with contextlib.ExitStack() as undo:  # should a step below fail, what started is stopped again
+        undo.callback(backend.shutdown)
+        undo.callback(backend.leave)
+        backend.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
+        log = _worker_log(cfg, placement, run_dir, wall_s_before=totals.wall_s)
+        undo.callback(log.close)
+        watchdog = Watchdog(
+            phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
+            stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
+            on_phase=backend.report_phase,
+        )
+        undo.callback(watchdog.stop)
+        sync = _sync_mode(cfg, trained, backend, Accounting(totals, log), watchdog, join=join)
+        sync.load_state_dict(state.get("overlap") if state is not None else None)
+        worker = Worker(
+            cfg=cfg,
+            placement=placement,
+            device=placement.device,
+            sampler=sampler,
+            held_out=held_out,
+            held_out_hash=tensors_digest(x for x, _ in held_out),
+            model=trained.model,
+            inner_optimizer=trained.inner_optimizer,
+            outer=trained.outer,
+            error_feedback=trained.error_feedback,
+            backend=backend,
+            log=log,
+            watchdog=watchdog,
+            clock=_round_clock(cfg),
+            sync=sync,
+            average_gradients=placement.site_gradient_hook(trained.model) or sync.average_gradients,
+            checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
+            start_step=step,
+            start_round=round_index,
+            totals=totals,
+        )
+        undo.pop_all()  # all set: they are the worker's to close (Worker.close)
+    return worker
+
+
+def _placement(cfg: Config, *, join: bool) -> Placement:
+    """One process, or one rank of a site (worker.site, under torchrun) holding the whole model or
+    (worker.site_sharding=fsdp) a shard of it: placement.py. A site's collectives wait for its
+    slowest rank's round (comm/bounds.py)."""
+    site_timeout_s = site_limit_s(cfg.comm.deadline_s)
+    placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
+    if join:
+        placement.check_join()
+    return placement
+
+
+def _data(cfg: Config, *, ranks: int) -> tuple[ShardSampler, list, int]:
+    """This worker's shard of the train split, the held-out batches every worker shares, and the
+    corpus's vocabulary size."""
     corpus = load_corpus(cfg.data)
-    block, batch = cfg.model.block_size, cfg.inner.batch_size
     sampler = ShardSampler(
         corpus.train,
-        block_size=block,
-        batch_size=batch * ranks,  # a site draws one batch for all its ranks; each takes its slice
+        block_size=cfg.model.block_size,
+        batch_size=cfg.inner.batch_size * ranks,  # a site draws one batch for all its ranks; each takes its slice
         shard_index=cfg.worker.index,
         num_shards=cfg.worker.shards,
         seed=cfg.seed,
@@ -146,17 +208,18 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     )
     held_out = val_batches(
         corpus.val,
-        block_size=block,
+        block_size=cfg.model.block_size,
         batch_size=cfg.logging.eval_batch_size,
         num_batches=cfg.logging.eval_batches,
         seed=cfg.seed,
     )
+    return sampler, held_out, corpus.vocab_size
 
-    # model and optimizers: refused at once if it cannot fit (memory.py); the same seed gives every
-    # worker the same initial params
-    _claim_memory(cfg, device, vocab_size=corpus.vocab_size)
+
+def _build_trained(cfg: Config, placement: Placement, *, vocab_size: int) -> _Trained:
+    """The model and its optimizers; the same seed gives every worker the same initial params."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, vocab_size=corpus.vocab_size)
+    model = build_model(cfg.model, vocab_size=vocab_size)
     synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
     inner_optimizer = build_inner_optimizer(cfg.inner, model)
     codec = build_codec(cfg.compression)  # how pseudo-gradients travel
@@ -165,25 +228,13 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     if cfg.worker.compile:  # in place, after the optimizers: same params, same state_dict keys
         model.compile()
     torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
+    return _Trained(model, inner_optimizer, error_feedback, outer)
 
-    # resume: rerunning the same command continues from the newest valid checkpoint
-    step, round_index, totals = 0, 0, Totals()
-    checkpoints = run_dir / "checkpoints"
-    if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
-        placement.check_resume(checkpoints)
-        _load_trained_parts(
-            state,
-            checkpoints,
-            model=model,
-            inner_optimizer=inner_optimizer,
-            outer=outer,
-            error_feedback=error_feedback,
-            sampler=sampler,
-        )
-        step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
-        logger.info("worker %d resumed at step %d, after round %d", cfg.worker.index, step, round_index)
-    if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
-        save_config(cfg, run_dir / "config.yaml")
+
+def _transport_opener(cfg: Config, trained: _Trained, device: torch.device) -> Callable[[CommConfig], CommBackend]:
+    """How this worker opens its transport (``placement.connect`` calls it on the ranks that talk
+    to other workers), with the faults of ``cfg.faults`` around it."""
+    outer, codec = trained.outer, trained.error_feedback.codec
 
     def open_transport(comm: CommConfig) -> CommBackend:
         transport = build_backend(
@@ -198,83 +249,39 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
         )
         return with_faults(transport, cfg.faults, cfg.worker.index)
 
-    backend = placement.connect(cfg.comm, open_transport)  # a site's ranks: through the site
-    with contextlib.ExitStack() as undo:  # should a step below fail, what started is stopped again
-        undo.callback(backend.shutdown)
-        undo.callback(backend.leave)
-        backend.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
-        log = WorkerLog(
-            cfg.logging if placement.leader else replace(cfg.logging, wandb="disabled"),
-            run_dir=run_dir,
-            run_name=cfg.run.name,
-            worker_index=cfg.worker.index,
-            total_steps=cfg.inner.steps,
-            tokens_per_step=batch * block * ranks,
-            config_dict=to_dict(cfg),
-            wall_s_before=totals.wall_s,
-        )
-        undo.callback(log.close)
-        watchdog = Watchdog(
-            phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
-            stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
-            on_phase=backend.report_phase,
-        )
-        undo.callback(watchdog.stop)
-        # a round every outer.sync_every inner steps (or outer.round_s seconds); the data-parallel
-        # baseline (sync_every 0) records one every logging.eval_every steps
-        clock = RoundClock(
-            sync_every=cfg.outer.sync_every or cfg.logging.eval_every,
-            round_s=cfg.outer.round_s,
-            total_steps=cfg.inner.steps,
-        )
-        sync = _sync_mode(
-            cfg,
-            model=model,
-            outer=outer,
-            backend=backend,
-            accounting=Accounting(totals, log),
-            watchdog=watchdog,
-            join=join,
-        )
-        sync.load_state_dict(state.get("overlap") if state is not None else None)
-        worker = Worker(
-            cfg=cfg,
-            placement=placement,
-            device=device,
-            sampler=sampler,
-            held_out=held_out,
-            held_out_hash=tensors_digest(x for x, _ in held_out),
-            model=model,
-            inner_optimizer=inner_optimizer,
-            outer=outer,
-            error_feedback=error_feedback,
-            backend=backend,
-            log=log,
-            watchdog=watchdog,
-            clock=clock,
-            sync=sync,
-            average_gradients=placement.site_gradient_hook(model) or sync.average_gradients,
-            checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
-            start_step=step,
-            start_round=round_index,
-            totals=totals,
-        )
-        undo.pop_all()  # all set: they are the worker's to close (Worker.close)
-    return worker
+    return open_transport
+
+
+def _worker_log(cfg: Config, placement: Placement, run_dir: Path, *, wall_s_before: float) -> WorkerLog:
+    """The worker's records; only a site's leader writes to wandb."""
+    return WorkerLog(
+        cfg.logging if placement.leader else replace(cfg.logging, wandb="disabled"),
+        run_dir=run_dir,
+        run_name=cfg.run.name,
+        worker_index=cfg.worker.index,
+        total_steps=cfg.inner.steps,
+        tokens_per_step=cfg.inner.batch_size * cfg.model.block_size * placement.ranks,
+        config_dict=to_dict(cfg),
+        wall_s_before=wall_s_before,
+    )
+
+
+def _round_clock(cfg: Config) -> RoundClock:
+    """A round every outer.sync_every inner steps (or outer.round_s seconds); the data-parallel
+    baseline (sync_every 0) records one every logging.eval_every steps."""
+    return RoundClock(
+        sync_every=cfg.outer.sync_every or cfg.logging.eval_every,
+        round_s=cfg.outer.round_s,
+        total_steps=cfg.inner.steps,
+    )
 
 
 def _sync_mode(
-    cfg: Config,
-    *,
-    model: torch.nn.Module,
-    outer: OuterStep,
-    backend: CommBackend,
-    accounting: Accounting,
-    watchdog: Watchdog,
-    join: bool,
+    cfg: Config, trained: _Trained, backend: CommBackend, accounting: Accounting, watchdog: Watchdog, *, join: bool
 ) -> SyncMode:
     """The worker's rounds (sync_modes.py): data-parallel (outer.sync_every=0), overlapped
     (outer.overlap=delayed|streaming) or blocking."""
+    model, outer = trained.model, trained.outer
     deadline_s, workers, timed = cfg.comm.deadline_s, cfg.worker.count, cfg.outer.round_s > 0
     if cfg.outer.sync_every == 0:
         weight = cfg.inner.batch_size

@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +48,6 @@ logger = logging.getLogger(__name__)
 MAGIC = b"DILOCK01"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 digest
 _NAME_RE = re.compile(r"^round-(\d+)\.pt$")
-
-
-@dataclass
-class CheckpointConfig:
-    every_rounds: int = 1  # save every N outer rounds; 0 = never
-    keep: int = 2  # how many recent checkpoints to keep per worker
 
 
 class CorruptCheckpointError(RuntimeError):

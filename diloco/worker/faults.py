@@ -14,24 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from diloco.comm.base import CommBackend, PeerState, StateRank, StateReader, SyncResult
 from diloco.compression import Codec
-
-BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", "scaled")
-
-
-@dataclass
-class FaultConfig:
-    worker: int = -1  # the worker the faults apply to; -1 = every worker
-    skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
-    stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
-    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
-    payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
-    step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
+from diloco.config import FaultConfig
 
 
 class StopRequested(Exception):

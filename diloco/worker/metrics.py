@@ -18,27 +18,17 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from diloco.config.schema import WANDB_MODES, LoggingConfig
+
 logger = logging.getLogger(__name__)
 
-WANDB_MODES = ("disabled", "offline", "online")
 _WORKER_FILE_RE = re.compile(r"^worker-(\d+)\.jsonl$")
-
-
-@dataclass
-class LoggingConfig:
-    wandb: str = "disabled"  # disabled | offline | online
-    project: str = "diloco"  # wandb project name
-    log_every: int = 10  # inner steps between step records / progress lines
-    eval_batches: int = 8  # validation batches evaluated after each round
-    eval_batch_size: int = 12  # sequences per validation batch (fixed, so runs of any batch size compare)
-    eval_every: int = 50  # data-parallel runs (outer.sync_every=0): inner steps between round records
 
 
 def _to_jsonable(value: Any) -> Any:

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from diloco.comm.base import SyncResult
-from diloco.worker.metrics import JsonlWriter, LoggingConfig, build_wandb_logger, format_duration
+from diloco.config import LoggingConfig
+from diloco.worker.metrics import JsonlWriter, build_wandb_logger, format_duration
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from diloco.comm.base import CommBackend, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import norm_of, screen
 from diloco.compression import CompressionConfig, NoCompression, build_codec
-from diloco.config import ConfigError, load_config
+from diloco.config import ConfigError, FaultConfig, load_config
 from diloco.tools.launcher import simulate
-from diloco.worker.faults import FaultConfig, ScaledPayloadBackend, with_bad_payloads, with_faults
+from diloco.worker.faults import ScaledPayloadBackend, with_bad_payloads, with_faults
 from tests.conftest import TINY
 
 

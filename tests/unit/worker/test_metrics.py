@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from diloco.config import LoggingConfig
 from diloco.worker.metrics import (
     JsonlWriter,
-    LoggingConfig,
     NullLogger,
     WandbLogger,
     build_wandb_logger,
