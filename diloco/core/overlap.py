@@ -216,7 +216,9 @@ class OverlappedOuter:
         if len(self.fragments) > 1:
             self.recovery.note_average(outcome)
             return False
-        outcome = replace(outcome, group=0, grouped=False)  # the overlapped round does not use its group
+        # an overlapped average neither skips the download by its group's size nor reads a group that
+        # formed without it as the others moving on apart (a blocking round does both)
+        outcome = replace(outcome, group=0, grouped=False)
         taken = self.recovery.after_average(
             self.backend, outcome, expected_peers=self.expected_peers, timeout_s=self.deadline_s
         )
