@@ -18,7 +18,9 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       across sections, and the reference table (docs/configuration.md)
 - ``core/``           the algorithm: inner steps, pseudo-gradients and the outer optimizer
                       (``core/outer.py``: **the outer step happens here**), overlapped outer steps,
-                      when a round ends, the outer step's host copies, evaluation (``evaluation.py``)
+                      what a worker does after a failed, partial or split round and when it starts
+                      behind the run (``core/recovery.py``: **recovery happens here**), when a round
+                      ends, the outer step's host copies, evaluation (``evaluation.py``)
 - ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface
 - ``data/``           what a corpus is read from (``source.py``, a leaf); a corpus of tokens, per-worker shards, the
                       held-out split; Hugging Face datasets; a token cache;

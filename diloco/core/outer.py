@@ -33,10 +33,11 @@ from typing import TypeVar
 
 import torch
 
-from diloco.comm.base import CommBackend, StateRank, SyncResult, fingerprint_of
+from diloco.comm.base import CommBackend, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
+from diloco.core.recovery import Recovery, RoundOutcome
 from diloco.errors import require
 
 T = TypeVar("T")
@@ -121,9 +122,8 @@ class OuterStep:
         # held while the global state changes, and while a peer's download reads it (offered_state)
         self._state_lock = threading.Lock()
         self._state_version = 0  # how many times the global state changed: an offer is of one version
-        # the last catch-up needed a peer's state and got none: our global params may differ from
-        # those of the group we average with next, which would keep them apart for good
-        self.unsynced = False
+        # after a failed, partial or split round: whether the global state is the run's, and taking a peer's
+        self.recovery = Recovery(self)
 
     @torch.no_grad()
     def pseudo_gradients(self) -> list[torch.Tensor]:
@@ -163,114 +163,34 @@ class OuterStep:
     def sync(
         self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
     ) -> tuple[SyncResult, int | None]:
-        """One round: pseudo-gradient, average with the other workers, outer step.
-
-        When the average fails or covers fewer than ``expected_peers`` workers (hivemind can lose
-        a peer or part of the vector inside a round), the worker applies what it has, then
-        takes the global state of a peer that averaged in a bigger group, or of a later round
-        when the others have moved on, so that it ends with the others' params instead of
-        drifting. Returns the averaging result and the round of the state taken from a peer
-        (None when none was).
-        """
+        """One round: pseudo-gradient, average with the other workers, outer step. When the average
+        failed the worker applies its own pseudo-gradient; then the recovery protocol (recovery.py)
+        runs: after a round that failed, was partial or ran in a smaller group, it takes the state
+        of a peer that did better. Returns the averaging result and the round of the state taken
+        from a peer (None when none was)."""
         started = time.monotonic()
         pseudo_gradients = self.pseudo_gradients()
         if self.error_feedback is not None:
             pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
         result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
-        if result.partial:  # the group's common mean, honest about how few it covers in places
-            logger.warning("round %d: %s", round_index + 1, result.error)
-        elif not result.ok:  # the backend left our own pseudo-gradient in place
-            logger.warning("round %d: averaging failed (%s)", round_index + 1, result.error)
-            if self.error_feedback is not None:
-                self.error_feedback.forget()  # what it had carried over is applied now, in full
-        if result.averaged and self.error_feedback is not None:
-            self.error_feedback.settle(result.codec)  # a codec agreed per round: what it did not send
+        self.account(result, f"round {round_index + 1}")
         self.apply(pseudo_gradients)
-        # a worker whose contribution the group dropped ranks its state below every other (peers 0)
-        peers = result.peers if result.averaged else min(result.peers, 1)
         # what is left of the round's deadline, but never less than a short download
         remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
-        return result, self.catch_up(
-            backend,
-            round_index=round_index,
-            failed=not result.averaged,
-            peers=peers,
-            group=result.group if result.averaged else 0,
-            expected_peers=expected_peers,
-            timeout_s=remaining,
-            newer=True,
-            drifted=result.drifted,
-            grouped=result.group > 1,
-        )
+        outcome = RoundOutcome.of(result, round_index)
+        return result, self.recovery.after_round(backend, outcome, expected_peers=expected_peers, timeout_s=remaining)
 
-    def catch_up(
-        self,
-        backend: CommBackend,
-        *,
-        round_index: int,
-        peers: int,
-        expected_peers: int,
-        timeout_s: float,
-        group: int = 0,
-        newer: bool = False,
-        failed: bool = False,
-        drifted: bool = False,
-        grouped: bool = False,
-    ) -> int | None:
-        """After round ``round_index`` averaged over ``peers`` workers: offer this state to peers and,
-        if fewer than expected took part, take the state of a peer that ranks higher (a bigger
-        group, or the agreed winner between groups of one size), or, with ``newer``, of a later
-        round. When the workers outside our group (``group``: its size, dropped members included)
-        are fewer than ``peers``, none can have averaged over as many: nothing to fetch.
-        ``expected_peers`` is the plan; a transport that tracks who is alive says how many are left.
-        A worker whose round ``failed`` (it applied its own pseudo-gradient) and whose catch-up
-        found no state is ``unsynced``: its global params may differ from the others'. It ranks
-        itself below every peer (peers 0) until it takes a state, since averaging pseudo-gradients
-        in one group does not bring global params that differ back together. A worker that is the
-        only one serving its state is not unsynced, the others being clients, which take its state,
-        unless a group formed (``grouped``) and averaged without it: then they moved on apart.
-        (The winner of a split round also finds nobody better, but its round did not fail: it is in
-        step.)
-        A round taken alone while workers that vanished may train on (``drifted``) leaves the worker
-        unsynced too: when they are back, one side takes the other's state.
-        Returns the round of the state taken (the local params then restart from it), or None."""
-        live = backend.expected_peers()
-        expected = expected_peers if live is None else live
-        demoted = self.unsynced and expected > 1
-        own_peers = peers
-        if demoted:
-            peers = 0
-        # the fingerprint only tells apart groups of one size, which a round that everyone
-        # averaged in cannot have: hashing every global param each round is skipped then
-        rank = StateRank(peers, self.fingerprint() if peers < expected else 0.0)
-        backend.publish_state(round_index, rank, self.offered_state())  # called only by transports that serve state
-        if not demoted and (peers >= expected or expected - max(peers, group) < peers):
-            # alone with nobody live to sync with: what it was stays so until someone is back
-            self.unsynced = drifted or (self.unsynced and expected <= 1)
-            return None  # everyone, or too few left outside our group to rank higher
-        found = backend.fetch_state(round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
-        # nobody serving a state but us: the others (clients) take ours, so ours is the run's
-        in_step = (failed or demoted) and found is None and not (grouped and failed) and backend.sole_state_source()
-        self.unsynced = found is None and (failed or demoted) and not in_step
-        if in_step and demoted:  # offered as unsynced a moment ago: offered again as what it is
-            rank = StateRank(own_peers, rank.fingerprint if own_peers < expected else 0.0)
-            backend.publish_state(round_index, rank, self.offered_state())
-        if found is None:
-            logger.warning(
-                "round %d: averaged over %d of %d workers and no peer did better", round_index + 1, peers, expected
-            )
-            return None
-        self.load_state_dict(found.state)
-        backend.publish_state(found.round, found.rank, self.offered_state())  # no longer behind: peers may go
-        logger.warning(
-            "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
-            round_index + 1,
-            peers,
-            expected,
-            found.rank.peers,
-            found.round + 1,
-        )
-        return found.round
+    def account(self, result: SyncResult, where: str, indices: Sequence[int] | None = None) -> None:
+        """What an average's ``result`` leaves the error feedback of the params ``indices`` (all:
+        None) with, before the outer step applies it; a failed or partial one logged as ``where``."""
+        if result.partial:  # the group's common mean, honest about how few it covers in places
+            logger.warning("%s: %s", where, result.error)
+        elif not result.ok:  # the transport left our own pseudo-gradient in place: it is applied in full
+            logger.warning("%s: averaging failed (%s)", where, result.error)
+            if self.error_feedback is not None:
+                self.error_feedback.forget(indices)  # what it had carried over is applied now, in full
+        if result.averaged and self.error_feedback is not None:
+            self.error_feedback.settle(result.codec, indices)  # a codec agreed per round: what it did not send
 
     def fingerprint(self) -> float:
         """A number in [0, 1) from the hash of the global params: equal exactly when they are."""

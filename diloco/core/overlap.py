@@ -27,10 +27,11 @@ blocking round. The last inner step syncs every fragment and waits for everythin
 ends with every worker on the same params (eager excepted).
 
 When an average fails for this worker (hivemind can lose part of a round for one sender), it
-applies its own pseudo-gradient and its global params drift from the others'. With one fragment
-it takes a peer's state right away, as the blocking round does (``OuterStep.catch_up``). With
-several, a peer's state mixes fragments at other points of their schedules, so the worker keeps
-going and takes a peer's whole state at the run's end, where every worker has applied the same
+applies its own pseudo-gradient and its global params drift from the others'. What it does then
+is the recovery protocol's (core/recovery.py): with one fragment it takes a peer's state right
+away, as the blocking round does (``Recovery.after_average``); with several, a peer's state mixes
+fragments at other points of their schedules, so the worker keeps going and takes a peer's whole
+state at the run's end (``Recovery.at_run_end``), where every worker has applied the same
 averages: a run still ends on identical params.
 """
 
@@ -42,9 +43,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from diloco.comm.base import CommBackend, PendingAverage, StateRank, SyncResult
+from diloco.comm.base import CommBackend, PendingAverage, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.core.outer import OuterConfig, OuterStep
+from diloco.core.recovery import RoundOutcome
 from diloco.errors import require
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,7 @@ class Applied:
 
     result: SyncResult
     wait_s: float  # measured; for a simulated transport, the modelled time not hidden by compute
-    recovered: bool = False  # the worker then took a peer's state (OuterStep.catch_up)
+    recovered: bool = False  # the worker then took a peer's state (core/recovery.py)
 
 
 class OverlappedOuter:
@@ -130,6 +132,7 @@ class OverlappedOuter:
         self, outer: OuterStep, backend: CommBackend, cfg: OuterConfig, *, deadline_s: float, expected_peers: int
     ):
         self.outer, self.backend, self.deadline_s = outer, backend, deadline_s
+        self.recovery = outer.recovery
         self.wait_limit_s = round_limit_s(deadline_s)  # an average not done by then is abandoned (comm/bounds.py)
         self.expected_peers = expected_peers
         self.every = cfg.sync_every
@@ -142,20 +145,13 @@ class OverlappedOuter:
         self.syncs_started = [0] * count
         self.last_start_step = [0] * count
         self.in_flight: list[_InFlight] = []
-        # an average failed for us since the last state taken: with several fragments our global
-        # params may differ from the others' until the end-of-run catch-up
-        self.drifted = False
-        # some average since the last state taken held a group's mean (with others, not alone): a
-        # worker that drifted then still carries the others' progress, and its state ranks above
-        # one that averaged nothing
-        self.averaged_any = False
 
     def after_inner_step(self, step: int, *, samples_per_step: int, compute_s: float, final: bool) -> list[Applied]:
         """Start the syncs due after inner step ``step`` and apply the averages due; at the ``final``
         step, sync every fragment and apply everything. Returns what was applied."""
         due = [p for p in range(len(self.fragments)) if final or step % self.every == self.offsets[p]]
         if final and len(self.fragments) > 1:
-            self._offer_state(round_index=sum(self.syncs_started))
+            self.recovery.offer_before_end(self.backend, sum(self.syncs_started))
         taken = {p: self._pseudo_gradients(p) for p in due}  # before any average lands in the params
         fresh = {p: own for p, (own, _) in taken.items()}
         applied = self._apply_due(step, fresh, final=final, compute_s=compute_s)
@@ -173,7 +169,7 @@ class OverlappedOuter:
             self.in_flight.append(_InFlight(p, to_send, own, weight, pending, apply_at, round_index, compute_s))
         applied += self._apply_due(step, {}, final=final, compute_s=compute_s)
         if final and len(self.fragments) > 1:
-            applied = self._catch_up_at_the_end(applied)
+            applied = self._recover_at_the_end(applied)
         return applied
 
     @torch.no_grad()
@@ -209,73 +205,46 @@ class OverlappedOuter:
             if result.simulated_s is not None:  # the simulator finished it at once: model the overlap
                 wait_s = max(0.0, result.simulated_s - (compute_s - flight.compute_s_at_start))
             self._apply(flight, result, fresh.get(flight.fragment))
-            self.drifted = self.drifted or not result.averaged or result.drifted
-            self.averaged_any = self.averaged_any or (result.averaged and result.peers > 1)
-            recovered = len(self.fragments) == 1 and self._catch_up(flight, result, fresh.get(flight.fragment))
+            recovered = self._recover(flight, RoundOutcome.of(result, flight.round_index), fresh.get(flight.fragment))
             applied.append(Applied(result, wait_s, recovered))
         return applied
 
-    def _catch_up(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> bool:
-        """The blocking round's recovery (``OuterStep.catch_up``) after an applied average, keeping our
-        own progress carried over. One fragment only (several: ``_catch_up_at_the_end``). Returns
-        whether a peer's state was taken."""
-        taken = self.outer.catch_up(
-            self.backend,
-            round_index=flight.round_index,
-            failed=not result.averaged,
-            peers=result.peers if result.averaged else min(result.peers, 1),
-            expected_peers=self.expected_peers,
-            timeout_s=self.deadline_s,
-            drifted=result.drifted,
+    def _recover(self, flight: _InFlight, outcome: RoundOutcome, fresh: list[torch.Tensor] | None) -> bool:
+        """After an applied average: with one fragment, the blocking round's recovery, keeping our
+        own progress carried over; with several, the average is only noted (the state is taken at
+        the run's end: ``_recover_at_the_end``). Returns whether a peer's state was taken."""
+        if len(self.fragments) > 1:
+            self.recovery.note_average(outcome)
+            return False
+        # an overlapped average neither skips the download by its group's size nor reads a group that
+        # formed without it as the others moving on apart (a blocking round does both)
+        outcome = replace(outcome, group=0, grouped=False)
+        taken = self.recovery.after_average(
+            self.backend, outcome, expected_peers=self.expected_peers, timeout_s=self.deadline_s
         )
         if taken is not None:
-            self.drifted = self.averaged_any = False
             self._restart_local(flight.fragment, fresh if self._carries_progress else None)
         return taken is not None
 
-    def _offer_state(self, *, round_index: int) -> None:
-        """Offer our state before the last syncs of a run of several fragments: a peer that ends
-        first then waits (``CommBackend.finish``) while ours is older, in case we need its state.
-        Ranked lowest (peers 0): it only says that we are still here, and no peer takes it for a
-        fragment's average made without it (that needs an offer averaged in a group)."""
-        self.backend.publish_state(round_index, StateRank(0), self.outer.offered_state())
-
-    def _catch_up_at_the_end(self, applied: list[Applied]) -> list[Applied]:
-        """After a run's last averages (several fragments): a worker whose average failed at some
-        point takes the state of a peer whose did not. It ranks as a worker alone (peers 1) if
-        some average held the mean of a group, else as an unsynced blocking worker (peers 0): when
-        a sync failed for every worker, one whose every contribution was dropped, or that was
-        alone all along, then never wins over those that averaged with others (between states of
-        one rank the fingerprint decides, as ever). The others offer theirs. Returns ``applied``,
-        marked recovered if a state was taken."""
-        # never empty: every fragment syncs at the last step; ``drifted`` counts these results too
-        results = [a.result for a in applied]
-        taken = self.outer.catch_up(
+    def _recover_at_the_end(self, applied: list[Applied]) -> list[Applied]:
+        """After a run's last averages (several fragments): ``Recovery.at_run_end``; the local params
+        restart from a state taken. Returns ``applied``, marked recovered if a state was taken."""
+        taken = self.recovery.at_run_end(
             self.backend,
+            [a.result for a in applied],  # never empty: every fragment syncs at the last step
             round_index=sum(self.syncs_started),
-            failed=self.drifted,
-            peers=int(self.averaged_any) if self.drifted else min(r.peers for r in results),
-            group=0 if self.drifted else min(r.group for r in results),
             expected_peers=self.expected_peers,
             timeout_s=self.deadline_s,
-            newer=True,
-            grouped=self.averaged_any,
         )
         if taken is None:
             return applied
-        self.drifted = self.averaged_any = False
         for fragment in range(len(self.fragments)):
             self._restart_local(fragment)
         return [replace(a, recovered=True) for a in applied]
 
     def _apply(self, flight: _InFlight, result: SyncResult, fresh: list[torch.Tensor] | None) -> None:
         """Apply an average. ``fresh``: this worker's own progress since, taken at this very step (if any)."""
-        if result.partial:
-            logger.warning("fragment %d: %s", flight.fragment, result.error)
-        elif not result.ok:  # the transport left our own pseudo-gradients in place: they are applied in full
-            logger.warning("fragment %d: averaging failed (%s)", flight.fragment, result.error)
-            if self.outer.error_feedback is not None:
-                self.outer.error_feedback.forget(self.fragments[flight.fragment])
+        self.outer.account(result, f"fragment {flight.fragment}", self.fragments[flight.fragment])
         if self._carries_progress and fresh is None:  # delayed's last round, applied at once at the end
             self._merge(flight.fragment, flight.averaged)
             return
@@ -342,12 +311,10 @@ class OverlappedOuter:
         return {
             "syncs_started": list(self.syncs_started),
             "last_start_step": list(self.last_start_step),
-            "drifted": self.drifted,
-            "averaged_any": self.averaged_any,
+            **self.recovery.state_dict(),  # whether an average failed for it since it last took a state
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs_started = list(state["syncs_started"])
         self.last_start_step = list(state["last_start_step"])
-        self.drifted = bool(state.get("drifted", False))  # checkpoints before it was saved: in step
-        self.averaged_any = bool(state.get("averaged_any", False))
+        self.recovery.load_state_dict(state)

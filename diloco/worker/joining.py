@@ -1,6 +1,7 @@
 """A worker that starts behind a live run: a newcomer (``diloco join``) or a restart from an old
-checkpoint. Before its first round it takes the global params, outer-optimizer state and round
-of a live peer, and starts on the round the others are in (``catch_up_with_run``).
+checkpoint. Before its first round it checks that it runs the run's settings, takes the global
+params, outer-optimizer state and round of a live peer (``Recovery.behind_the_run``,
+core/recovery.py), and starts on the round and step the others are in (``catch_up_with_run``).
 
     diloco join configs/tiny.yaml --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...
     diloco join --peers /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...     # the run's config from a live peer
@@ -16,7 +17,7 @@ import hashlib
 import json
 import logging
 
-from diloco.comm.base import CommBackend, CommError, StateRank
+from diloco.comm.base import CommBackend, CommError
 from diloco.comm.hivemind.roster import nobody_answered
 from diloco.config import Config, ConfigError, to_dict
 from diloco.core.outer import OuterStep
@@ -131,16 +132,12 @@ def catch_up_with_run(
     check_same_run(cfg, others)  # before any download: a state of other shapes cannot be loaded
     if not any(e.round > round_index for e in others.values()):
         return step, round_index
-    found = backend.fetch_state(
-        round_index - 1, better_than=StateRank(1 << 30), timeout_s=cfg.comm.deadline_s, newer=True
-    )
-    if found is None:
+    taken_round = outer.recovery.behind_the_run(backend, round_index, timeout_s=cfg.comm.deadline_s)
+    if taken_round is None:
         if required:
             raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")
         logger.warning("worker %d: peers are ahead but none served its state; continuing", cfg.worker.index)
         return step, round_index
-    taken_round = found.round
-    outer.load_state_dict(found.state)
     round_index = taken_round + 1
     if not align_step:
         logger.warning("worker %d took the state after round %d from a peer", cfg.worker.index, taken_round + 1)

@@ -1,7 +1,8 @@
 """How a worker's rounds sync: three modes behind one interface, so that the loop has no branches.
 
     BlockingRounds      outer.overlap=none: at a round's end, average and take the outer step
-                        (``OuterStep.sync`` in core/outer.py) while training waits
+                        (``OuterStep.sync`` in core/outer.py) while training waits; a worker that
+                        took the state of peers rounds ahead (core/recovery.py) skips to their round
     OverlappedRounds    outer.overlap=delayed | streaming: averages run in the background and are
                         applied inner steps later (``OverlappedOuter`` in core/overlap.py)
     DataParallelRounds  outer.sync_every=0, the baseline: gradients are averaged inside every inner

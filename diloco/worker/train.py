@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from diloco.config import Config
 from diloco.core.digest import tensors_digest
 from diloco.core.evaluation import evaluate
 from diloco.core.inner import inner_step, lr_at
-from diloco.worker.build import build_worker
+from diloco.worker.build import Worker, build_worker
 from diloco.worker.faults import check_stop, slow_down
 
 logger = logging.getLogger(__name__)
@@ -52,18 +54,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             # ---- inner step -------------------------------------------------------------
             watchdog.enter("training")
             started = time.perf_counter()
-            lr = lr_at(cfg.inner, clock.schedule_step(step, round_index))
-            batch_tensors = placement.my_slice(worker.sampler.next_batch())
-            loss = inner_step(
-                model,
-                worker.inner_optimizer,
-                [t.to(worker.device, non_blocking=True) for t in batch_tensors],
-                lr=lr,
-                grad_clip=cfg.inner.grad_clip,
-                average_gradients=worker.average_gradients,
-                precision=cfg.worker.precision,
-            )
-            slow_down(cfg.faults, cfg.worker.index)
+            loss, lr = _inner_step(worker, cfg, step, round_index)
             step += 1
             samples_this_round += samples_per_step
             step_s = time.perf_counter() - started
@@ -116,3 +107,20 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         )
     finally:
         worker.close()
+
+
+def _inner_step(worker: Worker, cfg: Config, step: int, round_index: int) -> tuple[torch.Tensor, float]:
+    """One inner step on the worker's next batch (on a site, its rank's slice): (loss as a tensor, lr)."""
+    lr = lr_at(cfg.inner, worker.clock.schedule_step(step, round_index))
+    batch_tensors = worker.placement.my_slice(worker.sampler.next_batch())
+    loss = inner_step(
+        worker.model,
+        worker.inner_optimizer,
+        [t.to(worker.device, non_blocking=True) for t in batch_tensors],
+        lr=lr,
+        grad_clip=cfg.inner.grad_clip,
+        average_gradients=worker.average_gradients,
+        precision=cfg.worker.precision,
+    )
+    slow_down(cfg.faults, cfg.worker.index)
+    return loss, lr

@@ -14,6 +14,7 @@ from diloco.comm.bounds import round_limit_s
 from diloco.config import ConfigError, load_config
 from diloco.core.outer import OuterConfig, OuterStep
 from diloco.core.overlap import OverlappedOuter, split_fragments
+from diloco.core.recovery import Standing
 from diloco.tools.launcher import simulate
 from tests.conftest import TINY
 
@@ -175,7 +176,7 @@ def test_streaming_takes_a_peers_state_at_the_end_after_an_average_failed_for_it
 
     overlapped, outer, backend, local, applied = _streaming_that_loses_an_average(peers_state)
     assert [a.recovered for a in applied[4]] == [False]  # fragment 1's failed average (step 5): kept going
-    assert overlapped.drifted is False and all(a.recovered for a in applied[-1])
+    assert outer.recovery.standing is Standing.SYNCED and all(a.recovered for a in applied[-1])
     assert backend.asked == [(5, 1, True)]  # its other averages held the others' mean: ranked as alone
     assert backend.published[0] == (3, 0)  # before the last syncs: an older state, so peers wait for us
     assert [g[0].item() for g in outer.global_params] == [4.0, 17.0]
@@ -201,7 +202,7 @@ def test_streaming_without_a_failed_average_offers_its_state_and_takes_none():
 
 def test_streaming_that_finds_no_better_state_at_the_end_stays_marked_drifted():
     overlapped, outer, backend, local, applied = _streaming_that_loses_an_average()
-    assert overlapped.drifted and outer.unsynced and not any(a.recovered for a in applied[-1])
+    assert outer.recovery.standing is Standing.UNSYNCED and not any(a.recovered for a in applied[-1])
     assert overlapped.state_dict()["drifted"]
 
 

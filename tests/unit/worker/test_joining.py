@@ -8,12 +8,14 @@ import pytest
 from diloco.comm.base import PeerState, StateRank
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.config import ConfigError, load_config
+from diloco.core.recovery import Recovery
 from diloco.worker.joining import catch_up_with_run, run_identity
 
 
 class _Outer:
     def __init__(self) -> None:
         self.loaded = None
+        self.recovery = Recovery(self)
 
     def load_state_dict(self, state: dict) -> None:
         self.loaded = state

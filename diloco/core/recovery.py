@@ -1,0 +1,246 @@
+"""Recovery: what a worker does when its global state may not be the run's.
+
+After a round that failed (the worker applied its own pseudo-gradient), was partial, or ran in
+a smaller group than expected (hivemind's matchmaking can split a round), the worker offers its
+state to its peers and takes the state of one that ranks higher, so that it ends with the
+others' params instead of drifting. ``Recovery`` holds that protocol for every case:
+
+    after_round       after a blocking round (``OuterStep.sync``): may take the state of a later
+                      round, and says which, so that the worker skips to it (worker/sync_modes.py)
+    after_average     after an overlapped average of one fragment (core/overlap.py): the same, of
+                      that round only (the schedule of averages in flight cannot skip rounds)
+    note_average      after an overlapped average of one of several fragments: a peer's state would
+                      mix fragments at other points of their schedules, so a failed average only
+                      marks the worker DRIFTED, and it goes on
+    offer_before_end  before a run's last averages (several fragments): "still here", so peers wait
+    at_run_end        after them: a DRIFTED worker takes a whole state, where every worker applied
+                      the same averages
+    behind_the_run    before the first round, when live peers are rounds ahead (a newcomer, or a
+                      restart from an old checkpoint: worker/joining.py says when, and where to start)
+
+Its input is a ``RoundOutcome``, built from the round's ``SyncResult``; its state a ``Standing``.
+How good a state is, is a ``StateRank`` (comm/base.py): averaged over more peers first, then the
+fingerprint of the params, which makes the groups of a split round agree on one winner. A worker
+that needed a state and found none is UNSYNCED: its params may differ from its group's, and
+averaging pseudo-gradients with it would not bring them together, so at the next round it ranks
+itself below every peer (peers 0, "demoted") and takes its group's state.
+
+Where the rest lives: the transport serves and downloads states (``publish_state``,
+``fetch_state``, ``sole_state_source`` in comm/base.py; hivemind's in comm/hivemind/), the outer
+step applies the worker's own pseudo-gradient when a round failed (core/outer.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from diloco.comm.base import PeerState, StateRank, StateReader, SyncResult
+
+logger = logging.getLogger(__name__)
+
+
+class Standing(enum.Enum):
+    """Whether the worker's global params are those of the run."""
+
+    SYNCED = "synced"  # those of the group it averaged with (or of the peer whose state it took)
+    # it needed a peer's state and found none, or took rounds alone while a worker that vanished may
+    # train on: its params may differ from the others'; it ranks below every peer until it takes one
+    UNSYNCED = "unsynced"
+    # several fragments: an average failed for it since it last took a state; it takes one at the run's end
+    DRIFTED = "drifted"
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a round left this worker with, as recovery reads it."""
+
+    round_index: int
+    averaged: bool  # it holds its group's mean (whole or partial); else its own pseudo-gradient
+    peers: int  # workers in that mean; at most 1 when not averaged (0: the group dropped ours)
+    group: int  # the group's size, dropped members included, when averaged; 0 = not known
+    grouped: bool  # a group of several formed for the round, with this worker or without it
+    drifted: bool = False  # taken alone while workers that vanished may train on (``SyncResult.drifted``)
+
+    @classmethod
+    def of(cls, result: SyncResult, round_index: int) -> RoundOutcome:
+        return cls(
+            round_index,
+            averaged=result.averaged,
+            # a worker whose contribution the group dropped ranks its state below every other (peers 0)
+            peers=result.peers if result.averaged else min(result.peers, 1),
+            group=result.group if result.averaged else 0,
+            grouped=result.group > 1,
+            drifted=result.drifted,
+        )
+
+
+class RecoverableState(Protocol):
+    """What recovery needs of the worker's global state (``OuterStep``)."""
+
+    def fingerprint(self) -> float: ...
+
+    def offered_state(self) -> StateReader: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class PeerStates(Protocol):
+    """What recovery uses of the transport: its state exchange, and how many workers are live
+    (``CommBackend``'s methods of these names, comm/base.py)."""
+
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None: ...
+
+    def fetch_state(
+        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+    ) -> PeerState | None: ...
+
+    def sole_state_source(self) -> bool: ...
+
+    def expected_peers(self) -> int | None: ...
+
+
+class Recovery:
+    """The recovery protocol of one worker's global ``state`` (see the module's docstring)."""
+
+    def __init__(self, state: RecoverableState):
+        self.state = state
+        self.standing = Standing.SYNCED
+        # several fragments: some average since the last state taken held a group's mean (with
+        # others, not alone); a worker that drifted then still carries the others' progress
+        self.averaged_with_others = False
+
+    def after_round(
+        self, peers: PeerStates, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float
+    ) -> int | None:
+        """After a blocking round: take a better state of this round or of a later one. Returns the
+        round of the state taken (the worker's params then restart from it), or None."""
+        return self._catch_up(peers, outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=True)
+
+    def after_average(
+        self, peers: PeerStates, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float
+    ) -> int | None:
+        """After an overlapped average of one fragment: take a better state of that round only."""
+        return self._catch_up(peers, outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=False)
+
+    def note_average(self, outcome: RoundOutcome) -> None:
+        """An average of one of several fragments was applied: one that failed for this worker, or
+        that it took alone while workers had vanished, leaves it DRIFTED until the run's end."""
+        if self.standing is Standing.SYNCED and (not outcome.averaged or outcome.drifted):
+            self.standing = Standing.DRIFTED
+        self.averaged_with_others = self.averaged_with_others or (outcome.averaged and outcome.peers > 1)
+
+    def offer_before_end(self, peers: PeerStates, round_index: int) -> None:
+        """Before the last averages of a run of several fragments: a peer that ends first then waits
+        (``CommBackend.finish``) while ours is older, in case we need its state. Ranked lowest (peers
+        0): it only says that we are still here, and no peer takes it for an average made without
+        it (that needs an offer averaged in a group)."""
+        peers.publish_state(round_index, StateRank(0), self.state.offered_state())
+
+    def at_run_end(
+        self,
+        peers: PeerStates,
+        last: Sequence[SyncResult],
+        *,
+        round_index: int,
+        expected_peers: int,
+        timeout_s: float,
+    ) -> int | None:
+        """After the last averages of a run of several fragments (``last``, never empty), where every
+        worker has applied the same averages: a DRIFTED worker takes the state of a peer that did
+        not drift. It ranks as a worker alone (peers 1) if some average held the mean of a group,
+        else as a demoted one (peers 0): when an average failed for every worker, one whose every
+        contribution was dropped, or that was alone all along, then never wins over those that
+        averaged with others. The others offer theirs. Returns the round of the state taken, or None."""
+        drifted = self.standing is Standing.DRIFTED
+        outcome = RoundOutcome(
+            round_index,
+            averaged=not drifted,
+            peers=int(self.averaged_with_others) if drifted else min(r.peers for r in last),
+            group=0 if drifted else min(r.group for r in last),
+            grouped=self.averaged_with_others,
+        )
+        return self._catch_up(peers, outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=True)
+
+    def behind_the_run(self, peers: PeerStates, round_index: int, *, timeout_s: float) -> int | None:
+        """Before the first round, with live peers rounds ahead: take the state of one after a round
+        later than ``round_index - 1``, the newest first. Returns the round of the state taken, or None."""
+        found = peers.fetch_state(round_index - 1, better_than=StateRank(1 << 30), timeout_s=timeout_s, newer=True)
+        if found is None:
+            return None
+        self._load(found)
+        return found.round
+
+    def _catch_up(
+        self, peers: PeerStates, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float, newer: bool
+    ) -> int | None:
+        """Offer this state to peers and, if fewer workers than expected averaged, take the state of
+        a peer that ranks higher (a bigger group, or the agreed winner between groups of one size),
+        or, with ``newer``, of a later round. When the workers outside our group are fewer than our
+        peers, none can have averaged over as many: nothing to fetch. ``expected_peers`` is the plan;
+        a transport that tracks who is alive says how many are left.
+
+        A worker that needed a state and found none is UNSYNCED, unless it is the only one serving
+        its state: the others are clients and take its state, so it is the run's, except when a group
+        formed and averaged without it (they moved on apart). The winner of a split round also finds
+        nobody better, but its round did not fail: it stays SYNCED."""
+        live = peers.expected_peers()
+        expected = expected_peers if live is None else live
+        failed = not outcome.averaged
+        demoted = self.standing is Standing.UNSYNCED and expected > 1
+        ranked_peers = 0 if demoted else outcome.peers
+        # the fingerprint only tells apart groups of one size, which a round that everyone
+        # averaged in cannot have: hashing every global param each round is skipped then
+        rank = StateRank(ranked_peers, self.state.fingerprint() if ranked_peers < expected else 0.0)
+        peers.publish_state(outcome.round_index, rank, self.state.offered_state())  # for transports that serve state
+        if not demoted and (
+            ranked_peers >= expected or expected - max(ranked_peers, outcome.group) < ranked_peers
+        ):  # everyone averaged, or too few are left outside our group to rank higher
+            if outcome.drifted:
+                self.standing = Standing.UNSYNCED
+            elif expected > 1:  # alone with nobody live to sync with, it stays what it was until someone is back
+                self.standing = Standing.SYNCED
+            return None
+        found = peers.fetch_state(outcome.round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
+        if found is not None:
+            self._load(found)
+            peers.publish_state(found.round, found.rank, self.state.offered_state())  # no longer behind: peers may go
+            logger.warning(
+                "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
+                outcome.round_index + 1,
+                ranked_peers,
+                expected,
+                found.rank.peers,
+                found.round + 1,
+            )
+            return found.round
+        # nobody serving a state but us: the others (clients) take ours, so ours is the run's
+        in_step = (failed or demoted) and not (outcome.grouped and failed) and peers.sole_state_source()
+        if in_step and demoted:  # offered as unsynced a moment ago: offered again as what it is
+            rank = StateRank(outcome.peers, rank.fingerprint if outcome.peers < expected else 0.0)
+            peers.publish_state(outcome.round_index, rank, self.state.offered_state())
+        self.standing = Standing.UNSYNCED if (failed or demoted) and not in_step else Standing.SYNCED
+        logger.warning(
+            "round %d: averaged over %d of %d workers and no peer did better",
+            outcome.round_index + 1,
+            ranked_peers,
+            expected,
+        )
+        return None
+
+    def _load(self, found: PeerState) -> None:
+        self.state.load_state_dict(found.state)
+        self.standing = Standing.SYNCED
+        self.averaged_with_others = False
+
+    def state_dict(self) -> dict:
+        """What an overlapped run of several fragments checkpoints (a blocking worker resumes SYNCED)."""
+        return {"drifted": self.standing is not Standing.SYNCED, "averaged_any": self.averaged_with_others}
+
+    def load_state_dict(self, state: dict) -> None:
+        # checkpoints from before these were saved: in step
+        self.standing = Standing.DRIFTED if state.get("drifted", False) else Standing.SYNCED
+        self.averaged_with_others = bool(state.get("averaged_any", False))

@@ -1,0 +1,255 @@
+"""The recovery protocol (diloco.core.recovery), scripted: each case hands ``Recovery`` the outcome of
+a round and a fake of the transport's state exchange (which states peers serve, how many workers are
+live, whether this worker is the only one serving its state), and checks what it offers, what it
+asks for, what it takes and where it stands after. The same protocol through the real outer step:
+tests/unit/core/test_outer.py and test_overlap.py; through real hivemind peers: tests/integration/."""
+
+from __future__ import annotations
+
+import hashlib
+
+from diloco.comm.base import PeerState, StateRank, SyncResult, fingerprint_of
+from diloco.core.recovery import Recovery, RoundOutcome, Standing
+
+FAILED = SyncResult(ok=False, peers=1, total_weight=1.0, error="nobody came")
+
+
+class _Params:
+    """A worker's global state reduced to one number: what it offers, and what it takes."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def fingerprint(self) -> float:
+        return fingerprint_of(hashlib.sha256(repr(self.value).encode()).digest())
+
+    def offered_state(self):
+        return lambda use: use({"value": self.value})
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class _Peers:
+    """The transport's state exchange, scripted: a peer serves ``served`` (after the round asked
+    about, or after ``served_round``), ranked one above the asker; ``live`` workers are left
+    (None: as planned); ``sole``: every other live worker is a client. Records what is published
+    ((round, peers)) and asked for ((round, peers ranked above, later rounds too))."""
+
+    def __init__(self, served: float | None = None, *, served_round: int | None = None, live=None, sole=False):
+        self.served, self.served_round, self.live, self.sole = served, served_round, live, sole
+        self.published: list[tuple[int, int]] = []
+        self.asked: list[tuple[int, int, bool]] = []
+
+    def publish_state(self, round_index, rank, state):
+        self.published.append((round_index, rank.peers))
+
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+        self.asked.append((round_index, better_than.peers, newer))
+        if self.served is None:
+            return None
+        taken = round_index if self.served_round is None else self.served_round
+        return PeerState(taken, StateRank(better_than.peers + 1), {"value": self.served})
+
+    def sole_state_source(self):
+        return self.sole
+
+    def expected_peers(self):
+        return self.live
+
+
+def _after_round(recovery: Recovery, peers: _Peers, result: SyncResult, round_index: int, *, expected: int):
+    outcome = RoundOutcome.of(result, round_index)
+    return recovery.after_round(peers, outcome, expected_peers=expected, timeout_s=1.0)
+
+
+def test_the_outcome_of_a_round_is_read_from_its_result():
+    dropped = RoundOutcome.of(SyncResult(ok=False, peers=0, total_weight=1.0, group=3), 4)
+    assert dropped == RoundOutcome(4, averaged=False, peers=0, group=0, grouped=True)
+    alone = RoundOutcome.of(SyncResult(ok=False, peers=3, total_weight=1.0, group=1), 0)
+    assert alone == RoundOutcome(0, averaged=False, peers=1, group=0, grouped=False)  # its own, whatever it says
+    partial = RoundOutcome.of(SyncResult(ok=False, peers=2, total_weight=2.0, group=3, partial=True, drifted=True), 1)
+    assert partial == RoundOutcome(1, averaged=True, peers=2, group=3, grouped=True, drifted=True)
+
+
+def test_a_failed_round_without_a_better_peer_offers_its_state_asks_once_and_is_unsynced():
+    recovery, peers = Recovery(_Params(1.0)), _Peers()
+    assert _after_round(recovery, peers, FAILED, 3, expected=2) is None
+    assert peers.published == [(3, 1)] and peers.asked == [(3, 1, True)]
+    assert recovery.standing is Standing.UNSYNCED and recovery.state.value == 1.0
+
+
+def test_a_failed_round_takes_the_state_of_a_peer_from_a_bigger_group_and_offers_it_on():
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=7.0)
+    assert _after_round(recovery, peers, FAILED, 0, expected=4) == 0
+    assert recovery.state.value == 7.0 and recovery.standing is Standing.SYNCED
+    assert peers.published == [(0, 1), (0, 2)]  # no longer behind: the peers that waited for it may go
+
+
+def test_a_worker_left_behind_takes_a_later_rounds_state_and_says_which():
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=3.0, served_round=7)
+    assert _after_round(recovery, peers, FAILED, 4, expected=3) == 7
+    assert peers.published[-1] == (7, 2) and recovery.state.value == 3.0
+
+
+def test_a_strict_majority_of_the_round_asks_nobody_for_state():
+    majority = SyncResult(ok=True, peers=3, total_weight=3.0)
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=5.0)
+    assert _after_round(recovery, peers, majority, 2, expected=5) is None
+    assert peers.asked == [] and peers.published == [(2, 3)]
+    assert _after_round(recovery, peers, majority, 2, expected=6) == 2
+    assert peers.asked == [(2, 3, True)]  # 3 others could have averaged as a group of 3
+
+
+def test_a_group_that_knows_its_size_asks_nobody_when_too_few_are_left_outside_it():
+    # 2 averaged in a group of 3 (one dropped) out of 4: the one worker outside cannot rank higher
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=5.0)
+    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=3), 0, expected=4) is None
+    assert peers.asked == []
+
+
+def test_a_worker_that_found_no_state_takes_its_groups_state_next_round():
+    """A failed round whose catch-up found nobody leaves the worker's global params apart from the
+    others'. Averaging with them next round would not bring them together, so the worker ranks
+    itself below its group (peers 0) and takes a peer's state even though everyone averaged."""
+    everyone = SyncResult(ok=True, peers=3, total_weight=3.0, group=3)
+    recovery, peers = Recovery(_Params(1.0)), _Peers()
+    assert _after_round(recovery, peers, FAILED, 0, expected=3) is None
+    assert recovery.standing is Standing.UNSYNCED
+    peers.served = 3.0
+    assert _after_round(recovery, peers, everyone, 1, expected=3) == 1
+    assert recovery.standing is Standing.SYNCED and peers.asked == [(0, 1, True), (1, 0, True)]
+    assert recovery.state.value == 3.0
+    assert _after_round(recovery, peers, everyone, 2, expected=3) is None
+    assert len(peers.asked) == 2  # in step with its group again: asks nobody
+
+
+def test_a_failed_round_leaves_the_only_worker_serving_its_state_in_step():
+    """Every other worker is a client: they take this one's state, so this one's is the run's. It
+    stays in step (its next offer ranks by its group, which a client stuck looking for a group of
+    that round reads as "the others went ahead"), and it asks nobody for a state next round."""
+    recovery, peers = Recovery(_Params(1.0)), _Peers(sole=True)
+    assert _after_round(recovery, peers, FAILED, 0, expected=3) is None
+    assert recovery.standing is Standing.SYNCED
+    _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 1, expected=3)
+    assert peers.published == [(0, 1), (1, 2)]  # ranked by its group, not demoted to 0
+
+
+def test_the_only_server_unsynced_before_the_clients_showed_up_is_in_step_once_it_averages_with_them():
+    """Round 0 failed before the clients were seen (one might have served a state of its own):
+    unsynced. Round 1 averaged with them, who took its state: in step, and offered again with its
+    group's rank, not the unsynced one it was offered with a moment before."""
+    recovery, peers = Recovery(_Params(1.0)), _Peers()
+    _after_round(recovery, peers, FAILED, 0, expected=3)
+    assert recovery.standing is Standing.UNSYNCED
+    peers.sole = True
+    _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 1, expected=3)
+    assert recovery.standing is Standing.SYNCED and peers.published == [(0, 1), (1, 0), (1, 2)]
+
+
+def test_the_only_server_whose_contribution_its_group_dropped_is_unsynced():
+    """The clients averaged without it (its norm was screened out): they moved on apart from it."""
+    dropped = SyncResult(ok=False, peers=0, total_weight=1.0, error="the group dropped ours", group=3)
+    recovery = Recovery(_Params(1.0))
+    _after_round(recovery, _Peers(sole=True), dropped, 0, expected=3)
+    assert recovery.standing is Standing.UNSYNCED
+
+
+def test_the_winner_of_a_split_round_finds_nobody_better_and_stays_in_step():
+    """Two groups of 2 out of 4: the winning group's members find nobody better. Their round did
+    not fail, so they are in step, not unsynced: the next round asks nobody for a state."""
+    recovery, peers = Recovery(_Params(1.0)), _Peers()  # no peer state: nobody ranks above the winner
+    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 0, expected=4) is None
+    assert recovery.standing is Standing.SYNCED and peers.asked == [(0, 2, True)]
+    _after_round(recovery, peers, SyncResult(ok=True, peers=4, total_weight=4.0, group=2), 1, expected=4)
+    assert peers.asked == [(0, 2, True)]  # everyone averaged in round 1: no download
+
+
+def test_rounds_taken_alone_while_a_worker_vanished_leave_the_worker_to_take_a_state_when_it_is_back():
+    """Its other worker stopped its heartbeats (killed, or cut off, and then maybe training alone
+    too): the rounds taken alone meanwhile may part the params from its. When it is back and both
+    average in one group, the one whose rounds drifted ranks itself below and takes a state."""
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=3.0, live=1)
+    for round_index in (0, 1):
+        alone = SyncResult(ok=True, peers=1, total_weight=1.0, drifted=True)
+        assert _after_round(recovery, peers, alone, round_index, expected=2) is None
+        assert recovery.standing is Standing.UNSYNCED  # nobody live to take a state from
+    assert peers.asked == []
+    peers.live = 2
+    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 2, expected=2) == 2
+    assert recovery.standing is Standing.SYNCED and peers.asked == [(2, 0, True)] and recovery.state.value == 3.0
+
+
+def test_an_unsynced_worker_left_alone_stays_unsynced_until_someone_is_back():
+    recovery, peers = Recovery(_Params(1.0)), _Peers()
+    _after_round(recovery, peers, FAILED, 0, expected=2)
+    peers.live = 1  # the other worker left: rounds alone, in step with nobody, fix nothing
+    assert _after_round(recovery, peers, SyncResult(ok=True, peers=1, total_weight=1.0), 1, expected=2) is None
+    assert recovery.standing is Standing.UNSYNCED and peers.published[-1] == (1, 1)
+    peers.live, peers.served = 2, 3.0
+    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 2, expected=2) == 2
+    assert peers.asked[-1] == (2, 0, True)  # demoted: it takes the state of the worker that is back
+
+
+def test_an_overlapped_average_takes_a_state_of_its_own_round_only():
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=4.0)
+    outcome = RoundOutcome.of(FAILED, 5)
+    assert recovery.after_average(peers, outcome, expected_peers=2, timeout_s=1.0) == 5
+    assert peers.asked == [(5, 1, False)] and recovery.state.value == 4.0
+
+
+def _several_fragments(outcomes: list[SyncResult]) -> Recovery:
+    recovery = Recovery(_Params(1.0))
+    for k, result in enumerate(outcomes):
+        recovery.note_average(RoundOutcome.of(result, k))
+    return recovery
+
+
+def _at_run_end(recovery: Recovery, peers: _Peers, last: list[SyncResult]):
+    return recovery.at_run_end(peers, last, round_index=5, expected_peers=2, timeout_s=1.0)
+
+
+def test_several_fragments_take_a_peers_state_at_the_run_end_after_an_average_failed():
+    # fragment 0 averaged with the other worker, fragment 1's failed for this one: it goes on drifted
+    with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
+    recovery, peers = _several_fragments([with_others, FAILED]), _Peers(served=4.0)
+    assert recovery.standing is Standing.DRIFTED
+    recovery.offer_before_end(peers, 3)
+    assert _at_run_end(recovery, peers, [with_others, with_others]) == 5
+    assert peers.published == [(3, 0), (5, 1), (5, 2)]  # "still here", then ranked as alone, then what it took
+    assert peers.asked == [(5, 1, True)]  # its other averages held the others' mean: ranked as alone
+    assert recovery.standing is Standing.SYNCED and recovery.state.value == 4.0
+
+
+def test_several_fragments_none_of_whose_averages_held_rank_below_one_that_averaged_some():
+    # an average that failed for every worker leaves them all apart; the one whose every
+    # contribution was dropped (peers 0) must not win that run's end over those that averaged some
+    recovery, peers = _several_fragments([FAILED, FAILED]), _Peers()
+    assert _at_run_end(recovery, peers, [FAILED, FAILED]) is None
+    assert peers.asked == [(5, 0, True)]
+
+
+def test_several_fragments_without_a_failed_average_offer_their_state_and_take_none():
+    with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
+    recovery, peers = _several_fragments([with_others, with_others]), _Peers(served=4.0)
+    assert _at_run_end(recovery, peers, [with_others, with_others]) is None
+    assert peers.asked == [] and peers.published == [(5, 2)] and recovery.standing is Standing.SYNCED
+
+
+def test_several_fragments_that_find_no_better_state_at_the_end_stay_marked_drifted():
+    with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
+    recovery = _several_fragments([with_others, FAILED])
+    assert _at_run_end(recovery, _Peers(), [with_others, with_others]) is None
+    assert recovery.standing is Standing.UNSYNCED and recovery.state_dict()["drifted"]
+    resumed = Recovery(_Params(1.0))
+    resumed.load_state_dict(_several_fragments([with_others, FAILED]).state_dict())
+    assert resumed.standing is Standing.DRIFTED and resumed.averaged_with_others
+
+
+def test_a_worker_behind_the_run_takes_the_newest_state_of_a_later_round():
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=9.0, served_round=6)
+    assert recovery.behind_the_run(peers, 3, timeout_s=1.0) == 6
+    assert peers.asked == [(2, 1 << 30, True)] and recovery.state.value == 9.0
+    assert peers.published == []
+    nobody = _Peers()
+    assert Recovery(_Params(1.0)).behind_the_run(nobody, 3, timeout_s=1.0) is None and nobody.asked
