@@ -51,7 +51,9 @@ def main() -> None:
     try:
         for round_index in range(args.rounds):
             starts.append(time.time())
-            result = backend.all_reduce_mean([tensor], 1.0, round_index=round_index, deadline_s=args.deadline_s)
+            result = backend.averaging.all_reduce_mean(
+                [tensor], 1.0, round_index=round_index, deadline_s=args.deadline_s
+            )
             ends.append(time.time())
             sent.append(result.bytes_sent)
             peers.append(result.peers if result.ok else 0)

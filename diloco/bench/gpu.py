@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from diloco.bench import write_json
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import Averaging, SyncResult
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
@@ -129,8 +129,8 @@ class NoCudaDevice(RuntimeError):
     """The measurement needs a GPU and none is visible; one line."""
 
 
-class Loopback(CommBackend):
-    """A transport with one worker: the mean of its own pseudo-gradient is itself."""
+class Loopback(Averaging):
+    """The averaging of a run with one worker: the mean of its own pseudo-gradient is itself."""
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0

@@ -1,13 +1,16 @@
-"""The transport interface: how workers average their pseudo-gradients.
+"""The transport interface: how workers average their pseudo-gradients, and what else they share.
 
-The outer-loop math (``diloco/core/outer.py``) only ever calls ``CommBackend.all_reduce_mean``; it
-never branches on how bytes travel. A failed or partial round is a ``SyncResult`` with
-``ok=False``, never an exception that kills the worker.
+A transport (``CommBackend``) is handed out in parts, each to the code that uses it: its
+``averaging`` to the outer step and the sync modes (they only ever call ``all_reduce_mean`` or
+``start_all_reduce``, and never branch on how bytes travel); its ``states`` and ``membership`` to
+recovery and joining; its end (``finish``, ``shutdown``) to the worker that built it. A failed or
+partial round is a ``SyncResult`` with ``ok=False``, never an exception that kills the worker.
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -191,20 +194,34 @@ class Membership:
         return []
 
 
-class Lifecycle:
-    """The end of a worker's part in the run."""
+class CommBackend:
+    """A transport, in its parts: ``averaging`` (every transport has one), ``states`` and
+    ``membership`` (hivemind serves both; elsewhere they are the do-nothing defaults above). A
+    wrapper that changes one part builds a copy with ``with_parts`` (fault injection changes the
+    averaging); a transport with resources to release overrides ``finish`` and ``shutdown``."""
+
+    def __init__(
+        self, averaging: Averaging, *, states: StateExchange | None = None, membership: Membership | None = None
+    ):
+        self.averaging = averaging
+        self.states = states if states is not None else StateExchange()
+        self.membership = membership if membership is not None else Membership()
+
+    def with_parts(self, **parts: Averaging | StateExchange | Membership) -> CommBackend:
+        """This transport with some of its parts replaced (``averaging=``, ``states=``, ``membership=``);
+        its end is still this transport's."""
+        unknown = set(parts) - {"averaging", "states", "membership"}
+        if unknown:
+            raise TypeError(f"a transport has no part {', '.join(sorted(unknown))}")
+        changed = copy.copy(self)
+        changed.__dict__.update(parts)
+        return changed
 
     def finish(self) -> None:  # noqa: B027 - optional
         """Training is over: stay reachable as long as a peer may still need this worker's state."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release sockets and background processes. Safe to call twice."""
-
-
-class CommBackend(Averaging, StateExchange, Membership, Lifecycle):
-    """A transport: averaging, state exchange, membership and lifecycle, the four concerns a
-    worker needs from one (hivemind serves all four; the simulator and torch.distributed average,
-    and do little of the rest)."""
 
     def __enter__(self) -> CommBackend:
         return self

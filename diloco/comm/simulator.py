@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
@@ -148,18 +148,15 @@ def forget_group(run_id: str) -> None:
         _GROUPS.pop(run_id, None)
 
 
-class SimulatedBackend(CommBackend):
-    """One simulated worker's view of its ``SimulatedGroup``. Constructing it waits for the worker's turn."""
+class SimulatedAveraging(Averaging):
+    """One simulated worker's averaging in its ``SimulatedGroup``."""
 
     simulated = True
 
-    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, codec: Codec):
-        self.group = group_for(cfg.run_id, num_workers)
-        self.worker_index, self.codec = worker_index, codec
+    def __init__(self, cfg: CommConfig, group: SimulatedGroup, *, worker_index: int, codec: Codec):
+        self.group, self.worker_index, self.codec = group, worker_index, codec
         self.bandwidth_mbps, self.latency_ms = cfg.bandwidth_mbps, cfg.latency_ms
         self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
-        self._closed = False
-        self.group.wait_turn(worker_index)
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
@@ -186,6 +183,17 @@ class SimulatedBackend(CommBackend):
             payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms, gathers=gathers
         )
         return SyncResult(True, peers, total, bytes_sent=volume, bytes_recv=volume, simulated_s=seconds)
+
+
+class SimulatedBackend(CommBackend):
+    """One simulated worker's transport: it only averages. Constructing it waits for the worker's
+    turn; shutting it down ends the worker's part in the group."""
+
+    def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, codec: Codec):
+        self.group, self.worker_index = group_for(cfg.run_id, num_workers), worker_index
+        self._closed = False
+        self.group.wait_turn(worker_index)
+        super().__init__(SimulatedAveraging(cfg, self.group, worker_index=worker_index, codec=codec))
 
     def shutdown(self) -> None:
         if not self._closed:

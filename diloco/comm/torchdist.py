@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import screen
 from diloco.compression import Codec
@@ -39,11 +39,10 @@ logger = logging.getLogger(__name__)
 
 
 class TorchDistBackend(CommBackend):
-    averages_in_background = True
+    """A rank's transport under torchrun: it only averages (``TorchDistAveraging``); shutting it
+    down destroys the process group it started."""
 
     def __init__(self, cfg: CommConfig, *, num_workers: int, worker_index: int, device: torch.device, codec: Codec):
-        self.device, self.codec = device, codec
-        self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
         if not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
@@ -55,7 +54,20 @@ class TorchDistBackend(CommBackend):
                 f"torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()} but the config says "
                 f"worker.index={worker_index}, worker.count={num_workers}"
             )
-        self.num_workers = num_workers
+        super().__init__(TorchDistAveraging(cfg, num_workers=num_workers, device=device, codec=codec))
+
+    def shutdown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            self._owns_group = False
+            dist.destroy_process_group()
+
+
+class TorchDistAveraging(Averaging):
+    averages_in_background = True
+
+    def __init__(self, cfg: CommConfig, *, num_workers: int, device: torch.device, codec: Codec):
+        self.device, self.codec, self.num_workers = device, codec, num_workers
+        self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
 
     @torch.no_grad()
     def all_reduce_mean(
@@ -136,11 +148,6 @@ class TorchDistBackend(CommBackend):
             tensor.copy_(mean.view_as(tensor))
         volume = (self.num_workers - 1) * mine.numel()
         return SyncResult(True, len(used), sum(c.weight for c in used), bytes_sent=volume, bytes_recv=volume)
-
-    def shutdown(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            self._owns_group = False
-            dist.destroy_process_group()
 
 
 def _split(data: bytes, codec: Codec, numels: Sequence[int]) -> list[bytes]:

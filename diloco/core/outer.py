@@ -2,7 +2,7 @@
 
 Every ``outer.sync_every`` inner steps a worker computes its pseudo-gradient (the global
 params at the start of the round minus its local params now), averages it with the other
-workers through a ``CommBackend``, writes the average into ``.grad`` of the global copy and
+workers through the transport's ``Averaging``, writes the average into ``.grad`` of the global copy and
 steps the outer optimizer, a plain ``torch.optim.Optimizer`` (DiLoCo, arXiv:2311.08105:
 Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new global ones.
 
@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult, fingerprint_of
+from diloco.comm.base import Averaging, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
@@ -161,7 +161,7 @@ class OuterStep:
             yield
 
     def sync(
-        self, backend: CommBackend, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
+        self, averaging: Averaging, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
     ) -> tuple[SyncResult, int | None]:
         """One round: pseudo-gradient, average with the other workers, outer step. When the average
         failed the worker applies its own pseudo-gradient; then the recovery protocol (recovery.py)
@@ -172,13 +172,13 @@ class OuterStep:
         pseudo_gradients = self.pseudo_gradients()
         if self.error_feedback is not None:
             pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
-        result = backend.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
+        result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         self.account(result, f"round {round_index + 1}")
         self.apply(pseudo_gradients)
         # what is left of the round's deadline, but never less than a short download
         remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
         outcome = RoundOutcome.of(result, round_index)
-        return result, self.recovery.after_round(backend, outcome, expected_peers=expected_peers, timeout_s=remaining)
+        return result, self.recovery.after_round(outcome, expected_peers=expected_peers, timeout_s=remaining)
 
     def account(self, result: SyncResult, where: str, indices: Sequence[int] | None = None) -> None:
         """What an average's ``result`` leaves the error feedback of the params ``indices`` (all:
@@ -234,8 +234,8 @@ class GradientAveraging:
     replaces every gradient by its mean over the workers. Each call is a round on the transport;
     ``take_rounds`` hands back what the rounds since the last call cost."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], backend: CommBackend, *, weight: float, deadline_s: float):
-        self.params, self.backend = list(params), backend
+    def __init__(self, params: Sequence[torch.nn.Parameter], averaging: Averaging, *, weight: float, deadline_s: float):
+        self.params, self.averaging = list(params), averaging
         self.weight, self.deadline_s = weight, deadline_s
         self.rounds_done = 0
         self._pending: list[tuple[SyncResult, float]] = []
@@ -244,7 +244,7 @@ class GradientAveraging:
     def __call__(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         started = time.perf_counter()
-        result = self.backend.all_reduce_mean(
+        result = self.averaging.all_reduce_mean(
             grads, self.weight, round_index=self.rounds_done, deadline_s=self.deadline_s
         )
         measured = time.perf_counter() - started

@@ -2,7 +2,7 @@
 
 The blocking round (``overlap=none``, ``OuterStep.sync`` in outer.py) leaves the worker idle while
 its pseudo-gradient travels. Here the average runs in the background instead
-(``CommBackend.start_all_reduce``) and is applied some inner steps later:
+(``Averaging.start_all_reduce``) and is applied some inner steps later:
 
 - ``streaming`` (Streaming DiLoCo, arXiv:2501.18512): the parameters are split into
   ``outer.fragments`` P fragments; fragment p syncs every H steps, at steps (p+1) H/P mod H, so
@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from diloco.comm.base import CommBackend, PendingAverage, SyncResult
+from diloco.comm.base import Averaging, PendingAverage, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.core.outer import OuterConfig, OuterStep
 from diloco.core.recovery import RoundOutcome
@@ -129,9 +129,9 @@ class OverlappedOuter:
     optimizer; ``after_inner_step`` is called after every inner step."""
 
     def __init__(
-        self, outer: OuterStep, backend: CommBackend, cfg: OuterConfig, *, deadline_s: float, expected_peers: int
+        self, outer: OuterStep, averaging: Averaging, cfg: OuterConfig, *, deadline_s: float, expected_peers: int
     ):
-        self.outer, self.backend, self.deadline_s = outer, backend, deadline_s
+        self.outer, self.averaging, self.deadline_s = outer, averaging, deadline_s
         self.recovery = outer.recovery
         self.wait_limit_s = round_limit_s(deadline_s)  # an average not done by then is abandoned (comm/bounds.py)
         self.expected_peers = expected_peers
@@ -151,7 +151,7 @@ class OverlappedOuter:
         step, sync every fragment and apply everything. Returns what was applied."""
         due = [p for p in range(len(self.fragments)) if final or step % self.every == self.offsets[p]]
         if final and len(self.fragments) > 1:
-            self.recovery.offer_before_end(self.backend, sum(self.syncs_started))
+            self.recovery.offer_before_end(sum(self.syncs_started))
         taken = {p: self._pseudo_gradients(p) for p in due}  # before any average lands in the params
         fresh = {p: own for p, (own, _) in taken.items()}
         applied = self._apply_due(step, fresh, final=final, compute_s=compute_s)
@@ -161,7 +161,7 @@ class OverlappedOuter:
             weight = float(samples_per_step * (step - self.last_start_step[p]))
             self.last_start_step[p] = step
             round_index = self.syncs_started[p]
-            pending = self.backend.start_all_reduce(
+            pending = self.averaging.start_all_reduce(
                 to_send, weight, round_index=round_index, deadline_s=self.deadline_s, fragment=p
             )
             self.syncs_started[p] += 1
@@ -219,9 +219,7 @@ class OverlappedOuter:
         # an overlapped average neither skips the download by its group's size nor reads a group that
         # formed without it as the others moving on apart (a blocking round does both)
         outcome = replace(outcome, group=0, grouped=False)
-        taken = self.recovery.after_average(
-            self.backend, outcome, expected_peers=self.expected_peers, timeout_s=self.deadline_s
-        )
+        taken = self.recovery.after_average(outcome, expected_peers=self.expected_peers, timeout_s=self.deadline_s)
         if taken is not None:
             self._restart_local(flight.fragment, fresh if self._carries_progress else None)
         return taken is not None
@@ -230,7 +228,6 @@ class OverlappedOuter:
         """After a run's last averages (several fragments): ``Recovery.at_run_end``; the local params
         restart from a state taken. Returns ``applied``, marked recovered if a state was taken."""
         taken = self.recovery.at_run_end(
-            self.backend,
             [a.result for a in applied],  # never empty: every fragment syncs at the last step
             round_index=sum(self.syncs_started),
             expected_peers=self.expected_peers,

@@ -25,9 +25,11 @@ that needed a state and found none is UNSYNCED: its params may differ from its g
 averaging pseudo-gradients with it would not bring them together, so at the next round it ranks
 itself below every peer (peers 0, "demoted") and takes its group's state.
 
-Where the rest lives: the transport serves and downloads states (``publish_state``,
-``fetch_state``, ``sole_state_source`` in comm/base.py; hivemind's in comm/hivemind/), the outer
-step applies the worker's own pseudo-gradient when a round failed (core/outer.py).
+Where the rest lives: the transport serves and downloads states (its ``StateExchange``:
+``publish_state``, ``fetch_state``, ``sole_state_source`` in comm/base.py; hivemind's in
+comm/hivemind/state_exchange.py) and says who is live (its ``Membership``); the worker hands both
+to ``Recovery.connect`` once it has a transport (worker/build.py). The outer step applies the
+worker's own pseudo-gradient when a round failed (core/outer.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from diloco.comm.base import PeerState, StateRank, StateReader, SyncResult
+from diloco.comm.base import Membership, PeerState, StateExchange, StateRank, StateReader, SyncResult
 
 logger = logging.getLogger(__name__)
 
@@ -88,43 +90,31 @@ class RecoverableState(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class PeerStates(Protocol):
-    """What recovery uses of the transport: its state exchange, and how many workers are live
-    (``CommBackend``'s methods of these names, comm/base.py)."""
-
-    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None: ...
-
-    def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
-    ) -> PeerState | None: ...
-
-    def sole_state_source(self) -> bool: ...
-
-    def expected_peers(self) -> int | None: ...
-
-
 class Recovery:
     """The recovery protocol of one worker's global ``state`` (see the module's docstring)."""
 
     def __init__(self, state: RecoverableState):
         self.state = state
+        # what it uses of the transport, once the worker has one (``connect``); until then, or on a
+        # transport that exchanges no states, there is never a state to take
+        self.states, self.membership = StateExchange(), Membership()
         self.standing = Standing.SYNCED
         # several fragments: some average since the last state taken held a group's mean (with
         # others, not alone); a worker that drifted then still carries the others' progress
         self.averaged_with_others = False
 
-    def after_round(
-        self, peers: PeerStates, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float
-    ) -> int | None:
+    def connect(self, states: StateExchange, membership: Membership) -> None:
+        """Recover through the transport's state exchange, asking its membership who is live."""
+        self.states, self.membership = states, membership
+
+    def after_round(self, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float) -> int | None:
         """After a blocking round: take a better state of this round or of a later one. Returns the
         round of the state taken (the worker's params then restart from it), or None."""
-        return self._catch_up(peers, outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=True)
+        return self._catch_up(outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=True)
 
-    def after_average(
-        self, peers: PeerStates, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float
-    ) -> int | None:
+    def after_average(self, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float) -> int | None:
         """After an overlapped average of one fragment: take a better state of that round only."""
-        return self._catch_up(peers, outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=False)
+        return self._catch_up(outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=False)
 
     def note_average(self, outcome: RoundOutcome) -> None:
         """An average of one of several fragments was applied: one that failed for this worker, or
@@ -133,16 +123,15 @@ class Recovery:
             self.standing = Standing.DRIFTED
         self.averaged_with_others = self.averaged_with_others or (outcome.averaged and outcome.peers > 1)
 
-    def offer_before_end(self, peers: PeerStates, round_index: int) -> None:
+    def offer_before_end(self, round_index: int) -> None:
         """Before the last averages of a run of several fragments: a peer that ends first then waits
         (``CommBackend.finish``) while ours is older, in case we need its state. Ranked lowest (peers
         0): it only says that we are still here, and no peer takes it for an average made without
         it (that needs an offer averaged in a group)."""
-        peers.publish_state(round_index, StateRank(0), self.state.offered_state())
+        self.states.publish_state(round_index, StateRank(0), self.state.offered_state())
 
     def at_run_end(
         self,
-        peers: PeerStates,
         last: Sequence[SyncResult],
         *,
         round_index: int,
@@ -163,20 +152,20 @@ class Recovery:
             group=0 if drifted else min(r.group for r in last),
             grouped=self.averaged_with_others,
         )
-        return self._catch_up(peers, outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=True)
+        return self._catch_up(outcome, expected_peers=expected_peers, timeout_s=timeout_s, newer=True)
 
-    def behind_the_run(self, peers: PeerStates, round_index: int, *, timeout_s: float) -> int | None:
+    def behind_the_run(self, round_index: int, *, timeout_s: float) -> int | None:
         """Before the first round, with live peers rounds ahead: take the state of one after a round
         later than ``round_index - 1``, the newest first. Returns the round of the state taken, or None."""
-        found = peers.fetch_state(round_index - 1, better_than=StateRank(1 << 30), timeout_s=timeout_s, newer=True)
+        found = self.states.fetch_state(
+            round_index - 1, better_than=StateRank(1 << 30), timeout_s=timeout_s, newer=True
+        )
         if found is None:
             return None
         self._load(found)
         return found.round
 
-    def _catch_up(
-        self, peers: PeerStates, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float, newer: bool
-    ) -> int | None:
+    def _catch_up(self, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float, newer: bool) -> int | None:
         """Offer this state to peers and, if fewer workers than expected averaged, take the state of
         a peer that ranks higher (a bigger group, or the agreed winner between groups of one size),
         or, with ``newer``, of a later round. When the workers outside our group are fewer than our
@@ -187,7 +176,7 @@ class Recovery:
         its state: the others are clients and take its state, so it is the run's, except when a group
         formed and averaged without it (they moved on apart). The winner of a split round also finds
         nobody better, but its round did not fail: it stays SYNCED."""
-        live = peers.expected_peers()
+        live = self.membership.expected_peers()
         expected = expected_peers if live is None else live
         failed = not outcome.averaged
         demoted = self.standing is Standing.UNSYNCED and expected > 1
@@ -195,7 +184,9 @@ class Recovery:
         # the fingerprint only tells apart groups of one size, which a round that everyone
         # averaged in cannot have: hashing every global param each round is skipped then
         rank = StateRank(ranked_peers, self.state.fingerprint() if ranked_peers < expected else 0.0)
-        peers.publish_state(outcome.round_index, rank, self.state.offered_state())  # for transports that serve state
+        self.states.publish_state(
+            outcome.round_index, rank, self.state.offered_state()
+        )  # for transports that serve state
         if not demoted and (
             ranked_peers >= expected or expected - max(ranked_peers, outcome.group) < ranked_peers
         ):  # everyone averaged, or too few are left outside our group to rank higher
@@ -204,10 +195,12 @@ class Recovery:
             elif expected > 1:  # alone with nobody live to sync with, it stays what it was until someone is back
                 self.standing = Standing.SYNCED
             return None
-        found = peers.fetch_state(outcome.round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
+        found = self.states.fetch_state(outcome.round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
         if found is not None:
             self._load(found)
-            peers.publish_state(found.round, found.rank, self.state.offered_state())  # no longer behind: peers may go
+            self.states.publish_state(
+                found.round, found.rank, self.state.offered_state()
+            )  # no longer behind: peers may go
             logger.warning(
                 "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
                 outcome.round_index + 1,
@@ -218,10 +211,10 @@ class Recovery:
             )
             return found.round
         # nobody serving a state but us: the others (clients) take ours, so ours is the run's
-        in_step = (failed or demoted) and not (outcome.grouped and failed) and peers.sole_state_source()
+        in_step = (failed or demoted) and not (outcome.grouped and failed) and self.states.sole_state_source()
         if in_step and demoted:  # offered as unsynced a moment ago: offered again as what it is
             rank = StateRank(outcome.peers, rank.fingerprint if outcome.peers < expected else 0.0)
-            peers.publish_state(outcome.round_index, rank, self.state.offered_state())
+            self.states.publish_state(outcome.round_index, rank, self.state.offered_state())
         self.standing = Standing.UNSYNCED if (failed or demoted) and not in_step else Standing.SYNCED
         logger.warning(
             "round %d: averaged over %d of %d workers and no peer did better",

@@ -92,7 +92,7 @@ class Worker:
             logger.exception("the last checkpoint could not be written")
         self.watchdog.stop()
         self.log.close()
-        self.backend.leave()
+        self.backend.membership.leave()
         self.backend.shutdown()
 
 
@@ -142,16 +142,17 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
 
     # a site's ranks connect through the site
     backend = placement.connect(cfg.comm, _transport_opener(cfg, trained, placement.device))
+    trained.outer.recovery.connect(backend.states, backend.membership)  # what recovery uses of the transport
     with contextlib.ExitStack() as undo:  # should a step below fail, what started is stopped again
         undo.callback(backend.shutdown)
-        undo.callback(backend.leave)
-        backend.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
+        undo.callback(backend.membership.leave)
+        backend.membership.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
         log = _worker_log(cfg, placement, run_dir, wall_s_before=totals.wall_s)
         undo.callback(log.close)
         watchdog = Watchdog(
             phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
             stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
-            on_phase=backend.report_phase,
+            on_phase=backend.membership.report_phase,
         )
         undo.callback(watchdog.stop)
         sync = _sync_mode(cfg, trained, backend, Accounting(totals, log), watchdog, join=join)
@@ -285,20 +286,22 @@ def _sync_mode(
     deadline_s, workers, timed = cfg.comm.deadline_s, cfg.worker.count, cfg.outer.round_s > 0
     if cfg.outer.sync_every == 0:
         weight = cfg.inner.batch_size
-        averaging = GradientAveraging(list(model.parameters()), backend, weight=weight, deadline_s=deadline_s)
+        averaging = GradientAveraging(list(model.parameters()), backend.averaging, weight=weight, deadline_s=deadline_s)
         return DataParallelRounds(averaging, accounting)
     if cfg.outer.overlap != "none":
-        overlapped = OverlappedOuter(outer, backend, cfg.outer, deadline_s=deadline_s, expected_peers=workers)
+        overlapped = OverlappedOuter(outer, backend.averaging, cfg.outer, deadline_s=deadline_s, expected_peers=workers)
         return OverlappedRounds(
             overlapped, accounting, watchdog, samples_per_step=cfg.inner.batch_size, total_steps=cfg.inner.steps
         )
 
     def catch_up(step: int, round_index: int) -> tuple[int, int]:
-        return catch_up_with_run(outer, backend, step, round_index, cfg=cfg, required=join, align_step=not timed)
+        return catch_up_with_run(
+            outer, backend.membership, step, round_index, cfg=cfg, required=join, align_step=not timed
+        )
 
     return BlockingRounds(
         outer,
-        backend,
+        backend.averaging,
         accounting,
         watchdog,
         catch_up=catch_up,

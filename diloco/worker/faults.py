@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, PeerState, StateRank, StateReader, SyncResult
+from diloco.comm.base import Averaging, CommBackend, SyncResult
 from diloco.compression import Codec
 from diloco.config import FaultConfig
 
@@ -26,64 +26,19 @@ class StopRequested(Exception):
     """Raised by ``faults.stop_after_round`` to end the worker as if it had been killed."""
 
 
-class DelegatingBackend(CommBackend):
-    """Forwards everything to ``inner``; a fault overrides only what it breaks."""
+class FaultyAveraging(Averaging):
+    """Averages through ``inner``; a fault overrides ``all_reduce_mean`` to break it. Whether the
+    averaging is simulated or runs in the background is ``inner``'s."""
 
-    def __init__(self, inner: CommBackend):
+    def __init__(self, inner: Averaging):
         self.inner = inner
         self.simulated, self.averages_in_background = inner.simulated, inner.averages_in_background
 
-    def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
-    ) -> SyncResult:
-        return self.inner.all_reduce_mean(
-            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
-        )
 
-    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        self.inner.publish_state(round_index, rank, state)
+class SkipRoundAveraging(FaultyAveraging):
+    """Averages through ``inner`` except in round ``skip_round``, which fails without any traffic."""
 
-    def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
-    ) -> PeerState | None:
-        return self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
-
-    def sole_state_source(self) -> bool:
-        return self.inner.sole_state_source()
-
-    def expected_peers(self) -> int | None:
-        return self.inner.expected_peers()
-
-    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
-        self.inner.report_progress(round_index, step, stats)
-
-    def report_phase(self, phase: str, since: float) -> None:
-        self.inner.report_phase(phase, since)
-
-    def announce_run(self, identity: dict) -> None:
-        self.inner.announce_run(identity)
-
-    def live_workers(self) -> dict:
-        return self.inner.live_workers()
-
-    def leave(self) -> None:
-        self.inner.leave()
-
-    def finish(self) -> None:
-        self.inner.finish()
-
-    @property
-    def addresses(self) -> list[str]:
-        return self.inner.addresses
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-
-class SkipRoundBackend(DelegatingBackend):
-    """Delegates to ``inner`` except in round ``skip_round``, which fails without any traffic."""
-
-    def __init__(self, inner: CommBackend, skip_round: int):
+    def __init__(self, inner: Averaging, skip_round: int):
         super().__init__(inner)
         self.skip_round = skip_round
 
@@ -92,19 +47,19 @@ class SkipRoundBackend(DelegatingBackend):
     ) -> SyncResult:
         if round_index + 1 == self.skip_round:
             return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
-        return super().all_reduce_mean(
+        return self.inner.all_reduce_mean(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
 
 
-class ScaledPayloadBackend(DelegatingBackend):
-    """Delegates to ``inner`` with every contribution multiplied by ``scale`` first: well-formed
+class ScaledPayloadAveraging(FaultyAveraging):
+    """Averages through ``inner`` with every contribution multiplied by ``scale`` first: well-formed
     payloads of a worker whose vector is ``scale`` x too big (a diverged worker, or a poisoner).
     The scaling comes before the transport sees the tensors, so all it derives from them (the norm
     hivemind declares, the payloads) is of the scaled vector, as for a worker that really has it.
     A failed round leaves ``tensors`` as they were, unscaled."""
 
-    def __init__(self, inner: CommBackend, scale: float):
+    def __init__(self, inner: Averaging, scale: float):
         super().__init__(inner)
         self.scale = scale
 
@@ -171,11 +126,15 @@ def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
 
 
 def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> CommBackend:
-    if cfg.bad_payload == "scaled" and applies_to(cfg, worker_index):
-        backend = ScaledPayloadBackend(backend, cfg.payload_scale)
-    if cfg.skip_round and applies_to(cfg, worker_index):
-        backend = SkipRoundBackend(backend, cfg.skip_round)
-    return backend
+    """``backend`` with its averaging broken as ``faults.*`` say, if they apply to this worker."""
+    if not applies_to(cfg, worker_index):
+        return backend
+    averaging = backend.averaging
+    if cfg.bad_payload == "scaled":
+        averaging = ScaledPayloadAveraging(averaging, cfg.payload_scale)
+    if cfg.skip_round:
+        averaging = SkipRoundAveraging(averaging, cfg.skip_round)
+    return backend if averaging is backend.averaging else backend.with_parts(averaging=averaging)
 
 
 def slow_down(cfg: FaultConfig, worker_index: int) -> None:

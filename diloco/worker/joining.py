@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 
-from diloco.comm.base import CommBackend, CommError
+from diloco.comm.base import CommError, Membership
 from diloco.comm.hivemind.roster import nobody_answered
 from diloco.config import Config, ConfigError, to_dict
 from diloco.core.outer import OuterStep
@@ -68,7 +68,7 @@ def config_digest(tree: dict) -> str:
 
 
 def published_run(cfg: Config) -> dict:
-    """What a worker announces of its run (``CommBackend.announce_run``): the settings every worker
+    """What a worker announces of its run (``Membership.announce_run``): the settings every worker
     must share (``run_identity``), the shared config and its digest."""
     tree = shared_config(cfg)
     return {**run_identity(cfg), "config": tree, "config_sha256": config_digest(tree)}
@@ -113,7 +113,7 @@ def check_same_run(cfg: Config, others: dict) -> None:
 
 def catch_up_with_run(
     outer: OuterStep,
-    backend: CommBackend,
+    membership: Membership,
     step: int,
     round_index: int,
     *,
@@ -126,13 +126,13 @@ def catch_up_with_run(
     are H steps (``align_step``: a round that has begun is joined with fewer samples, and
     weighted by them). Returns (step, round)."""
     sync_every = cfg.outer.sync_every
-    others = {i: e for i, e in backend.live_workers().items() if i != cfg.worker.index and not e.leaving}
+    others = {i: e for i, e in membership.live_workers().items() if i != cfg.worker.index and not e.leaving}
     if required and not others:
         raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers))
     check_same_run(cfg, others)  # before any download: a state of other shapes cannot be loaded
     if not any(e.round > round_index for e in others.values()):
         return step, round_index
-    taken_round = outer.recovery.behind_the_run(backend, round_index, timeout_s=cfg.comm.deadline_s)
+    taken_round = outer.recovery.behind_the_run(round_index, timeout_s=cfg.comm.deadline_s)
     if taken_round is None:
         if required:
             raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")
@@ -149,7 +149,7 @@ def catch_up_with_run(
             cfg.worker.index,
             taken_round + 1,
         )
-        backend.report_progress(round_index, cfg.inner.steps)
+        membership.report_progress(round_index, cfg.inner.steps)
         return cfg.inner.steps, round_index
     in_round = [e.step for e in others.values() if e.round == round_index]
     step = min(max(step, round_start, *in_round), round_start + sync_every - 1, cfg.inner.steps - 1)
@@ -160,5 +160,5 @@ def catch_up_with_run(
         round_index + 1,
         step,
     )
-    backend.report_progress(round_index, step)
+    membership.report_progress(round_index, step)
     return step, round_index

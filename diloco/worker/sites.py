@@ -48,7 +48,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, StateReader, SyncResult, fingerprint_of
+from diloco.comm.base import (
+    Averaging,
+    CommBackend,
+    CommConfig,
+    Membership,
+    PeerState,
+    StateExchange,
+    StateRank,
+    StateReader,
+    SyncResult,
+    fingerprint_of,
+)
 from diloco.config import ConfigError
 
 
@@ -166,71 +177,99 @@ def shard_comm(cfg: CommConfig, site: Site) -> CommConfig:
     )
 
 
-class SiteBackend(CommBackend):
-    """The run's transport as seen by every rank of a site: the leader uses ``transport`` (the
-    other ranks have none) and shares each answer with the site, so every rank takes the same
-    decisions at the same points. Rounds block (no overlap): the site's collectives must not
-    interleave with the gradient averaging of inner steps."""
+class SiteAveraging(Averaging):
+    """The leader averages over ``inner`` (the other ranks have none) and shares the result and the
+    mean with the site. Rounds block (no overlap): the site's collectives must not interleave with
+    the gradient averaging of inner steps."""
 
-    def __init__(self, site: Site, transport: CommBackend | None):
-        self.site, self.transport = site, transport
+    def __init__(self, site: Site, inner: Averaging | None):
+        self.site, self.inner = site, inner
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         result = None
         if self.site.leader:
-            result = self.transport.all_reduce_mean(
+            result = self.inner.all_reduce_mean(
                 tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
             )
         result = self.site.share(result)
         self.site.share_tensors(tensors)  # the average; on failure the leader's own pseudo-gradient, as ours
         return result
 
+
+class SiteStates(StateExchange):
+    """The leader offers and fetches states over ``inner`` and shares what it found with the site."""
+
+    def __init__(self, site: Site, inner: StateExchange | None):
+        self.site, self.inner = site, inner
+
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        if self.transport is not None:
-            self.transport.publish_state(round_index, rank, state)
+        if self.inner is not None:
+            self.inner.publish_state(round_index, rank, state)
 
     def fetch_state(
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
     ) -> PeerState | None:
         found = None
         if self.site.leader:
-            found = self.transport.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
+            found = self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
         return self.site.share(found)
 
     def sole_state_source(self) -> bool:
-        return self.site.share(self.transport.sole_state_source() if self.site.leader else None)
+        return self.site.share(self.inner.sole_state_source() if self.site.leader else None)
+
+
+class SiteMembership(Membership):
+    """Every rank with a transport reports over ``inner``; what the run looks like is the leader's
+    answer, shared with the site."""
+
+    def __init__(self, site: Site, inner: Membership | None):
+        self.site, self.inner = site, inner
 
     def expected_peers(self) -> int | None:
-        return self.site.share(self.transport.expected_peers() if self.site.leader else None)
+        return self.site.share(self.inner.expected_peers() if self.site.leader else None)
 
     def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
-        if self.transport is not None:
-            self.transport.report_progress(round_index, step, stats)
+        if self.inner is not None:
+            self.inner.report_progress(round_index, step, stats)
 
     def report_phase(self, phase: str, since: float) -> None:
-        if self.transport is not None:
-            self.transport.report_phase(phase, since)
+        if self.inner is not None:
+            self.inner.report_phase(phase, since)
 
     def announce_run(self, identity: dict) -> None:
-        if self.transport is not None:
-            self.transport.announce_run(identity)
+        if self.inner is not None:
+            self.inner.announce_run(identity)
 
     def live_workers(self) -> dict:
-        return self.site.share(self.transport.live_workers() if self.site.leader else None)
+        return self.site.share(self.inner.live_workers() if self.site.leader else None)
 
     def leave(self) -> None:
-        if self.transport is not None:
-            self.transport.leave()
+        if self.inner is not None:
+            self.inner.leave()
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.inner.addresses if self.inner is not None else []
+
+
+class SiteBackend(CommBackend):
+    """The run's transport as seen by every rank of a site: the leader uses ``transport`` (the
+    other ranks have none) and shares each answer with the site, so every rank takes the same
+    decisions at the same points."""
+
+    def __init__(self, site: Site, transport: CommBackend | None):
+        self.site, self.transport = site, transport
+        super().__init__(
+            SiteAveraging(site, transport.averaging if transport is not None else None),
+            states=SiteStates(site, transport.states if transport is not None else None),
+            membership=SiteMembership(site, transport.membership if transport is not None else None),
+        )
 
     def finish(self) -> None:
         if self.transport is not None:
             self.transport.finish()
-
-    @property
-    def addresses(self) -> list[str]:
-        return self.transport.addresses if self.transport is not None else []
 
     def shutdown(self) -> None:
         if self.transport is not None:
@@ -238,19 +277,18 @@ class SiteBackend(CommBackend):
         self.site.close()
 
 
-class ShardedSiteBackend(SiteBackend):
-    """A sharded site's transports (``worker.site_sharding=fsdp``): every rank averages its own
-    shard over ``transport``, its own (``shard_comm``), with the ranks that hold the same shard
-    in the other sites, all at once. The ranks then agree on what happened, so that they take
-    the same decisions: a round is ok only when every shard's was, over the fewest peers any
-    shard had; a peer's state is taken only when every shard found the state of one site (one
-    round, one site rank: ``_site_rank``). The roster's answers (who is alive) are the leader's
-    shard's."""
+class ShardedSiteAveraging(Averaging):
+    """Every rank averages its own shard over ``inner``, its shard's transport, with the ranks that
+    hold the same shard in the other sites, all at once; then the ranks agree on what happened: a
+    round is ok only when every shard's was, over the fewest peers any shard had."""
+
+    def __init__(self, site: Site, inner: Averaging):
+        self.site, self.inner = site, inner
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        result = self.transport.all_reduce_mean(
+        result = self.inner.all_reduce_mean(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
         results = self.site.gather(result)
@@ -264,22 +302,30 @@ class ShardedSiteBackend(SiteBackend):
             error=next((r.error for r in results if r.error), ""),
         )
 
+
+class ShardedSiteStates(StateExchange):
+    """Every rank offers and fetches its shard's state over ``inner``; a peer's state is taken only
+    when every shard found the state of one site (one round, one site rank: ``site_rank``)."""
+
+    def __init__(self, site: Site, inner: StateExchange | None):
+        self.site, self.inner = site, inner
+
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        self.transport.publish_state(round_index, self._site_rank(rank), state)
+        self.inner.publish_state(round_index, self.site_rank(rank), state)
 
     def fetch_state(
         self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
     ) -> PeerState | None:
-        better_than = self._site_rank(better_than)
-        found = self.transport.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
+        better_than = self.site_rank(better_than)
+        found = self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
         # every shard must have taken the state of one site: one round, one site rank (its fingerprint)
         taken = set(self.site.gather(None if found is None else (found.round, found.rank)))
         return found if None not in taken and len(taken) == 1 else None
 
     def sole_state_source(self) -> bool:
-        return all(self.site.gather(self.transport.sole_state_source()))
+        return all(self.site.gather(self.inner.sole_state_source()))
 
-    def _site_rank(self, rank: StateRank) -> StateRank:
+    def site_rank(self, rank: StateRank) -> StateRank:
         """``rank`` with one fingerprint for the whole site, made from every shard's. Between groups
         of one size the larger fingerprint wins (``StateRank``); a shard's own fingerprint could make
         one group win for shard 0 and the other for shard 1, and then no site would take every
@@ -289,3 +335,14 @@ class ShardedSiteBackend(SiteBackend):
             return rank
         digest = hashlib.sha256(repr(fingerprints).encode()).digest()
         return replace(rank, fingerprint=fingerprint_of(digest))
+
+
+class ShardedSiteBackend(SiteBackend):
+    """A sharded site's transports (``worker.site_sharding=fsdp``): every rank has its own
+    (``shard_comm``) and averages and exchanges states over it (``ShardedSiteAveraging``,
+    ``ShardedSiteStates``). The roster's answers (who is alive) are the leader's shard's."""
+
+    def __init__(self, site: Site, transport: CommBackend):
+        super().__init__(site, transport)
+        self.averaging = ShardedSiteAveraging(site, transport.averaging)
+        self.states = ShardedSiteStates(site, transport.states)

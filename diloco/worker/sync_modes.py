@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm import CommBackend, SyncResult
+from diloco.comm.base import Averaging, SyncResult
 from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter
 from diloco.worker.records import Totals, WorkerLog
@@ -105,7 +105,7 @@ class BlockingRounds(SyncMode):
     def __init__(
         self,
         outer: OuterStep,
-        backend: CommBackend,
+        averaging: Averaging,
         accounting: Accounting,
         watchdog: Watchdog,
         *,
@@ -117,7 +117,7 @@ class BlockingRounds(SyncMode):
         total_steps: int,
     ):
         super().__init__(outer.global_params, accounting)
-        self.outer, self.backend, self.watchdog = outer, backend, watchdog
+        self.outer, self.averaging, self.watchdog = outer, averaging, watchdog
         self.catch_up = catch_up  # (step, round) -> where the run is: joining.py's catch_up_with_run
         self.worker_index = worker_index
         self.deadline_s, self.expected_peers = deadline_s, expected_peers
@@ -134,7 +134,7 @@ class BlockingRounds(SyncMode):
         started = time.perf_counter()
         with self.watchdog.phase("averaging"):
             result, taken_round = self.outer.sync(
-                self.backend,
+                self.averaging,
                 weight=weight,
                 round_index=round_index,
                 deadline_s=self.deadline_s,
@@ -194,7 +194,7 @@ class OverlappedRounds(_AveragesWithinSteps):
                 step, samples_per_step=self.samples_per_step, compute_s=totals.compute_s, final=step == self.total_steps
             )
             spent = time.perf_counter() - started
-        comm_s = sum(a.wait_s for a in applied) if self.overlapped.backend.simulated else spent
+        comm_s = sum(a.wait_s for a in applied) if self.overlapped.averaging.simulated else spent
         log.discount(spent - comm_s)
         for k, average in enumerate(applied):
             share = comm_s if k == 0 else 0.0

@@ -43,7 +43,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     samples_per_step = cfg.inner.batch_size * placement.ranks
     try:
         if on_ready is not None:
-            on_ready(backend.addresses)
+            on_ready(backend.membership.addresses)
         behind = round_index
         step, round_index = sync.begin(step, round_index)  # blocking: catch up with a run rounds ahead
         if round_index != behind and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
@@ -58,7 +58,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             step += 1
             samples_this_round += samples_per_step
             step_s = time.perf_counter() - started
-            backend.report_progress(round_index, step, log.live)
+            backend.membership.report_progress(round_index, step, log.live)
             sync.after_inner_step(step, step_s)  # overlapped: syncs start and land
             log.step(step, round_index, loss, lr, due=step % cfg.logging.log_every == 0)
             if not clock.round_ends(step):
@@ -67,7 +67,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             # ---- outer step: every H inner steps (or outer.round_s seconds), and at the end ----
             end = sync.end_round(step, round_index, weight=samples_this_round)
             step, round_index, samples_this_round = end.step, end.round_index + 1, 0
-            backend.report_progress(round_index, step, log.live)
+            backend.membership.report_progress(round_index, step, log.live)
             clock.start_round()
             with watchdog.phase("hashing"):
                 param_hash = tensors_digest(sync.synced_params)

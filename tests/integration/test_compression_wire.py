@@ -53,7 +53,7 @@ def _peer(
             backend.averaging.codecs.meter.preferred = lambda **_: prefer  # a scripted measure of the link
         try:
             tensors = _tensors(index)
-            result = backend.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=40)
+            result = backend.averaging.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=40)
             digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
             # as numpy arrays, sent by value: a torch tensor would travel in this peer's shared memory,
             # whose torch_shm_manager (holding this process's exit sentinel) would then outlive it for as

@@ -48,7 +48,7 @@ def _peer(index: int, count: int, bootstrap: list[str], plane: str, bad: str, re
                 os.kill(os.getpid(), signal.SIGKILL)
 
             gloo_plane.DataPlane.all_reduce_sum = die
-        result = backend.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=30)
+        result = backend.averaging.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=30)
         digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
         # numpy arrays, sent by value (a torch tensor would travel in this peer's shared memory)
         arrays = [t.numpy() for t in tensors]

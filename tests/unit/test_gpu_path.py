@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco.cli import main
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import Averaging, SyncResult
 from diloco.config import ConfigError, load_config
 from diloco.core.digest import tensors_digest
 from diloco.core.inner import InnerConfig, autocast, build_inner_optimizer, inner_step
@@ -23,7 +23,7 @@ TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-class Alone(CommBackend):
+class Alone(Averaging):
     """One worker: the mean of its pseudo-gradient is itself."""
 
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):

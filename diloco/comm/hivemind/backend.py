@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, PeerState, StateRank, StateReader, SyncResult
+from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, RosterEntry
+from diloco.comm.hivemind.roster import Roster
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.compression import Codec
@@ -42,8 +42,6 @@ class HivemindBackend(CommBackend):
     each, so that streaming can average one fragment while another trains (default: one fragment
     of everything). ``num_workers`` is the planned size of the run; ``worker_index`` keys this
     worker's roster record."""
-
-    averages_in_background = True  # the averager process does the work
 
     def __init__(
         self,
@@ -80,10 +78,10 @@ class HivemindBackend(CommBackend):
         except BaseException:
             _shut_down(roster, plane, averagers, peer)
             raise
-        self.membership = HivemindMembership(roster, peer, num_workers=num_workers)
+        membership = HivemindMembership(roster, peer, num_workers=num_workers)
         offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
         # the first fragment's averager also serves the worker's state
-        self.states = HivemindStateExchange(
+        states = HivemindStateExchange(
             server=averagers[0],
             offers=offers,
             roster=roster,
@@ -91,7 +89,7 @@ class HivemindBackend(CommBackend):
             client_mode=peer.client_mode,
             linger_s=cfg.matchmaking_s,
         )
-        self.averaging = HivemindAveraging(
+        averaging = HivemindAveraging(
             cfg,
             peer=peer,
             roster=roster,
@@ -101,64 +99,24 @@ class HivemindBackend(CommBackend):
             flats=flats,
             plane=plane,
             num_workers=num_workers,
-            expected_peers=self.membership.expected_peers,
-            published=lambda: self.states.published is not None,
+            expected_peers=membership.expected_peers,
+            published=lambda: states.published is not None,
         )
+        super().__init__(averaging, states=states, membership=membership)
+        self._parts = (roster, averaging, states)  # this transport's own, whatever a wrapper puts before them
         self._closed = False
 
-    @property
-    def client_mode(self) -> bool:
-        return self.peer.client_mode
-
-    def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
-    ) -> SyncResult:
-        return self.averaging.all_reduce_mean(
-            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
-        )
-
-    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        self.states.publish_state(round_index, rank, state)
-
-    def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
-    ) -> PeerState | None:
-        return self.states.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
-
-    def sole_state_source(self) -> bool:
-        return self.states.sole_state_source()
-
-    def expected_peers(self) -> int:
-        return self.membership.expected_peers()
-
-    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
-        self.membership.report_progress(round_index, step, stats)
-
-    def report_phase(self, phase: str, since: float) -> None:
-        self.membership.report_phase(phase, since)
-
-    def announce_run(self, identity: dict) -> None:
-        self.membership.announce_run(identity)
-
-    def live_workers(self) -> dict[int, RosterEntry]:
-        return self.membership.live_workers()
-
-    def leave(self) -> None:
-        self.membership.leave()
-
-    @property
-    def addresses(self) -> list[str]:
-        return self.membership.addresses
-
     def finish(self) -> None:
-        self.averaging.finish()
-        self.states.linger()
+        _, averaging, states = self._parts
+        averaging.finish()
+        states.linger()
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        _shut_down(self.membership.roster, self.averaging.plane, self.averaging.averagers, self.peer)
+        roster, averaging, _ = self._parts
+        _shut_down(roster, averaging.plane, averaging.averagers, self.peer)
 
 
 def _shut_down(roster: Roster, plane, averagers: Sequence, peer: Peer) -> None:

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import Averaging, CommBackend, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import norm_of, screen
 from diloco.compression import CompressionConfig, NoCompression, build_codec
 from diloco.config import ConfigError, FaultConfig, load_config
 from diloco.tools.launcher import simulate
-from diloco.worker.faults import ScaledPayloadBackend, with_bad_payloads, with_faults
+from diloco.worker.faults import ScaledPayloadAveraging, with_bad_payloads, with_faults
 from tests.conftest import TINY
 
 
@@ -107,7 +107,7 @@ def test_config_checks_the_ratio_and_accepts_the_scaled_fault():
     load_config(None, ["faults.bad_payload=scaled", "comm.backend=torchdist"])
 
 
-class _Echo(CommBackend):
+class _Echo(Averaging):
     """Records what it was given; succeeds (leaving the tensors as they are: a mean of one) or fails."""
 
     def __init__(self, ok: bool):
@@ -121,12 +121,12 @@ class _Echo(CommBackend):
 @pytest.mark.parametrize("ok", [True, False])
 def test_the_scaled_fault_sends_scale_times_the_tensors_and_a_failed_round_leaves_them_unscaled(ok):
     cfg = FaultConfig(worker=1, bad_payload="scaled", payload_scale=100.0)
-    assert isinstance(with_faults(_Echo(ok), cfg, 1), ScaledPayloadBackend)
-    assert isinstance(with_faults(_Echo(ok), cfg, 0), _Echo)  # another worker: no fault
+    assert isinstance(with_faults(CommBackend(_Echo(ok)), cfg, 1).averaging, ScaledPayloadAveraging)
+    assert isinstance(with_faults(CommBackend(_Echo(ok)), cfg, 0).averaging, _Echo)  # another worker: no fault
     assert with_bad_payloads(NoCompression(), cfg, 1).__class__ is NoCompression  # the payloads are well-formed
     inner = _Echo(ok)
     tensors = [torch.ones(3)]
-    with_faults(inner, cfg, 1).all_reduce_mean(tensors, 1.0, round_index=0, deadline_s=1)
+    with_faults(CommBackend(inner), cfg, 1).averaging.all_reduce_mean(tensors, 1.0, round_index=0, deadline_s=1)
     torch.testing.assert_close(inner.seen[0], torch.full((3,), 100.0))
     torch.testing.assert_close(tensors[0], torch.full((3,), 100.0 if ok else 1.0))
 

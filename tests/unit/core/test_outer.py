@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
+from diloco.comm.base import Averaging, Membership, PeerState, StateExchange, StateRank, SyncResult
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep, build_outer_optimizer
 from diloco.data.corpus import ShardSampler
@@ -103,7 +103,7 @@ def test_outer_optimizer_factory_builds_each_kind():
         build_outer_optimizer(OuterConfig(optimizer="lion"), params)
 
 
-class _FailingBackend(CommBackend):
+class _FailingTransport(Averaging, StateExchange):
     """Averaging fails; a peer may offer the state it reached in a bigger group."""
 
     def __init__(self, peer_state=None, peer_round=None):
@@ -123,13 +123,19 @@ class _FailingBackend(CommBackend):
         return PeerState(taken, StateRank(better_than.peers + 1), self.peer_state)
 
 
+def _sync(outer: OuterStep, transport: _FailingTransport, **kwargs):
+    """``outer.sync`` over ``transport``, whose state exchange its recovery uses."""
+    outer.recovery.connect(transport, Membership())
+    return outer.sync(transport, weight=1.0, deadline_s=1.0, **kwargs)
+
+
 def test_failed_round_without_better_peer_applies_the_workers_own_pseudo_gradient():
     local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     outer = OuterStep([local], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
     with torch.no_grad():
         local.sub_(torch.tensor([0.5, 0.25]))
-    backend = _FailingBackend()
-    result, recovered = outer.sync(backend, weight=1.0, round_index=3, deadline_s=1.0, expected_peers=2)
+    backend = _FailingTransport()
+    result, recovered = _sync(outer, backend, round_index=3, expected_peers=2)
     assert not result.ok and result.error == "nobody came" and recovered is None
     torch.testing.assert_close(outer.global_params[0], torch.tensor([0.5, 1.75]))
     assert backend.published == [(3, 1)] and backend.asked == [(3, 1)]
@@ -144,9 +150,7 @@ def test_failed_round_takes_the_state_of_a_peer_from_a_bigger_group():
 
     local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     outer = OuterStep([local], OuterConfig())
-    _, recovered = outer.sync(
-        _FailingBackend(peer.state_dict()), weight=1.0, round_index=0, deadline_s=1.0, expected_peers=4
-    )
+    _, recovered = _sync(outer, _FailingTransport(peer.state_dict()), round_index=0, expected_peers=4)
     assert recovered == 0
     torch.testing.assert_close(outer.global_params[0], peer.global_params[0])
     torch.testing.assert_close(local.detach(), peer.global_params[0])
@@ -157,8 +161,8 @@ def test_failed_round_takes_the_state_of_a_peer_from_a_bigger_group():
 def test_a_worker_left_behind_takes_a_later_rounds_state_and_says_which():
     peer = OuterStep([torch.nn.Parameter(torch.tensor([3.0]))], OuterConfig())
     outer = OuterStep([torch.nn.Parameter(torch.tensor([1.0]))], OuterConfig())
-    backend = _FailingBackend(peer.state_dict(), peer_round=7)
-    _, taken = outer.sync(backend, weight=1.0, round_index=4, deadline_s=1.0, expected_peers=3)
+    backend = _FailingTransport(peer.state_dict(), peer_round=7)
+    _, taken = _sync(outer, backend, round_index=4, expected_peers=3)
     assert taken == 7 and backend.published[-1] == (7, 2)
     torch.testing.assert_close(outer.global_params[0], torch.tensor([3.0]))
 

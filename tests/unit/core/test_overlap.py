@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, PeerState, StateRank, SyncResult
+from diloco.comm.base import Averaging, Membership, PeerState, StateExchange, StateRank, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.config import ConfigError, load_config
 from diloco.core.outer import OuterConfig, OuterStep
@@ -19,8 +19,8 @@ from diloco.tools.launcher import simulate
 from tests.conftest import TINY
 
 
-class ScriptedAverages(CommBackend):
-    """A transport whose n-th average (per fragment) is the value ``n + 1`` everywhere; records calls."""
+class ScriptedAverages(Averaging):
+    """An averaging whose n-th average (per fragment) is the value ``n + 1`` everywhere; records calls."""
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []  # (fragment, round_index)
@@ -84,7 +84,7 @@ def test_streaming_syncs_fragments_staggered_and_applies_each_tau_steps_later():
     assert applied_at[8] == [7.0 - 3.0, 19.0 - 2.0]
 
 
-class ScriptedWithStates(ScriptedAverages):
+class ScriptedWithStates(ScriptedAverages, StateExchange):
     """``ScriptedAverages`` whose averages listed in ``lost`` ((fragment, round) pairs) fail for this
     worker (hivemind lost part of them); a peer whose did not offers ``peer_state`` at the run's
     end. Records what is published and asked for."""
@@ -105,6 +105,13 @@ class ScriptedWithStates(ScriptedAverages):
     def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
         self.asked.append((round_index, better_than.peers, newer))
         return None if self.peer_state is None else PeerState(round_index, StateRank(2), self.peer_state)
+
+
+def _use(overlapped: OverlappedOuter, transport: ScriptedWithStates) -> ScriptedWithStates:
+    """``overlapped`` averaging over ``transport``, and its recovery using its states."""
+    overlapped.averaging = transport
+    overlapped.recovery.connect(transport, Membership())
+    return transport
 
 
 class NeverAnswers(ScriptedWithStates):
@@ -131,7 +138,7 @@ def test_an_overlapped_average_that_never_ends_fails_at_its_bound_and_the_run_go
     overlapped, outer, _, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
                                          delay_steps=1)  # fmt: skip
     overlapped.deadline_s, overlapped.wait_limit_s = 0.2, round_limit_s(0.2)
-    backend = overlapped.backend = NeverAnswers()
+    backend = _use(overlapped, NeverAnswers())
     try:
         started = time.monotonic()
         applied = []
@@ -154,7 +161,7 @@ def test_an_overlapped_average_that_never_ends_fails_at_its_bound_and_the_run_go
 def _streaming_that_loses_an_average(peer_state_of=None, lost=frozenset({(1, 0)})):
     overlapped, outer, _, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
                                          delay_steps=1)  # fmt: skip
-    backend = overlapped.backend = ScriptedWithStates(set(lost), peer_state_of(outer) if peer_state_of else None)
+    backend = _use(overlapped, ScriptedWithStates(set(lost), peer_state_of(outer) if peer_state_of else None))
     applied = []
     for step in range(1, 9):
         with torch.no_grad():
@@ -194,7 +201,7 @@ def test_a_streaming_worker_none_of_whose_averages_held_ranks_below_one_that_ave
 def test_streaming_without_a_failed_average_offers_its_state_and_takes_none():
     overlapped, outer, backend, local = _outer([10.0, 20.0], overlap="streaming", sync_every=4, fragments=2,
                                                delay_steps=1)  # fmt: skip
-    overlapped.backend = quiet = ScriptedWithStates(lost=set())
+    quiet = _use(overlapped, ScriptedWithStates(lost=set()))
     _run(overlapped, 8, local)
     assert quiet.asked == [] and quiet.published == [(3, 0), (5, 2)]
     assert [g[0].item() for g in outer.global_params] == [7.0 - 3.0, 19.0 - 2.0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from diloco.comm.base import PeerState, StateRank, SyncResult, fingerprint_of
+from diloco.comm.base import Membership, PeerState, StateExchange, StateRank, SyncResult, fingerprint_of
 from diloco.core.recovery import Recovery, RoundOutcome, Standing
 
 FAILED = SyncResult(ok=False, peers=1, total_weight=1.0, error="nobody came")
@@ -30,8 +30,8 @@ class _Params:
         self.value = state["value"]
 
 
-class _Peers:
-    """The transport's state exchange, scripted: a peer serves ``served`` (after the round asked
+class _Peers(StateExchange, Membership):
+    """The transport's state exchange and membership, scripted: a peer serves ``served`` (after the round asked
     about, or after ``served_round``), ranked one above the asker; ``live`` workers are left
     (None: as planned); ``sole``: every other live worker is a client. Records what is published
     ((round, peers)) and asked for ((round, peers ranked above, later rounds too))."""
@@ -58,9 +58,15 @@ class _Peers:
         return self.live
 
 
+def _connected(recovery: Recovery, peers: _Peers) -> Recovery:
+    """``recovery``, recovering through ``peers`` from now on (as a worker's does through its transport's)."""
+    recovery.connect(peers, peers)
+    return recovery
+
+
 def _after_round(recovery: Recovery, peers: _Peers, result: SyncResult, round_index: int, *, expected: int):
     outcome = RoundOutcome.of(result, round_index)
-    return recovery.after_round(peers, outcome, expected_peers=expected, timeout_s=1.0)
+    return _connected(recovery, peers).after_round(outcome, expected_peers=expected, timeout_s=1.0)
 
 
 def test_the_outcome_of_a_round_is_read_from_its_result():
@@ -194,7 +200,7 @@ def test_an_unsynced_worker_left_alone_stays_unsynced_until_someone_is_back():
 def test_an_overlapped_average_takes_a_state_of_its_own_round_only():
     recovery, peers = Recovery(_Params(1.0)), _Peers(served=4.0)
     outcome = RoundOutcome.of(FAILED, 5)
-    assert recovery.after_average(peers, outcome, expected_peers=2, timeout_s=1.0) == 5
+    assert _connected(recovery, peers).after_average(outcome, expected_peers=2, timeout_s=1.0) == 5
     assert peers.asked == [(5, 1, False)] and recovery.state.value == 4.0
 
 
@@ -206,7 +212,7 @@ def _several_fragments(outcomes: list[SyncResult]) -> Recovery:
 
 
 def _at_run_end(recovery: Recovery, peers: _Peers, last: list[SyncResult]):
-    return recovery.at_run_end(peers, last, round_index=5, expected_peers=2, timeout_s=1.0)
+    return _connected(recovery, peers).at_run_end(last, round_index=5, expected_peers=2, timeout_s=1.0)
 
 
 def test_several_fragments_take_a_peers_state_at_the_run_end_after_an_average_failed():
@@ -214,7 +220,7 @@ def test_several_fragments_take_a_peers_state_at_the_run_end_after_an_average_fa
     with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
     recovery, peers = _several_fragments([with_others, FAILED]), _Peers(served=4.0)
     assert recovery.standing is Standing.DRIFTED
-    recovery.offer_before_end(peers, 3)
+    _connected(recovery, peers).offer_before_end(3)
     assert _at_run_end(recovery, peers, [with_others, with_others]) == 5
     assert peers.published == [(3, 0), (5, 1), (5, 2)]  # "still here", then ranked as alone, then what it took
     assert peers.asked == [(5, 1, True)]  # its other averages held the others' mean: ranked as alone
@@ -248,8 +254,8 @@ def test_several_fragments_that_find_no_better_state_at_the_end_stay_marked_drif
 
 def test_a_worker_behind_the_run_takes_the_newest_state_of_a_later_round():
     recovery, peers = Recovery(_Params(1.0)), _Peers(served=9.0, served_round=6)
-    assert recovery.behind_the_run(peers, 3, timeout_s=1.0) == 6
+    assert _connected(recovery, peers).behind_the_run(3, timeout_s=1.0) == 6
     assert peers.asked == [(2, 1 << 30, True)] and recovery.state.value == 9.0
     assert peers.published == []
     nobody = _Peers()
-    assert Recovery(_Params(1.0)).behind_the_run(nobody, 3, timeout_s=1.0) is None and nobody.asked
+    assert _connected(Recovery(_Params(1.0)), nobody).behind_the_run(3, timeout_s=1.0) is None and nobody.asked

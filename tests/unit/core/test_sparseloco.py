@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.base import Averaging, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import ConfigError, load_config
@@ -24,10 +24,10 @@ class _Pair:
     def __init__(self, codec):
         self.codec, self.barrier, self.sent = codec, threading.Barrier(2), {}
 
-    def backend(self, worker: int) -> CommBackend:
+    def backend(self, worker: int) -> Averaging:
         pair = self
 
-        class _Backend(CommBackend):
+        class _Backend(Averaging):
             def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
                 pair.sent[worker] = Contribution(str(worker), [pair.codec.compress(t) for t in tensors], weight)
                 pair.barrier.wait(timeout=10)

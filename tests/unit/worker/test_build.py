@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from diloco.comm.base import Membership
 from diloco.comm.simulator import SimulatedBackend
 from diloco.config import load_config
 from diloco.worker import build
@@ -13,7 +14,7 @@ from tests.conftest import TINY
 
 def test_a_set_up_step_that_fails_after_the_transport_started_stops_it_again(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(SimulatedBackend, "leave", lambda self: calls.append("leave"))
+    monkeypatch.setattr(Membership, "leave", lambda self: calls.append("leave"))  # the simulator's membership
     monkeypatch.setattr(SimulatedBackend, "shutdown", lambda self: calls.append("shutdown"))
 
     def broken(*args, **kwargs):

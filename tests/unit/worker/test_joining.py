@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.comm.base import PeerState, StateRank
+from diloco.comm.base import Membership, PeerState, StateExchange, StateRank
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.config import ConfigError, load_config
 from diloco.core.recovery import Recovery
@@ -21,7 +21,7 @@ class _Outer:
         self.loaded = state
 
 
-class _Backend:
+class _Transport(StateExchange, Membership):
     """Live peers at ``round`` (rounds completed) and ``step``, serving the state after ``served``."""
 
     def __init__(self, *, round: int, step: int, served: int) -> None:
@@ -39,13 +39,14 @@ class _Backend:
         self.progress.append((round_index, step))
 
 
-def _catch_up(backend: _Backend, outer: _Outer, *, step: int, round_index: int) -> tuple[int, int]:
+def _catch_up(backend: _Transport, outer: _Outer, *, step: int, round_index: int) -> tuple[int, int]:
     cfg = load_config(None, ["worker.count=3", "worker.index=2", "outer.sync_every=20", "inner.steps=200"])
+    outer.recovery.connect(backend, backend)
     return catch_up_with_run(outer, backend, step, round_index, cfg=cfg, required=False, align_step=True)
 
 
 def test_a_restart_behind_the_run_takes_the_state_and_starts_where_the_others_are():
-    backend, outer = _Backend(round=5, step=110, served=4), _Outer()  # rounds 0-4 done, 10 steps into round 5
+    backend, outer = _Transport(round=5, step=110, served=4), _Outer()  # rounds 0-4 done, 10 steps into round 5
     assert _catch_up(backend, outer, step=40, round_index=2) == (110, 5)
     assert outer.loaded == {"round": 4} and backend.progress == [(5, 110)]
 
@@ -53,14 +54,14 @@ def test_a_restart_behind_the_run_takes_the_state_and_starts_where_the_others_ar
 def test_a_restart_that_finds_the_runs_final_state_has_nothing_left_to_train():
     # the peers finished their last round (10 of 200 / 20) and have not left yet: the restart takes
     # that state and ends with it, rather than training one more step and averaging alone
-    backend, outer = _Backend(round=10, step=200, served=9), _Outer()
+    backend, outer = _Transport(round=10, step=200, served=9), _Outer()
     assert _catch_up(backend, outer, step=40, round_index=2) == (200, 10)
     assert outer.loaded == {"round": 9} and backend.progress == [(10, 200)]
 
 
 def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_before_any_download():
     cfg = load_config(None, ["worker.count=3", "worker.index=2", "model.n_embd=64"])
-    backend, outer = _Backend(round=5, step=110, served=4), _Outer()
+    backend, outer = _Transport(round=5, step=110, served=4), _Outer()
     run = run_identity(load_config(None, ["model.n_embd=128"]))
     backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError) as error:

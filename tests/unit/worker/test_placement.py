@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig
+from diloco.comm.base import Averaging, CommBackend, CommConfig
 from diloco.config import ConfigError
 from diloco.worker.placement import ReplicatedSite, ShardedSite, SingleProcess
 from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend
@@ -17,12 +17,17 @@ from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend
 CPU = torch.device("cpu")
 
 
+class _Alone(Averaging):
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+        raise AssertionError("the placements only pass the transport on")
+
+
 def _opened() -> tuple[list[CommConfig], Callable]:
     opened: list[CommConfig] = []
 
     def open_transport(comm: CommConfig):
         opened.append(comm)
-        return object()  # a stand-in transport: the placements only pass it on
+        return CommBackend(_Alone())  # a stand-in transport: the placements only pass it on
 
     return opened, open_transport
 

@@ -4,7 +4,7 @@ stand-in; tests/integration/test_site.py runs real torchrun sites)."""
 from __future__ import annotations
 
 from diloco.comm.base import PeerState, StateRank
-from diloco.worker.sites import ShardedSiteBackend
+from diloco.worker.sites import ShardedSiteStates
 
 
 class _Site:
@@ -17,26 +17,26 @@ class _Site:
         return self.values
 
 
-def _backend(fingerprints: list[float]) -> ShardedSiteBackend:
-    return ShardedSiteBackend(_Site(fingerprints), transport=None)
+def _states(fingerprints: list[float]) -> ShardedSiteStates:
+    return ShardedSiteStates(_Site(fingerprints), inner=None)
 
 
 def test_every_shard_of_a_site_ranks_with_one_fingerprint_made_from_all_of_them():
     """Groups of one size are told apart by the fingerprint: every shard of a site must use the
     same one, or shard 0 could pick one group's state and shard 1 the other's."""
-    ranked = _backend([0.9, 0.1])._site_rank(StateRank(2, 0.9))  # rank 0's view
-    assert ranked == _backend([0.9, 0.1])._site_rank(StateRank(2, 0.1))  # rank 1's
+    ranked = _states([0.9, 0.1]).site_rank(StateRank(2, 0.9))  # rank 0's view
+    assert ranked == _states([0.9, 0.1]).site_rank(StateRank(2, 0.1))  # rank 1's
     assert ranked.peers == 2 and 0.0 <= ranked.fingerprint < 1.0 and ranked.fingerprint not in (0.9, 0.1)
-    assert ranked != _backend([0.1, 0.9])._site_rank(StateRank(2, 0.1))  # another site's shards
+    assert ranked != _states([0.1, 0.9]).site_rank(StateRank(2, 0.1))  # another site's shards
 
 
 def test_a_rank_that_is_already_the_sites_or_none_is_kept():
-    assert _backend([0.0, 0.0])._site_rank(StateRank(4)) == StateRank(4)  # a round everyone averaged in
-    assert _backend([0.4, 0.4])._site_rank(StateRank(2, 0.4)) == StateRank(2, 0.4)  # a peer site's, taken
+    assert _states([0.0, 0.0]).site_rank(StateRank(4)) == StateRank(4)  # a round everyone averaged in
+    assert _states([0.4, 0.4]).site_rank(StateRank(2, 0.4)) == StateRank(2, 0.4)  # a peer site's, taken
 
 
 class _Transport:
-    """This rank's shard transport: it found ``found`` (a PeerState, or None)."""
+    """This rank's shard transport's state exchange: it found ``found`` (a PeerState, or None)."""
 
     def __init__(self, found):
         self.found = found
@@ -52,9 +52,9 @@ def test_a_state_is_taken_only_when_every_shard_found_the_same_sites_state():
     found = PeerState(3, group_a, {"global_params": []})
 
     def fetch(answers: list) -> PeerState | None:
-        backend = ShardedSiteBackend(_Site(answers), transport=_Transport(found))
-        backend._site_rank = lambda rank: rank  # this test is about the answers, not the ranks
-        return backend.fetch_state(3, better_than=StateRank(1), timeout_s=1.0)
+        states = ShardedSiteStates(_Site(answers), inner=_Transport(found))
+        states.site_rank = lambda rank: rank  # this test is about the answers, not the ranks
+        return states.fetch_state(3, better_than=StateRank(1), timeout_s=1.0)
 
     assert fetch([(3, group_a), (3, group_a)]) is found
     assert fetch([(3, group_a), (3, group_b)]) is None  # one round, two groups

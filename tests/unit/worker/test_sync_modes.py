@@ -72,7 +72,7 @@ def test_an_overlapped_round_sums_what_was_applied_since_the_last_record_and_tim
     results = iter([[], [Applied(SyncResult(True, 2, 8.0, bytes_sent=10), 0.0, recovered=True)], []])
     overlapped = SimpleNamespace(
         outer=SimpleNamespace(global_params=[torch.zeros(1)]),
-        backend=SimpleNamespace(simulated=False),
+        averaging=SimpleNamespace(simulated=False),
         after_inner_step=lambda step, **_: next(results),
     )
     watchdog = _Watchdog()
@@ -90,14 +90,14 @@ class _Outer:
     def __init__(self, taken_round):
         self.global_params, self.taken_round = [torch.zeros(1)], taken_round
 
-    def sync(self, backend, **_):
+    def sync(self, averaging, **_):
         return SyncResult(True, 2, 8.0), self.taken_round
 
 
 def _blocking(taken_round, *, steps_per_round=10) -> BlockingRounds:
     return BlockingRounds(
         _Outer(taken_round),
-        backend=None,
+        averaging=None,
         accounting=_accounting(),
         watchdog=_Watchdog(),
         catch_up=lambda step, round_index: (step + 20, round_index + 2),
