@@ -25,9 +25,12 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
 - ``data/``           what a corpus is read from (``source.py``, a leaf); a corpus of tokens, per-worker shards, the
                       held-out split; Hugging Face datasets; a token cache;
                       the installed packages' Python source as a corpus, and its BPE tokenizer
-- ``comm/``           how pseudo-gradients travel: ``CommBackend``; hivemind (``comm/hivemind/``: the
-                      backend, its averager, the gloo data plane, the roster, the run key), simulated,
-                      torchrun; robust aggregation; the bound of every wait
+- ``comm/``           how pseudo-gradients travel: a transport (``CommBackend``, ``base.py``) is its
+                      averaging, state exchange and membership; the reduce rule (``reduce.py``);
+                      hivemind (``comm/hivemind/``: its peer, **a round is averaged in**
+                      ``averaging.py`` and ``group_round.py``, the state exchange, the roster, the
+                      averager, the gloo data plane, the run key), simulated, torchrun; robust
+                      aggregation; the bound of every wait
 - ``compression/``    codecs on the wire (fp16, int8, int4, top-k) and error feedback
 - ``optional_deps.py`` whether an optional dependency (the ``hf`` extra) is installed; the line
                       that says how to get it

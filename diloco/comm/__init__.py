@@ -1,8 +1,11 @@
 """Transports for the outer sync. ``build_backend`` picks one from ``comm.backend``.
 
-- ``base.py``            ``CommBackend`` (the interface), ``SyncResult``, ``CommConfig``
-- ``hivemind/``          P2P over a DHT, the production path: the backend, its bit-identical
-                         averager, the gloo data plane, the roster, reachability, the run key
+- ``base.py``            the interfaces: ``Averaging``, ``StateExchange``, ``Membership``, and
+                         ``CommBackend``, a transport as those parts; ``SyncResult``, ``CommConfig``
+- ``reduce.py``          the reduce rule every transport follows (``average_payloads``)
+- ``hivemind/``          P2P over a DHT, the production path: its peer, a round's averaging, the
+                         state exchange, the roster, the bit-identical averager, the gloo data
+                         plane, reachability, the run key
 - ``simulator.py``       M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale

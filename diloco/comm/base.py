@@ -66,7 +66,7 @@ class SyncResult:
     partial: bool = False
     # an outer step taken alone while workers that vanished without leaving may be training on,
     # cut off: the params may part from theirs, so the worker ranks its state below theirs
-    # (unsynced, outer.py) until it takes one
+    # (unsynced, core/recovery.py) until it takes one
     drifted: bool = False
     # the codec the round's peers agreed on, where the transport chose it (compression.name=adaptive)
     codec: str = ""
@@ -157,7 +157,7 @@ class StateExchange:
         """Whether no other worker of the run could hold a state to take or to compare with: every
         other live one takes states and serves none (clients), and none that served is missing (it
         may train on apart). A worker whose round failed is then the one the others take their state
-        from, in step with them, not unsynced (``OuterStep.catch_up``). False where it is not known."""
+        from, in step with them, not unsynced (core/recovery.py). False where it is not known."""
         return False
 
 

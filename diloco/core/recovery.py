@@ -125,7 +125,7 @@ class Recovery:
 
     def offer_before_end(self, round_index: int) -> None:
         """Before the last averages of a run of several fragments: a peer that ends first then waits
-        (``CommBackend.finish``) while ours is older, in case we need its state. Ranked lowest (peers
+        (the transport's ``finish``) while ours is older, in case we need its state. Ranked lowest (peers
         0): it only says that we are still here, and no peer takes it for an average made without
         it (that needs an offer averaged in a group)."""
         self.states.publish_state(round_index, StateRank(0), self.state.offered_state())
