@@ -10,6 +10,8 @@
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
 - ``bounds.py``          the bound of every wait of a round
+- ``link_meter.py``      a worker's measure of its link, and the codec it prefers next round (adaptive)
+- ``volume.py``          the bytes a round moves, by codec and group size
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ partial round is a ``SyncResult`` with ``ok=False``, never an exception that kil
 from __future__ import annotations
 
 import abc
-import copy
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -197,7 +196,7 @@ class Membership:
 class CommBackend:
     """A transport, in its parts: ``averaging`` (every transport has one), ``states`` and
     ``membership`` (hivemind serves both; elsewhere they are the do-nothing defaults above). A
-    wrapper that changes one part builds a copy with ``with_parts`` (fault injection changes the
+    wrapper that changes one part builds a view with ``with_parts`` (fault injection changes the
     averaging); a transport with resources to release overrides ``finish`` and ``shutdown``."""
 
     def __init__(
@@ -213,9 +212,8 @@ class CommBackend:
         unknown = set(parts) - {"averaging", "states", "membership"}
         if unknown:
             raise TypeError(f"a transport has no part {', '.join(sorted(unknown))}")
-        changed = copy.copy(self)
-        changed.__dict__.update(parts)
-        return changed
+        current = {"averaging": self.averaging, "states": self.states, "membership": self.membership}
+        return _WithParts(self, **{**current, **parts})
 
     def finish(self) -> None:  # noqa: B027 - optional
         """Training is over: stay reachable as long as a peer may still need this worker's state."""
@@ -228,6 +226,20 @@ class CommBackend:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+class _WithParts(CommBackend):
+    """``CommBackend.with_parts``: other parts, the same transport underneath; ending it ends that one."""
+
+    def __init__(self, underneath: CommBackend, *, averaging: Averaging, states: StateExchange, membership: Membership):
+        super().__init__(averaging, states=states, membership=membership)
+        self._underneath = underneath
+
+    def finish(self) -> None:
+        self._underneath.finish()
+
+    def shutdown(self) -> None:
+        self._underneath.shutdown()
 
 
 class PendingAverage:
@@ -259,7 +271,7 @@ class PendingAverage:
     def wait(self, timeout_s: float | None = None) -> SyncResult:
         """The result; a failed one (our own tensors left in place) when none came within ``timeout_s``.
         The abandoned average keeps its thread until the transport gives up on it; the transport
-        refuses a new average of the same tensors meanwhile (``HivemindBackend``)."""
+        refuses a new average of the same tensors meanwhile (``HivemindAveraging``)."""
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self.abandoned:

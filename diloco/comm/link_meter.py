@@ -20,7 +20,11 @@ while the link stays as slow.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from diloco.comm.volume import sent_bytes
 from diloco.compression.adaptive import Adaptive
@@ -65,3 +69,35 @@ class LinkMeter:
         ):
             fits = min(fits, less_lossy)
         return fits
+
+
+class CodecChoice:
+    """What a worker prefers to send next round and what it says it used (``compression.name=
+    adaptive``: its ``LinkMeter``); for a fixed codec, no preference."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.meter = LinkMeter(codec) if codec.chosen_per_round else None
+        self._last_round_end = time.monotonic()  # the time from there to the next round is compute
+
+    def preference(self, tensors: Sequence[torch.Tensor], *, peers: int) -> int | None:
+        """The codec this worker prefers for its next round; None for a fixed codec, or before its
+        link was measured."""
+        if self.meter is None:
+            return None
+        between_rounds_s = time.monotonic() - self._last_round_end
+        return self.meter.preferred(
+            numel=sum(t.numel() for t in tensors), peers=peers, between_rounds_s=between_rounds_s
+        )
+
+    def measure(self, codec: Codec, moved_bytes: int, transfer_s: float) -> None:
+        """A round's transfer, for the next preference."""
+        if self.meter is not None:
+            self.meter.record(codec, moved_bytes, transfer_s)
+
+    def named(self, codec: Codec) -> str:
+        """What a round's result says of its codec: its label where it was agreed per round."""
+        return codec.label if self.codec.chosen_per_round else ""
+
+    def round_ended(self) -> None:
+        self._last_round_end = time.monotonic()

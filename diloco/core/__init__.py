@@ -8,4 +8,6 @@
                       takes a better peer's state
 - ``rounds.py``       when a round ends: every H steps, or a time budget (dynamic local steps)
 - ``host_copies.py``  the outer step's copies between the model's device and (pinned) host memory
+- ``digest.py``       the params' digest every worker records after a round (identical params: identical digests)
+- ``evaluation.py``   the held-out loss
 """

@@ -343,6 +343,10 @@ class ShardedSiteBackend(SiteBackend):
     ``ShardedSiteStates``). The roster's answers (who is alive) are the leader's shard's."""
 
     def __init__(self, site: Site, transport: CommBackend):
-        super().__init__(site, transport)
-        self.averaging = ShardedSiteAveraging(site, transport.averaging)
-        self.states = ShardedSiteStates(site, transport.states)
+        self.site, self.transport = site, transport
+        CommBackend.__init__(
+            self,
+            ShardedSiteAveraging(site, transport.averaging),
+            states=ShardedSiteStates(site, transport.states),
+            membership=SiteMembership(site, transport.membership),
+        )

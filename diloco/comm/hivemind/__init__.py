@@ -9,7 +9,7 @@
 - ``state_exchange.py``  the worker's state offered to peers and taken from them after a failed round
 - ``state_offers.py``    the offers as the DHT carries them: (round, rank) packed in one priority
 - ``membership.py``      the worker's roster record and its view of who is live
-- ``averager.py``         hivemind's averager made bit-identical across peers, with byte counts
+- ``averager.py``        hivemind's averager made bit-identical across peers, with byte counts
                          and the robust screening of declared norms
 - ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
 - ``gloo_plane.py``      a bulk data plane beside it: fp32 rounds through a gloo all-reduce

@@ -21,11 +21,12 @@ import torch
 from diloco.comm.base import Averaging, CommConfig, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
-from diloco.comm.hivemind.group_round import Attempt, CodecChoice, GroupRound
+from diloco.comm.hivemind.group_round import Attempt, GroupRound
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, live_counts
 from diloco.comm.hivemind.run_key import resolve_run_key
 from diloco.comm.hivemind.state_offers import StateOffers
+from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.compression import Codec
 
@@ -82,7 +83,7 @@ def start_averager(
 class HivemindAveraging(Averaging):
     """The averaging of one worker: ``averagers`` (one per fragment, hivemind's ``ExactAverager``)
     and ``flats`` (each one's tensors as one flat buffer, which the data plane reduces whole).
-    ``expected_peers()``: the group size a round waits for (``membership.py``); ``published()``:
+    ``group_size()``: the group size a round waits for (``membership.py``); ``published()``:
     whether this worker offers its state after rounds (then a peer's offer tells
     whether a broken group failed for the others too)."""
 
@@ -100,14 +101,14 @@ class HivemindAveraging(Averaging):
         flats: Sequence[torch.Tensor],
         plane: DataPlane | None,
         num_workers: int,
-        expected_peers: Callable[[], int],
+        group_size: Callable[[], int],
         published: Callable[[], bool],
     ):
         self.cfg, self.codec, self.num_workers = cfg, codec, num_workers
         self._peer, self._roster, self._offers = peer, roster, offers
         self.averagers, self._flats, self.plane = list(averagers), list(flats), plane
         self._busy = [threading.Lock() for _ in self.averagers]  # held while a fragment's average runs
-        self.expected_peers, self._published = expected_peers, published
+        self._group_size, self._published = group_size, published
         self.codecs = CodecChoice(codec)
         self.group_round = GroupRound(
             cfg,
@@ -167,7 +168,7 @@ class HivemindAveraging(Averaging):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
-        expected = self.expected_peers()
+        expected = self._group_size()
         deadline = time.monotonic() + deadline_s
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind

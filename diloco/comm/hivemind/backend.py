@@ -54,10 +54,9 @@ class HivemindBackend(CommBackend):
         worker_index: int = 0,
         slots: int = 0,
     ):
-        self.cfg, self.num_workers = cfg, num_workers
         self.peer = peer = Peer(cfg)
         plane = start_plane(cfg, peer)
-        roster = Roster(
+        self._roster = roster = Roster(
             peer.call,
             run_id=cfg.run_id,
             worker_index=worker_index,
@@ -67,7 +66,7 @@ class HivemindBackend(CommBackend):
             on_beat=None if peer.client_mode else peer.answer_dialbacks,
         )
         averagers, flats = [], []
-        try:
+        try:  # should a part not start, what started is stopped again
             for fragment, indices in enumerate(fragments or [range(len(templates))]):
                 flat, views = flat_views([templates[i] for i in indices])
                 flats.append(flat)
@@ -75,48 +74,45 @@ class HivemindBackend(CommBackend):
                     start_averager(cfg, peer, views, codec=codec, fragment=fragment, num_workers=num_workers)
                 )
             roster.start()
+            membership = HivemindMembership(roster, peer, num_workers=num_workers)
+            offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
+            # the first fragment's averager also serves the worker's state
+            states = HivemindStateExchange(
+                server=averagers[0],
+                offers=offers,
+                roster=roster,
+                num_workers=num_workers,
+                client_mode=peer.client_mode,
+                linger_s=cfg.matchmaking_s,
+            )
+            averaging = HivemindAveraging(
+                cfg,
+                peer=peer,
+                roster=roster,
+                offers=offers,
+                codec=codec,
+                averagers=averagers,
+                flats=flats,
+                plane=plane,
+                num_workers=num_workers,
+                group_size=membership.expected_peers,
+                published=lambda: states.published is not None,
+            )
         except BaseException:
             _shut_down(roster, plane, averagers, peer)
             raise
-        membership = HivemindMembership(roster, peer, num_workers=num_workers)
-        offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
-        # the first fragment's averager also serves the worker's state
-        states = HivemindStateExchange(
-            server=averagers[0],
-            offers=offers,
-            roster=roster,
-            num_workers=num_workers,
-            client_mode=peer.client_mode,
-            linger_s=cfg.matchmaking_s,
-        )
-        averaging = HivemindAveraging(
-            cfg,
-            peer=peer,
-            roster=roster,
-            offers=offers,
-            codec=codec,
-            averagers=averagers,
-            flats=flats,
-            plane=plane,
-            num_workers=num_workers,
-            expected_peers=membership.expected_peers,
-            published=lambda: states.published is not None,
-        )
         super().__init__(averaging, states=states, membership=membership)
-        self._parts = (roster, averaging, states)  # this transport's own, whatever a wrapper puts before them
         self._closed = False
 
     def finish(self) -> None:
-        _, averaging, states = self._parts
-        averaging.finish()
-        states.linger()
+        self.averaging.finish()
+        self.states.linger()
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        roster, averaging, _ = self._parts
-        _shut_down(roster, averaging.plane, averaging.averagers, self.peer)
+        _shut_down(self._roster, self.averaging.plane, self.averaging.averagers, self.peer)
 
 
 def _shut_down(roster: Roster, plane, averagers: Sequence, peer: Peer) -> None:

@@ -21,9 +21,9 @@ import torch
 
 from diloco.comm.base import CommConfig, SyncResult
 from diloco.comm.hivemind import gloo_plane
-from diloco.comm.link_meter import LinkMeter
+from diloco.comm.link_meter import CodecChoice
 from diloco.comm.robust import Screening, declared_norm, norm_of, screen
-from diloco.compression import Codec, all_finite
+from diloco.compression import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -34,38 +34,6 @@ _POLL_S = 1.0  # how often a worker waiting for a group checks whether the other
 def round_group_bits(round_index: int, attempt: int = 0) -> str:
     """The hivemind group bits that key a round's matchmaking on the DHT (a retry gets its own key)."""
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
-
-
-class CodecChoice:
-    """What a worker prefers to send next round and what it says it used (``compression.name=
-    adaptive``: its link's measure, ``link_meter.py``); for a fixed codec, no preference."""
-
-    def __init__(self, codec: Codec):
-        self.codec = codec
-        self.meter = LinkMeter(codec) if codec.chosen_per_round else None
-        self._last_round_end = time.monotonic()  # the time from there to the next round is compute
-
-    def preference(self, tensors: Sequence[torch.Tensor], *, peers: int) -> int | None:
-        """The codec this worker prefers for its next round; None for a fixed codec, or before its
-        link was measured."""
-        if self.meter is None:
-            return None
-        between_rounds_s = time.monotonic() - self._last_round_end
-        return self.meter.preferred(
-            numel=sum(t.numel() for t in tensors), peers=peers, between_rounds_s=between_rounds_s
-        )
-
-    def measure(self, codec: Codec, moved_bytes: int, transfer_s: float) -> None:
-        """A round's transfer, for the next preference."""
-        if self.meter is not None:
-            self.meter.record(codec, moved_bytes, transfer_s)
-
-    def named(self, codec: Codec) -> str:
-        """What a round's result says of its codec: its label where it was agreed per round."""
-        return codec.label if self.codec.chosen_per_round else ""
-
-    def round_ended(self) -> None:
-        self._last_round_end = time.monotonic()
 
 
 @dataclasses.dataclass
@@ -110,9 +78,16 @@ class GroupRound:
         tensors as one buffer, for the data plane)."""
         sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
         averager.traffic.take_contributions()  # what an earlier round left
+        # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
+        # (a codec agreed per round is not known yet: the norm of the tensors themselves then)
+        exact = self.codec.lossless or self.codec.chosen_per_round
+        declared = {"weight": weight, "norm": norm_of(tensors if exact else [self.codec.restore(t) for t in tensors])}
+        preference = self.codecs.preference(tensors, peers=max(2, at.expected))
+        if preference is not None:
+            declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
         transfer_before = averager.traffic.transfer_s()
         try:
-            gathered = self._step(averager, tensors, weight, at)
+            gathered = self._step(averager, tensors, weight, declared, at)
         except Exception as error:  # hivemind raises a zoo of errors; a failed round is a result
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
@@ -145,14 +120,10 @@ class GroupRound:
         traffic = (sent, recv, failed_values)
         return self._result(averager, tensors, weight, gathered, screening, codec, traffic)
 
-    def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, at: Attempt) -> dict | None:
-        """Declare our contribution, load it into the averager and wait for the group's step: what
-        each peer of the group declared, or None when no group formed."""
-        # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
-        # (a codec agreed per round is not known yet: the norm of the tensors themselves then)
-        exact = self.codec.lossless or self.codec.chosen_per_round
-        norm = norm_of(tensors if exact else [self.codec.restore(t) for t in tensors])
-        preference = self.codecs.preference(tensors, peers=max(2, at.expected))
+    def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, declared: dict, at: Attempt):
+        """Load our contribution into the averager, declare ``declared`` (with the data plane's
+        address) and wait for the group's step: what each peer of the group declared, or None when
+        no group formed."""
         averager.set_group(
             round_group_bits(at.round_index, at.attempt),
             target_group_size=max(2, at.expected),
@@ -162,10 +133,7 @@ class GroupRound:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         plane = self._plane.declaration() if self._plane is not None else {}
-        declared = {"weight": weight, "norm": norm, **plane}
-        if preference is not None:
-            declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
-        control = averager.step(weight=weight, gather=declared, timeout=at.timeout_s, wait=False)
+        control = averager.step(weight=weight, gather={**declared, **plane}, timeout=at.timeout_s, wait=False)
         return self.await_step(control, at.round_index, limit=at.limit)
 
     def await_step(self, control, round_index: int, *, limit: float):

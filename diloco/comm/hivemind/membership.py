@@ -14,6 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 class HivemindMembership(Membership):
+    """What the worker says of itself and reads of the others, through its ``roster``; a DHT that
+    does not answer leaves the plan (``expected_peers``) or nobody (``live_workers``)."""
+
     def __init__(self, roster: Roster, peer: Peer, *, num_workers: int):
         self.roster, self._peer, self.num_workers = roster, peer, num_workers
 

@@ -127,14 +127,19 @@ class Peer:
     def __init__(self, cfg: CommConfig):
         self.cfg = cfg
         self.control_s = control_limit_s(cfg.request_timeout_s)
-        self.client_mode = cfg.client_mode == "true"
+        self._client_mode = cfg.client_mode == "true"
         self._start()
         self._dialbacks: dict[str, float] = {}  # requests answered: peer -> request time
         if cfg.client_mode == "auto":
             self._choose_mode()
 
+    @property
+    def client_mode(self) -> bool:
+        """Set for good once the peer has started (``comm.client_mode=auto`` decides it then)."""
+        return self._client_mode
+
     def _start(self) -> None:
-        self.dht = start_dht(self.cfg, client_mode=self.client_mode)
+        self.dht = start_dht(self.cfg, client_mode=self._client_mode)
         self.call = bounded_dht_call(self.dht, threading.Lock(), timeout_s=self.control_s)
 
     @property
@@ -190,7 +195,7 @@ class Peer:
     def _become_client(self) -> None:
         """Our peer restarted in client mode: it dials out only."""
         self.dht.shutdown()
-        self.client_mode = True
+        self._client_mode = True
         self._start()
 
     def answer_dialbacks(self) -> None:

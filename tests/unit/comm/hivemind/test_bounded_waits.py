@@ -15,9 +15,10 @@ import torch
 
 from diloco.comm.base import CommConfig, StateRank
 from diloco.comm.hivemind.averager import ask_within, held_within
-from diloco.comm.hivemind.group_round import CodecChoice, GroupRound
+from diloco.comm.hivemind.group_round import GroupRound
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
+from diloco.comm.link_meter import CodecChoice
 from diloco.compression import NoCompression
 
 pytestmark = pytest.mark.timeout(60)
