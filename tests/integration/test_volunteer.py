@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from diloco.bench.faults import Cluster, FaultRun, run_scenario
-from diloco.tools.testbed import testbed_unavailable
+from diloco.tools import testbed as nets  # not its function by name: pytest would collect test*() as a test
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -107,7 +107,7 @@ def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
         assert all(r["peers"] <= 3 for r in read_records(tmp_path / "wrong_key", i) if r["event"] == "round")
 
 
-@pytest.mark.skipif(testbed_unavailable() is not None, reason="the testbed needs root and iproute2")
+@pytest.mark.skipif(nets.testbed_unavailable() is not None, reason="the testbed needs root and iproute2")
 @pytest.mark.xdist_group("testbed")  # with the testbed's own tests, one at a time (test_testbed.py)
 def test_a_worker_on_a_link_ten_times_slower_holds_no_round_past_its_deadline(tmp_path):
     # the slow link is there from the first round: three rounds (about 5 s each) show it as well as more
