@@ -15,10 +15,11 @@ import sys
 import pytest
 
 from diloco.comm.simulator import round_time_s
-from diloco.tools.testbed import _NAME, leftovers, remove_stale, testbed_unavailable
+from diloco.tools import testbed as nets  # not its function by name: pytest would collect test*() as a test
+from diloco.tools.testbed import _NAME, leftovers, remove_stale
 from tests.conftest import TINY, read_records
 
-needs_root = pytest.mark.skipif(testbed_unavailable() is not None, reason=str(testbed_unavailable()))
+needs_root = pytest.mark.skipif(nets.testbed_unavailable() is not None, reason=str(nets.testbed_unavailable()))
 # one test process runs every test that builds a testbed (launch/test.sh: --dist loadgroup): these
 # compare the testbeds that exist before and after, and a testbed's build removes dead owners' leftovers
 pytestmark = pytest.mark.xdist_group("testbed")

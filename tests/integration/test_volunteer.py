@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from diloco.bench.faults import Cluster, FaultRun, run_scenario
-from diloco.tools.testbed import testbed_unavailable
+from diloco.tools import testbed as nets  # not its function by name: pytest would collect test*() as a test
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -61,8 +61,11 @@ def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
 
 def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_its_deadlines(tmp_path):
     # a deadline past the test's timeout: a survivor that waited for the dead worker in every round
-    # (it used to, comm.deadline_s each) could not finish in time
-    overrides = [*TINY, "worker.count=2", "inner.steps=120", "outer.sync_every=20", "comm.deadline_s=600"]
+    # (it used to, comm.deadline_s each) could not finish in time. The waits it does have are
+    # comm.matchmaking_s's: the retry among the peers still there in the round the other died in
+    # (2 x), and at the end the linger for the dead worker's stale state offer: short ones
+    overrides = [*TINY, "worker.count=2", "inner.steps=120", "outer.sync_every=20", "comm.deadline_s=600",
+                 "comm.matchmaking_s=5"]  # fmt: skip
     run_dir = tmp_path / "shrink"
     with Cluster([*overrides, "comm.run_id=shrink", "logging.log_every=10"], run_dir, slots=2) as cluster:
         for i in range(2):
@@ -104,7 +107,7 @@ def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
         assert all(r["peers"] <= 3 for r in read_records(tmp_path / "wrong_key", i) if r["event"] == "round")
 
 
-@pytest.mark.skipif(testbed_unavailable() is not None, reason="the testbed needs root and iproute2")
+@pytest.mark.skipif(nets.testbed_unavailable() is not None, reason="the testbed needs root and iproute2")
 @pytest.mark.xdist_group("testbed")  # with the testbed's own tests, one at a time (test_testbed.py)
 def test_a_worker_on_a_link_ten_times_slower_holds_no_round_past_its_deadline(tmp_path):
     # the slow link is there from the first round: three rounds (about 5 s each) show it as well as more
