@@ -40,6 +40,9 @@ from pathlib import Path
 
 RUN_KEY = "bench-faults-key"
 KEY_ATTEMPT_S = 30.0  # wrong_key: one diloco join attempt (a process start, then a roster probe of 10 s)
+# join: a newcomer's way in (a process start, the roster probe, the run's config, its model and peer):
+# about 17 s on 2 idle cores, more on busy ones
+JOIN_START_S = 40.0
 
 
 @dataclass
@@ -300,6 +303,12 @@ def _outlive_the_attempts(plan: FaultRun) -> list[str]:
     return [f"faults.step_delay_s={plan.key_attempts * KEY_ATTEMPT_S / plan.steps:.3f}"]
 
 
+def _outlive_the_joiners_start(plan: FaultRun) -> list[str]:
+    # the run must still be going when the newcomer is up, however fast this machine trains (on an
+    # idle one the run ended a moment before it was ready): a floor on its length
+    return [f"faults.step_delay_s={JOIN_START_S / plan.steps:.3f}"]
+
+
 NO_FAULT = Scenario("none")
 TABLE = {
     scenario.name: scenario
@@ -308,7 +317,7 @@ TABLE = {
         Scenario("cut", inject=_cut_off, faulty=_last),
         Scenario("slow", inject=_slow_down, faulty=_last, worker_overrides=_declared_rates, needs_testbed=True),
         # the joiner's first round may wait for it: counted apart
-        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}),
+        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, run_overrides=_outlive_the_joiners_start),
         Scenario("bad", faulty=lambda plan: {1, 2}, worker_overrides=_bad_payloads),
         Scenario(
             "wrong_key", inject=_intrude, run_overrides=_outlive_the_attempts, after=_intruder_rounds, run_key=RUN_KEY

@@ -80,8 +80,8 @@ def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_i
 
 
 def test_a_newcomer_joins_a_live_run_and_averages_with_others_from_its_first_round(tmp_path):
-    result = run_scenario("join", _plan(steps=480), tmp_path)  # long enough for the newcomer to start
-    _check_run(result, workers=4, steps=480)
+    result = run_scenario("join", _plan(steps=240), tmp_path)  # the scenario keeps it going until the newcomer is up
+    _check_run(result, workers=4, steps=240)
     rounds = [r for r in read_records(tmp_path / "join", 3) if r["event"] == "round"]
     first = rounds[0]
     same_round = next(r for r in read_records(tmp_path / "join", 0) if r.get("round") == first["round"])
