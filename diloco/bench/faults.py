@@ -297,16 +297,20 @@ def _bad_payloads(plan: FaultRun, index: int) -> list[str]:
     return {1: ["faults.bad_payload=nan"], 2: ["faults.bad_payload=scaled"]}.get(index, [])
 
 
+def _lasting_at_least(seconds: float, plan: FaultRun) -> list[str]:
+    """A floor on the run's length, however fast this machine trains: a step delay spread over its steps."""
+    return [f"faults.step_delay_s={seconds / plan.steps:.3f}"]
+
+
 def _outlive_the_attempts(plan: FaultRun) -> list[str]:
-    # the run must outlive the intruder's attempts however fast this machine trains (on an idle
-    # one a short run ended before the first was refused): a floor on its length
-    return [f"faults.step_delay_s={plan.key_attempts * KEY_ATTEMPT_S / plan.steps:.3f}"]
+    # the run must outlive the intruder's attempts (on an idle machine a short run ended before the
+    # first was refused)
+    return _lasting_at_least(plan.key_attempts * KEY_ATTEMPT_S, plan)
 
 
 def _outlive_the_joiners_start(plan: FaultRun) -> list[str]:
-    # the run must still be going when the newcomer is up, however fast this machine trains (on an
-    # idle one the run ended a moment before it was ready): a floor on its length
-    return [f"faults.step_delay_s={JOIN_START_S / plan.steps:.3f}"]
+    # the run must still be going when the newcomer is up (on an idle machine it ended a moment before)
+    return _lasting_at_least(JOIN_START_S, plan)
 
 
 NO_FAULT = Scenario("none")
