@@ -49,14 +49,17 @@ def test_two_workers_behind_nat_average_with_a_public_one_and_agree_after_a_roun
     # a client that starts after the public worker sat out round 1 (at once) joins it after that
     # round instead (joining.py): its records begin at round 2. One that comes a moment after the
     # other two formed round 2's group sees the public worker's offer of that round, stops looking
-    # and takes it: every worker averages the last round with both others
+    # and takes it. Every worker averages a round with both others through the public worker, and
+    # ends its last round whole or on a peer's state (on a loaded machine a client can miss the
+    # last round's group by more than comm.matchmaking_s: then it takes the state of the bigger group)
     for worker in range(3):
         numbers = [r["round"] for r in _rounds(run_dir, worker)]
         assert numbers[0] in ((1,) if worker == 0 else (1, 2)) and numbers[-1] == 4, numbers
         assert numbers == sorted(set(numbers)), numbers
         rounds = _rounds(run_dir, worker)
         assert rounds[0]["round"] == 2 or not rounds[0]["ok"], rounds
-        assert rounds[-1]["ok"] and rounds[-1]["peers"] == 3, (rounds, log_tails(run_dir, 3))
+        assert any(r["ok"] and r["peers"] == 3 for r in rounds[1:]), (rounds, log_tails(run_dir, 3))
+        assert rounds[-1]["ok"] or rounds[-1]["recovered"], (rounds, log_tails(run_dir, 3))
     hashes = [_rounds(run_dir, worker)[-1]["param_sha256"] for worker in range(3)]
     assert hashes[0] == hashes[1] == hashes[2], hashes
     assert json.loads((run_dir / "summary.json").read_text())["params_agree"]
