@@ -7,6 +7,8 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     crash      kill -9 one worker mid-round, restart it ``--outage`` seconds later (same command)
     cut        cut one worker's link for ``--outage`` seconds (testbed; on loopback its processes
                are stopped with SIGSTOP instead, which its peers see the same way)
+    split      cut the network between the first half of the workers (with the bootstrap peer)
+               and the rest for ``--outage`` seconds (testbed only)
     slow       one worker's link at 1/10 of the others' rate, each worker declaring its rate (testbed only)
     join       a fifth worker joins at round ``--join-round`` with ``diloco join --peers ADDR``
                and no config file (the run's config from a live peer)
@@ -43,6 +45,9 @@ KEY_ATTEMPT_S = 30.0  # wrong_key: one diloco join attempt (a process start, the
 # join: a newcomer's way in (a process start, the roster probe, the run's config, its model and peer):
 # about 17 s on 2 idle cores, more on busy ones
 JOIN_START_S = 40.0
+# split: the cut seen (a round's deadline, the records' TTL), the heal found (a redial, a round or
+# two) and rounds of the whole run after it, however fast this machine trains
+SPLIT_RUN_S = 150.0
 
 
 @dataclass
@@ -56,6 +61,7 @@ class FaultRun:
     outage_s: float = 20.0
     join_round: int = 5
     key_attempts: int = 3  # wrong_key: how many times the intruder tries diloco join
+    sides: tuple[tuple[int, ...], ...] = ()  # split: the workers on each side (default: two halves)
     rate_mbit: float = 0.0  # testbed link rate; 0 = loopback (no testbed)
     timeout_s: float = 900.0
 
@@ -218,6 +224,38 @@ def _cut_off(run: Injection) -> None:
     _cut(run.cluster, run.testbed, run.victim, down=False)
 
 
+def split_sides(plan: FaultRun) -> list[list[int]]:
+    """split: the workers on each side of the cut; the first side keeps the bootstrap peer. By
+    default the first half of the workers and the rest."""
+    if plan.sides:
+        return [list(side) for side in plan.sides]
+    half = plan.workers // 2
+    return [list(range(half)), list(range(half, plan.workers))]
+
+
+def _split(run: Injection) -> None:
+    """Cut the network between the sides in round 3; heal it ``outage_s`` after a worker of every
+    side has recorded the others missing (the split seen), so that the run goes on for a while
+    after the heal."""
+    sides = split_sides(run.plan)
+    run.cluster.wait_for_step(0, run.mid_round, run.plan.timeout_s)
+    run.testbed.split(sides)
+    for side in sides:
+        _wait_for_record(run.cluster, side[0], lambda r: bool(r.get("missing")), run.plan.timeout_s)
+    time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
+    run.testbed.heal()
+    run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)}")
+
+
+def _wait_for_record(cluster: Cluster, index: int, holds: Callable[[dict], bool], timeout_s: float) -> None:
+    """Until worker ``index`` has written a round record for which ``holds`` is true."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r.get("event") == "round" and holds(r) for r in written_records(cluster.run_dir, index)):
+        if time.monotonic() > deadline or cluster.processes[index].poll() is not None:
+            raise TimeoutError(f"worker {index} wrote no such round record within {timeout_s:.0f} s")
+        time.sleep(0.5)  # polling a file another process writes
+
+
 def _slow_down(run: Injection) -> None:
     slow = _slow_rate(run.plan)
     run.testbed.set_rate(run.victim, up_mbit=slow, down_mbit=slow)
@@ -308,6 +346,10 @@ def _outlive_the_attempts(plan: FaultRun) -> list[str]:
     return _lasting_at_least(plan.key_attempts * KEY_ATTEMPT_S, plan)
 
 
+def _outlive_the_split(plan: FaultRun) -> list[str]:
+    return _lasting_at_least(SPLIT_RUN_S, plan)
+
+
 def _outlive_the_joiners_start(plan: FaultRun) -> list[str]:
     # the run must still be going when the newcomer is up (on an idle machine it ended a moment before)
     return _lasting_at_least(JOIN_START_S, plan)
@@ -319,6 +361,7 @@ TABLE = {
     for scenario in (
         Scenario("crash", inject=_crash, faulty=_last),
         Scenario("cut", inject=_cut_off, faulty=_last),
+        Scenario("split", inject=_split, run_overrides=_outlive_the_split, needs_testbed=True),
         Scenario("slow", inject=_slow_down, faulty=_last, worker_overrides=_declared_rates, needs_testbed=True),
         # the joiner's first round may wait for it: counted apart
         Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, run_overrides=_outlive_the_joiners_start),

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _NETNS_ETC = Path("/etc/netns")  # per-namespace files that ``ip netns exec`` mounts over /etc's
 _NAME = re.compile(r"^dl[bvpn]([0-9a-z]+)s")  # every testbed object: dl + kind + owner pid (base 36) + s + number
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+_SPLIT_CHAIN = "diloco-split"  # split()'s rules, in each worker's namespace
 _built = 0  # testbeds built by this process so far: each gets fresh names
 
 
@@ -202,6 +203,35 @@ class Testbed:
     def set_link(self, worker: int, up: bool) -> None:
         """Cut (``up=False``) or restore a worker's link, as a network outage would."""
         _run("ip", "link", "set", self._root_ends[worker], "up" if up else "down")
+
+    def split(self, sides: Sequence[Sequence[int]], *, bootstrap_side: int = 0) -> None:
+        """Cut the network between ``sides`` (lists of workers), as a failed link between two sites
+        would: each worker drops every packet to or from a worker of another side, and from the root
+        namespace (where the bootstrap peer listens) unless it is on ``bootstrap_side``. Links within
+        a side stay. ``heal()`` undoes it. The rules sit in a chain of their own in each namespace."""
+        flat = [w for side in sides for w in side]
+        if sorted(flat) != sorted(set(flat)) or any(not 0 <= w < self.workers for w in flat):
+            raise TestbedError(f"split {[list(s) for s in sides]}: each worker 0 to {self.workers - 1} in one side")
+        self.heal()
+        for number, side in enumerate(sides):
+            away = [self.public_address(w) for other in sides if other is not side for w in other]
+            if number != bootstrap_side:
+                away.append(self.host)
+            for worker in side:
+                iptables = ["ip", "netns", "exec", self._routers.get(worker, self._namespaces[worker]), "iptables"]
+                _run(*iptables, "-N", _SPLIT_CHAIN, check=False)  # exists after an earlier split
+                for hook in ("INPUT", "OUTPUT", "FORWARD"):
+                    if _run(*iptables, "-C", hook, "-j", _SPLIT_CHAIN, check=False).returncode != 0:
+                        _run(*iptables, "-I", hook, "-j", _SPLIT_CHAIN)
+                for address in away:
+                    _run(*iptables, "-A", _SPLIT_CHAIN, "-s", address, "-j", "DROP")
+                    _run(*iptables, "-A", _SPLIT_CHAIN, "-d", address, "-j", "DROP")
+
+    def heal(self) -> None:
+        """Undo ``split()``: every worker reaches every other again."""
+        for worker in range(self.workers):
+            namespace = self._routers.get(worker, self._namespaces[worker])
+            _run("ip", "netns", "exec", namespace, "iptables", "-F", _SPLIT_CHAIN, check=False)
 
     def close(self) -> None:
         """Kill whatever runs in the namespaces, then delete them, their veths and the bridge. Idempotent."""
