@@ -69,6 +69,13 @@ class SyncResult:
     drifted: bool = False
     # the codec the round's peers agreed on, where the transport chose it (compression.name=adaptive)
     codec: str = ""
+    # a group that held more than one model (a split run met again): how many of its workers held
+    # each, ours first; empty when all held one. The average is whole, but only the workers of our
+    # model share our params: recovery ranks the round by them (core/recovery.py)
+    sides: tuple[int, ...] = ()
+    # workers seen in the run that are not live now and did not leave (crashed, or cut off: a
+    # split run), where the transport tracks who is live
+    missing: tuple[int, ...] = ()
 
     @property
     def averaged(self) -> bool:

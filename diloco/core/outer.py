@@ -183,7 +183,9 @@ class OuterStep:
     def account(self, result: SyncResult, where: str, indices: Sequence[int] | None = None) -> None:
         """What an average's ``result`` leaves the error feedback of the params ``indices`` (all:
         None) with, before the outer step applies it; a failed or partial one logged as ``where``."""
-        if result.partial:  # the group's common mean, honest about how few it covers in places
+        # partial: the group's common mean, honest about how few it covers in places; sides: the
+        # whole group's mean, in a group whose params differ (a split run met again)
+        if result.partial or result.sides:
             logger.warning("%s: %s", where, result.error)
         elif not result.ok:  # the transport left our own pseudo-gradient in place: it is applied in full
             logger.warning("%s: averaging failed (%s)", where, result.error)

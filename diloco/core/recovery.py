@@ -69,12 +69,17 @@ class RoundOutcome:
 
     @classmethod
     def of(cls, result: SyncResult, round_index: int) -> RoundOutcome:
+        # a group that held several models (a split run met again): only the workers of ours share our
+        # params, so the round ranks as if they alone had been our group; the other side's offers
+        # then decide which model the run keeps (the bigger side's; between sides of one size, the
+        # larger fingerprint's), as between the groups of a split round
+        side = result.sides[0] if result.sides else None
         return cls(
             round_index,
             averaged=result.averaged,
             # a worker whose contribution the group dropped ranks its state below every other (peers 0)
-            peers=result.peers if result.averaged else min(result.peers, 1),
-            group=result.group if result.averaged else 0,
+            peers=(side or result.peers) if result.averaged else min(result.peers, 1),
+            group=(side or result.group) if result.averaged else 0,
             grouped=result.group > 1,
             drifted=result.drifted,
         )

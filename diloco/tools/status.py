@@ -46,7 +46,36 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
             f" {_number(stats.get('loss'), '.4f'):>8} {_number(stats.get('val_loss'), '.4f'):>9}"
             f"  {_phase(entry, now):<26} {seen}" + ("  (leaving)" if entry.leaving else "")
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _split_lines(entries, live))
+
+
+def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) -> list[str]:
+    """What says the run may be split: planned workers absent from the roster (not started yet,
+    crashed, or cut off from the peer read through), and live workers of one round that hold
+    different params (two sides of a split that found each other again, before they merge)."""
+    lines = []
+    planned = max((e.planned for e in live.values()), default=0)
+    absent = [i for i in range(planned) if i not in entries]
+    if absent:
+        lines.append(
+            f"not in the roster: {_names(absent)} of the {planned} planned (not started, crashed, or cut off "
+            f"from the peer read through: a split run)"
+        )
+    models: dict[int, dict[str, list[int]]] = {}
+    for index, entry in sorted(live.items()):
+        if entry.stats.get("params"):
+            models.setdefault(entry.round, {}).setdefault(entry.stats["params"], []).append(index)
+    split = [(r, held) for r, held in sorted(models.items()) if len(held) > 1]
+    if split:
+        round_index, held = split[-1]
+        sides = sorted(held.items(), key=lambda item: -len(item[1]))
+        text = " / ".join(f"{_names(workers)} (params {digest[:12]})" for digest, workers in sides)
+        lines.append(f"split: {len(held)} models after round {round_index}: {text}")
+    return lines
+
+
+def _names(indices: list[int]) -> str:
+    return f"worker{'s' * (len(indices) != 1)} {', '.join(map(str, indices))}"
 
 
 def _phase(entry: RosterEntry, now: float) -> str:

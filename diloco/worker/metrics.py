@@ -197,9 +197,21 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
         "compute_utilization": _rounded(utilization, 4),
         "param_sha256": hashes,
         "params_agree": len(hashes) > 0 and None not in hashes and len(set(hashes)) == 1,
+        "models": models_of(ends),
         "failed_workers": failed,
         "per_worker": ends,
     }
+
+
+def models_of(ends: list[dict]) -> list[dict[str, Any]]:
+    """The models the workers ended on (one unless the run ended split): each with its workers,
+    params digest and final val loss, the most held first."""
+    models: dict[str | None, dict[str, Any]] = {}
+    for end in ends:
+        model = models.setdefault(end.get("param_sha256"), {"workers": [], "param_sha256": end.get("param_sha256")})
+        model["workers"].append(end.get("worker"))
+        model["val_loss"] = end.get("val_loss")
+    return sorted(models.values(), key=lambda m: -len(m["workers"]))
 
 
 def write_summary(run_dir: Path) -> dict[str, Any]:
@@ -234,6 +246,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         params = f"params: identical across {len(hashes)} workers (sha256 {hashes[0][:12]})"
     else:
         params = f"params: DIFFER, {len(set(hashes))} distinct hashes across {len(hashes)} workers"
+        for model in summary.get("models") or []:  # a split run: which workers hold which model
+            loss, digest = _fmt(model.get("val_loss"), ".4f"), (model.get("param_sha256") or "none")[:12]
+            params += f"\n  workers {', '.join(map(str, model['workers']))}: val loss {loss}, params {digest}"
     lines = [
         f"run {summary.get('run', '?')}: {summary['workers']} workers finished"
         + (f", failed: {failed}" if failed else ""),

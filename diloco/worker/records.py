@@ -149,8 +149,13 @@ class WorkerLog:
             record["error"] = result.error
         if result.codec:  # compression.name=adaptive: the codec the round's peers agreed on
             record["codec"] = result.codec
+        if result.missing:  # workers gone without leaving: crashed, or cut off (a split run)
+            record["missing"] = list(result.missing)
+        if result.sides:  # the group held several models (a split run met again): workers of each, ours first
+            record["sides"] = list(result.sides)
         self._emit(record, step)
-        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
+        # params: what a round's group compares to tell a split run met again (group_round.py)
+        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers, "params": param_hash[:16]}
         logger.info(
             "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent%s  params %s",
             round_number,

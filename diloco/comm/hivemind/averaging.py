@@ -11,6 +11,7 @@ of its own, while its deadline lasts. One attempt is ``group_round.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -119,27 +120,47 @@ class HivemindAveraging(Averaging):
             others_averaged=offers.averaged_in_a_group,
             others_gone=self._others_gone,
             control_s=peer.control_s,
+            model=lambda: roster.model,
         )
         self._was_alone = False
         self._said_unreachable_run = False
+        self._missing: tuple[int, ...] = ()  # the workers the roster missed at the last round
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         try:
             if self._alone():
-                return self._average_alone(tensors, weight, round_index=round_index)
+                return self._say_missing(self._average_alone(tensors, weight, round_index=round_index))
             # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
             # still hold the averager; the round fails at once rather than queue behind it
             busy = self._busy[fragment]
             if not busy.acquire(blocking=False):
                 return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
             try:
-                return self._average(tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment)
+                result = self._average(
+                    tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+                )
+                return self._say_missing(result)
             finally:
                 busy.release()
         finally:
             self.codecs.round_ended()  # the time to the next round is compute
+
+    def _say_missing(self, result: SyncResult) -> SyncResult:
+        """``result`` with the workers the roster misses (seen, gone without leaving: crashed or cut
+        off, a split run); a warning each time that set changes."""
+        missing = tuple(sorted(self._roster.missing))
+        if missing != self._missing:
+            if missing:
+                logger.warning(
+                    "%s gone without leaving: crashed, or cut off from us (a split run, training apart); "
+                    "rounds average among the workers still reachable until %s back",
+                    _workers(missing),
+                    "it is" if len(missing) == 1 else "they are",
+                )
+            self._missing = missing
+        return dataclasses.replace(result, missing=missing) if missing else result
 
     def _average(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
@@ -254,3 +275,9 @@ class HivemindAveraging(Averaging):
         deadline = time.monotonic() + self._peer.control_s
         while any(a.traffic.serving() for a in self.averagers) and time.monotonic() < deadline:
             time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
+
+
+def _workers(indices) -> str:
+    """``worker 2 is`` or ``workers 2, 3 are``."""
+    names = ", ".join(map(str, sorted(indices)))
+    return f"worker {names} is" if len(indices) == 1 else f"workers {names} are"

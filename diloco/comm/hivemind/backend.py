@@ -5,6 +5,7 @@
 - ``averaging.py``       a round's averaging: one averager per fragment, the retry, the round
                          alone; one attempt in a group is ``group_round.py``
 - ``state_exchange.py``  its state offered to peers and taken from them (``state_offers.py``)
+- ``redial.py``          its peers found again after the network between them healed
 
 With a run key (``run_key.py``) only key holders can write the run's DHT records or join its groups.
 """
@@ -20,6 +21,7 @@ from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
+from diloco.comm.hivemind.redial import Redial
 from diloco.comm.hivemind.roster import Roster
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
@@ -63,8 +65,10 @@ class HivemindBackend(CommBackend):
             planned=num_workers,
             slots=slots,
             serves_state=not peer.client_mode,
-            on_beat=None if peer.client_mode else peer.answer_dialbacks,
+            chores=[] if peer.client_mode else [peer.answer_dialbacks],
         )
+        roster.addresses = [] if peer.client_mode else peer.visible_addresses
+        roster.chores.append(Redial(peer.send, roster, cfg.initial_peers))
         averagers, flats = [], []
         try:  # should a part not start, what started is stopped again
             for fragment, indices in enumerate(fragments or [range(len(templates))]):

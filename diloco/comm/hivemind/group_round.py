@@ -36,6 +36,21 @@ def round_group_bits(round_index: int, attempt: int = 0) -> str:
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
 
 
+def model_sides(models: dict, own) -> tuple[int, ...]:
+    """How many peers of a group declared each model (the digest of their params), ``own``'s model
+    first, then the others from the most held; peers that declared none are left out (a worker that
+    has not finished a round yet). One entry (or none): the group held one model."""
+    declared = {peer: model for peer, model in models.items() if model}
+    counts: dict[str, int] = {}
+    for model in declared.values():
+        counts[model] = counts.get(model, 0) + 1
+    ours = declared.get(own)
+    if ours is None:
+        return ()
+    others = sorted((n for model, n in counts.items() if model != ours), reverse=True)
+    return ((counts[ours],) if ours is not None else ()) + tuple(others)
+
+
 @dataclasses.dataclass
 class Attempt:
     """One try at round ``round_index`` (``attempt`` 1: the retry among survivors), in a group the
@@ -65,8 +80,10 @@ class GroupRound:
         others_averaged: Callable[[int], bool],
         others_gone: Callable[[], bool],
         control_s: float,
+        model: Callable[[], str] = str,
     ):
         self.cfg, self.codecs, self.codec = cfg, codecs, codecs.codec
+        self._model = model
         self._own_id, self._plane, self._stage = own_id, plane, stage
         self._others_averaged, self._others_gone = others_averaged, others_gone
         self._control_s = control_s
@@ -85,6 +102,8 @@ class GroupRound:
         preference = self.codecs.preference(tensors, peers=max(2, at.expected))
         if preference is not None:
             declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
+        if model := self._model():
+            declared["model"] = model  # the digest of our params: a group that holds two is a split met again
         transfer_before = averager.traffic.transfer_s()
         try:
             gathered = self._step(averager, tensors, weight, declared, at)
@@ -113,12 +132,19 @@ class GroupRound:
             started = time.monotonic()
             result = self._over_plane(flat, tensors, gathered, screening)
             self.codecs.measure(codec, result.bytes_sent + result.bytes_recv, time.monotonic() - started)
-            return dataclasses.replace(result, codec=self.codecs.named(codec))
-        self.codecs.measure(codec, sent + recv, transfer_s)
-        if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
-            screening.dropped.setdefault(self._own_id, "our payload is unusable (see the averager's log)")
-        traffic = (sent, recv, failed_values)
-        return self._result(averager, tensors, weight, gathered, screening, codec, traffic)
+            result = dataclasses.replace(result, codec=self.codecs.named(codec))
+        else:
+            self.codecs.measure(codec, sent + recv, transfer_s)
+            if drops > drops_before:  # our own reducer could not read what we sent: neither could the others
+                screening.dropped.setdefault(self._own_id, "our payload is unusable (see the averager's log)")
+            traffic = (sent, recv, failed_values)
+            result = self._result(averager, tensors, weight, gathered, screening, codec, traffic)
+        sides = model_sides({peer: g.get("model", "") for peer, g in gathered.items()}, self._own_id)
+        if len(sides) > 1 and result.averaged:
+            text = " + ".join(map(str, sides))
+            error = f"the group held {len(sides)} models ({text} workers, ours first): a split run met again"
+            result = dataclasses.replace(result, sides=sides, error=result.error or error)
+        return result
 
     def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, declared: dict, at: Attempt):
         """Load our contribution into the averager, declare ``declared`` (with the data plane's

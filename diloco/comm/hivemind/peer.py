@@ -140,7 +140,14 @@ class Peer:
 
     def _start(self) -> None:
         self.dht = start_dht(self.cfg, client_mode=self._client_mode)
-        self.call = bounded_dht_call(self.dht, threading.Lock(), timeout_s=self.control_s)
+        self._lock = threading.Lock()
+        self.call = bounded_dht_call(self.dht, self._lock, timeout_s=self.control_s)
+
+    def send(self, fn):
+        """``fn(dht)``, a DHT request made with ``return_future=True``, sent without waiting for its
+        answer: its future (``call`` waits a bounded time instead)."""
+        with self._lock:
+            return fn(self.dht)
 
     @property
     def peer_id(self):

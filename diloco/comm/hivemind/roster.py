@@ -39,6 +39,7 @@ class RosterEntry:
     planned: int = 0  # the run's worker.count, as this worker runs it (0 = not said)
     slots: int = 0  # the run's data shards: the most workers it can hold (0 = not said)
     run: dict = field(default_factory=dict)  # the settings every worker must share (joining.run_identity)
+    addresses: tuple[str, ...] = ()  # where its peer is dialled (none for a client): redial.py
 
 
 class PartialRead(RuntimeError):
@@ -60,18 +61,21 @@ class Roster:
         slots: int = 0,
         ttl_s: float = TTL_S,
         serves_state: bool = True,
-        on_beat=None,
+        chores=(),
         clock=None,
     ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
         self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
         self.slots = slots or planned
         self.serves_state = serves_state
-        self._on_beat = on_beat  # also called once a heartbeat, on the heartbeat's thread
+        self.chores = list(chores)  # also called once a heartbeat, on the heartbeat's thread
         self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
         self._phase: tuple[str, float] = ("", 0.0)
         self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
         self.run: dict = {}  # the settings every worker of the run must share, once announced
+        self.addresses: list[str] = []  # where our peer is dialled, announced for redial.py (none for a client)
+        self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
+        self._live: set[int] = set()  # the live workers at the last read
         self._seen: set[int] = set()
         self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
         self._servers_seen: set[int] = set()  # workers seen serving their state (not in client mode)
@@ -94,6 +98,12 @@ class Roster:
         self._round, self._step = round_index, step
         if stats is not None:
             self._stats = stats
+
+    @property
+    def model(self) -> str:
+        """The digest of the worker's params after its last round, as it last reported (stats
+        ``params``); empty before its first round."""
+        return str(self._stats.get("params", ""))
 
     @property
     def rounds_done(self) -> int:
@@ -123,9 +133,9 @@ class Roster:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             self._publish()
-            if self._on_beat is not None:
+            for chore in self.chores:
                 try:
-                    self._on_beat()
+                    chore()
                 except Exception:  # a chore of the heartbeat's must not stop it
                     logger.debug("heartbeat chore failed", exc_info=True)
 
@@ -148,6 +158,7 @@ class Roster:
             "planned": self.planned,
             "slots": self.slots,
             "run": self.run,
+            "addrs": self.addresses,
         }
         expiration = now + self.ttl_s
         try:
@@ -188,6 +199,7 @@ class Roster:
                         int(value.get("planned", 0)),
                         int(value.get("slots", 0)),
                         value.get("run") if isinstance(value.get("run"), dict) else {},
+                        tuple(str(a) for a in value.get("addrs", ()) if isinstance(a, str)),
                     )
         return entries
 
@@ -213,6 +225,16 @@ class Roster:
         self.vanished = vanished
         return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in vanished)
 
+    @property
+    def missing(self) -> set[int]:
+        """The workers seen in the run that were not live at the last read, and did not leave: crashed,
+        or cut off from us (a split run: they may train on apart)."""
+        return self._seen - self._live - self._left - {self.worker_index}
+
+    def addresses_of(self, index: int) -> tuple[str, ...]:
+        """Where worker ``index`` announced its peer when last seen (empty: a client, or never seen)."""
+        return self._addresses.get(index, ())
+
     def serves_alone(self) -> bool:
         """Whether this worker is the only one of the run serving its state: every other live one is
         a client, every other that served has left cleanly (one missing without leaving may train
@@ -236,6 +258,8 @@ class Roster:
         self._left -= live  # one that left and is back (the same index, restarted) is live again
         now = self._clock()
         self._last_seen.update((i, now) for i in live if i != self.worker_index)
+        self._addresses.update((i, entries[i].addresses) for i in live if i in entries and entries[i].addresses)
+        self._live = live
         return live, leaving
 
 

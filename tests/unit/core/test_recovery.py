@@ -259,3 +259,20 @@ def test_a_worker_behind_the_run_takes_the_newest_state_of_a_later_round():
     assert peers.published == []
     nobody = _Peers()
     assert _connected(Recovery(_Params(1.0)), nobody).behind_the_run(3, timeout_s=1.0) is None and nobody.asked
+
+
+def test_a_group_that_held_two_models_ranks_each_side_by_its_own_workers_and_the_smaller_takes_the_bigger():
+    # a split run met again: the whole group averaged, but only the workers of our model share our params
+    met = SyncResult(ok=True, peers=4, total_weight=4.0, group=4, sides=(1, 3), error="the group held 2 models")
+    assert RoundOutcome.of(met, 9) == RoundOutcome(9, averaged=True, peers=1, group=1, grouped=True)
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=6.0)
+    assert _after_round(recovery, peers, met, 9, expected=4) == 9  # the lone side takes the other's state
+    assert recovery.state.value == 6.0 and recovery.standing is Standing.SYNCED
+    bigger = SyncResult(ok=True, peers=4, total_weight=4.0, group=4, sides=(3, 1))
+    recovery, peers = Recovery(_Params(1.0)), _Peers(served=6.0)
+    assert _after_round(recovery, peers, bigger, 9, expected=4) is None  # too few outside to rank higher
+    assert peers.asked == [] and recovery.state.value == 1.0
+    tie = SyncResult(ok=True, peers=4, total_weight=4.0, group=4, sides=(2, 2))
+    recovery, peers = Recovery(_Params(1.0)), _Peers()
+    assert _after_round(recovery, peers, tie, 9, expected=4) is None  # the other side ranks lower: none better
+    assert peers.asked == [(9, 2, True)] and recovery.standing is Standing.SYNCED

@@ -32,6 +32,17 @@ def test_status_table_names_the_runs_round_and_loss_and_marks_leaving_workers():
     assert format_status("r", {}, now=0.0) == "run 'r': no live workers"
 
 
+def test_status_names_the_planned_workers_it_cannot_see_and_the_models_of_a_split_run():
+    def entry(index: int, params: str) -> RosterEntry:
+        return RosterEntry(index, 7, 140, written_at=99.0, stats={"params": params}, planned=5)
+
+    text = format_status("r", {0: entry(0, "aa" * 8), 1: entry(1, "aa" * 8), 3: entry(3, "bb" * 8)}, now=100.0)
+    assert "not in the roster: workers 2, 4 of the 5 planned" in text
+    assert "split: 2 models after round 7: workers 0, 1 (params aaaaaaaaaaaa) / worker 3 (params bbbbbbbbbbbb)" in text
+    whole = format_status("r", {i: entry(i, "aa" * 8) for i in range(5)}, now=100.0)
+    assert "split" not in whole and "not in the roster" not in whole
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

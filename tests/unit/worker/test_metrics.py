@@ -96,6 +96,16 @@ def test_summary_orders_workers_numerically_and_flags_differing_params(tmp_path)
     assert "DIFFER" in format_summary(summary)
 
 
+def test_the_summary_of_a_run_that_ended_split_names_each_model_with_its_workers_and_loss(tmp_path):
+    for worker, (digest, loss) in enumerate([("aa", 2.07), ("aa", 2.07), ("bb", 2.01)]):
+        _write_worker(tmp_path, worker, _end(worker, param_sha256=digest * 32, val_loss=loss))
+    summary = summarize_run(tmp_path)
+    assert [(m["workers"], m["val_loss"]) for m in summary["models"]] == [([0, 1], 2.07), ([2], 2.01)]
+    text = format_summary(summary)
+    assert "workers 0, 1: val loss 2.0700, params aaaaaaaaaaaa" in text
+    assert "workers 2: val loss 2.0100, params bbbbbbbbbbbb" in text
+
+
 def test_write_summary_writes_json_atomically(tmp_path):
     _write_worker(tmp_path, 0, _end(0))
     summary = write_summary(tmp_path)

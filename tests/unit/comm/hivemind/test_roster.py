@@ -169,3 +169,26 @@ def test_the_schema_hash_is_a_token_only_key_holders_can_present(monkeypatch):
     assert keyed_schema_hash("a", schema) == keyed_schema_hash("a", schema) != keyed_schema_hash("b", schema)
     monkeypatch.setenv("DILOCO_RUN_KEY", "from-env")
     assert resolve_run_key("") == "from-env" and resolve_run_key("given") == "given"
+
+
+def test_workers_cut_off_are_missing_with_the_addresses_they_announced_until_they_are_back():
+    dht = _FakeDHT()
+    me, other, third = (_roster(dht, i, planned=3) for i in range(3))
+    other.addresses = ["/ip4/10.0.0.2/tcp/1/p2p/B"]
+    for roster in (me, other, third):
+        roster._publish()
+    assert me.expected() == 3 and me.missing == set()
+    del dht.records[1]  # its heartbeat expired without a word: crashed, or cut off (a split run)
+    third.leave()  # the third left cleanly: not missing
+    me.expected()
+    assert me.missing == {1} and me.addresses_of(1) == ("/ip4/10.0.0.2/tcp/1/p2p/B",)
+    other._publish()  # reachable again
+    me.expected()
+    assert me.missing == set()
+
+
+def test_a_roster_reports_the_digest_of_the_params_after_the_last_round():
+    me = _roster(_FakeDHT(), 0, planned=2)
+    assert me.model == ""  # before the first round: nothing to compare
+    me.progress(1, 20, {"val_loss": 3.0, "params": "abc123"})
+    assert me.model == "abc123"
