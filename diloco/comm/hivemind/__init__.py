@@ -6,6 +6,7 @@
 - ``averaging.py``       a round's averaging: one averager per fragment, the retry among survivors,
                          the outer step alone when nobody else is left
 - ``group_round.py``     one attempt in a group: matchmaking, the all-reduce, screening, the result
+                         (and whether the group held two models: a split run met again)
 - ``state_exchange.py``  the worker's state offered to peers and taken from them after a failed round
 - ``state_offers.py``    the offers as the DHT carries them: (round, rank) packed in one priority
 - ``membership.py``      the worker's roster record and its view of who is live
@@ -14,6 +15,7 @@
 - ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
 - ``gloo_plane.py``      a bulk data plane beside it: fp32 rounds through a gloo all-reduce
 - ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
+- ``redial.py``          the run's peers found again after the network between them healed (a split run)
 - ``reachability.py``    whether a joining worker can be dialled (else it joins as a client)
 - ``run_key.py``         the run key: HMAC-signed DHT records and a keyed schema hash
 - ``owned_dht.py``       a DHT process that dies with the worker that started it
