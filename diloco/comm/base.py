@@ -76,6 +76,8 @@ class SyncResult:
     # workers seen in the run that are not live now and did not leave (crashed, or cut off: a
     # split run), where the transport tracks who is live
     missing: tuple[int, ...] = ()
+    # the group the round waited for: the live workers the roster expected (0 = not known)
+    expected: int = 0
 
     @property
     def averaged(self) -> bool:

@@ -149,6 +149,8 @@ class WorkerLog:
             record["error"] = result.error
         if result.codec:  # compression.name=adaptive: the codec the round's peers agreed on
             record["codec"] = result.codec
+        if result.averaged and result.peers < result.expected:  # fewer than the live workers the round waited for
+            record["expected"] = result.expected
         if result.missing:  # workers gone without leaving: crashed, or cut off (a split run)
             record["missing"] = list(result.missing)
         if result.sides:  # the group held several models (a split run met again): workers of each, ours first

@@ -221,7 +221,7 @@ class HivemindAveraging(Averaging):
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv
             result = retry
-        return result
+        return dataclasses.replace(result, expected=expected)
 
     def _averaged_by_others(self, round_index: int) -> bool:
         """Whether a peer offers a state of this round averaged in a group, within a moment: then the

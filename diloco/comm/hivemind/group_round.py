@@ -11,6 +11,7 @@ result is ok only when every part of the vector is the mean over the same contri
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -40,15 +41,11 @@ def model_sides(models: dict, own) -> tuple[int, ...]:
     """How many peers of a group declared each model (the digest of their params), ``own``'s model
     first, then the others from the most held; peers that declared none are left out (a worker that
     has not finished a round yet). One entry (or none): the group held one model."""
-    declared = {peer: model for peer, model in models.items() if model}
-    counts: dict[str, int] = {}
-    for model in declared.values():
-        counts[model] = counts.get(model, 0) + 1
-    ours = declared.get(own)
-    if ours is None:
+    counts = collections.Counter(model for model in models.values() if model)
+    ours = models.get(own)
+    if not ours:
         return ()
-    others = sorted((n for model, n in counts.items() if model != ours), reverse=True)
-    return ((counts[ours],) if ours is not None else ()) + tuple(others)
+    return (counts.pop(ours),) + tuple(sorted(counts.values(), reverse=True))
 
 
 @dataclasses.dataclass

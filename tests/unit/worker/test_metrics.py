@@ -169,3 +169,29 @@ def test_offline_wandb_run_writes_files(tmp_path, monkeypatch):
     data = log_file.read_bytes()  # protobuf records: the metric names appear as plain bytes
     assert b"step/loss" in data and b"round/val_loss" in data
     assert b"step/note" not in data
+
+
+def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_models_did(tmp_path):
+    from diloco.comm.base import SyncResult
+    from diloco.worker.records import WorkerLog
+
+    log = WorkerLog(
+        LoggingConfig(wandb="disabled"),
+        run_dir=tmp_path,
+        run_name="r",
+        worker_index=0,
+        total_steps=100,
+        tokens_per_step=10,
+        config_dict={},
+    )
+    cut = SyncResult(True, 2, 2.0, group=2, missing=(2, 3), expected=2)
+    fewer = SyncResult(True, 2, 2.0, group=2, expected=4)  # the others are live, and matched apart
+    met = SyncResult(True, 4, 4.0, group=4, sides=(2, 2), expected=4, error="the group held 2 models")
+    for number, result in enumerate((cut, fewer, met), start=1):
+        log.round(number, 20 * number, result, comm_s=1.0, recovered=False, val_loss=3.0, param_hash="ab" * 32)
+    log.close()
+    rounds = [json.loads(line) for line in (tmp_path / "worker-0.jsonl").read_text().splitlines()]
+    assert rounds[0]["missing"] == [2, 3] and "expected" not in rounds[0]
+    assert rounds[1]["expected"] == 4 and "missing" not in rounds[1]
+    assert rounds[2]["sides"] == [2, 2] and "expected" not in rounds[2]
+    assert log.live["params"] == "ab" * 8  # what the roster tells the group (group_round.py)
