@@ -247,6 +247,32 @@ def _split(run: Injection) -> None:
     run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)}")
 
 
+def _merge_notes(run: Injection) -> None:
+    """split: the rounds whose records missed a side, and the first round after them that every
+    worker ended on the same params (one model again)."""
+    hashes: dict[int, dict[int, str]] = {}  # round -> worker -> params digest
+    missed = []
+    for index in range(run.plan.workers):
+        for record in written_records(run.run_dir, index):
+            if record.get("event") == "round":
+                hashes.setdefault(record["round"], {})[index] = record.get("param_sha256")
+                if record.get("missing"):
+                    missed.append(record["round"])
+    if not missed:
+        run.notes.append("no record missed a side")
+        return
+    merged = next(
+        (
+            r
+            for r in sorted(hashes)
+            if r > max(missed) and len(hashes[r]) == run.plan.workers and len(set(hashes[r].values())) == 1
+        ),
+        None,
+    )
+    seen = f"rounds {min(missed)}-{max(missed)} missed a side"
+    run.notes.append(f"{seen}; one model again from round {merged}" if merged else f"{seen}; never one model again")
+
+
 def _wait_for_record(cluster: Cluster, index: int, holds: Callable[[dict], bool], timeout_s: float) -> None:
     """Until worker ``index`` has written a round record for which ``holds`` is true."""
     deadline = time.monotonic() + timeout_s
@@ -361,7 +387,7 @@ TABLE = {
     for scenario in (
         Scenario("crash", inject=_crash, faulty=_last),
         Scenario("cut", inject=_cut_off, faulty=_last),
-        Scenario("split", inject=_split, run_overrides=_outlive_the_split, needs_testbed=True),
+        Scenario("split", inject=_split, run_overrides=_outlive_the_split, after=_merge_notes, needs_testbed=True),
         Scenario("slow", inject=_slow_down, faulty=_last, worker_overrides=_declared_rates, needs_testbed=True),
         # the joiner's first round may wait for it: counted apart
         Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, run_overrides=_outlive_the_joiners_start),
