@@ -30,6 +30,7 @@ params, and the final val loss over the fault-free run's. Writes ``results.json`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -234,16 +235,21 @@ def split_sides(plan: FaultRun) -> list[list[int]]:
 
 
 def _split(run: Injection) -> None:
-    """Cut the network between the sides in round 3; heal it ``outage_s`` after a worker of every
-    side has recorded the others missing (the split seen), so that the run goes on for a while
-    after the heal."""
+    """Cut the network between the sides in round 3; heal it ``outage_s`` after every worker has
+    recorded the workers of the other sides missing (the split seen), so that the run goes on for
+    a while after the heal."""
     sides = split_sides(run.plan)
     run.cluster.wait_for_step(0, run.mid_round, run.plan.timeout_s)
     run.testbed.split(sides)
-    for side in sides:
-        _wait_for_record(run.cluster, side[0], lambda r: bool(r.get("missing")), run.plan.timeout_s)
-    time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
-    run.testbed.heal()
+    try:
+        for side in sides:
+            others = set(range(run.plan.workers)) - set(side)
+            for worker in side:
+                saw_split = functools.partial(_misses, others)
+                _wait_for_record(run.cluster, worker, saw_split, run.plan.timeout_s)
+        time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
+    finally:
+        run.testbed.heal()
     run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)}")
 
 
@@ -271,6 +277,10 @@ def _merge_notes(run: Injection) -> None:
     )
     seen = f"rounds {min(missed)}-{max(missed)} missed a side"
     run.notes.append(f"{seen}; one model again from round {merged}" if merged else f"{seen}; never one model again")
+
+
+def _misses(workers: set[int], record: dict) -> bool:
+    return workers <= set(record.get("missing", ()))
 
 
 def _wait_for_record(cluster: Cluster, index: int, holds: Callable[[dict], bool], timeout_s: float) -> None:

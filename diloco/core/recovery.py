@@ -78,7 +78,7 @@ class RoundOutcome:
             round_index,
             averaged=result.averaged,
             # a worker whose contribution the group dropped ranks its state below every other (peers 0)
-            peers=(side or result.peers) if result.averaged else min(result.peers, 1),
+            peers=min(side or result.peers, result.peers) if result.averaged else min(result.peers, 1),
             group=(side or result.group) if result.averaged else 0,
             grouped=result.group > 1,
             drifted=result.drifted,

@@ -51,8 +51,9 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
 
 def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) -> list[str]:
     """What says the run may be split: planned workers absent from the roster (not started yet,
-    crashed, or cut off from the peer read through), and live workers of one round that hold
-    different params (two sides of a split that found each other again, before they merge)."""
+    crashed, or cut off from the peer read through), and live workers that hold different params
+    after one round (two sides of a split that found each other again, before they merge; as
+    workers of blocking rounds declare them)."""
     lines = []
     planned = max((e.planned for e in live.values()), default=0)
     absent = [i for i in range(planned) if i not in entries]
@@ -61,10 +62,11 @@ def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) 
             f"not in the roster: {_names(absent)} of the {planned} planned (not started, crashed, or cut off "
             f"from the peer read through: a split run)"
         )
-    models: dict[int, dict[str, list[int]]] = {}
+    models: dict[int, dict[str, list[int]]] = {}  # round -> params digest after it -> workers
     for index, entry in sorted(live.items()):
-        if entry.stats.get("params"):
-            models.setdefault(entry.round, {}).setdefault(entry.stats["params"], []).append(index)
+        digest, after = entry.stats.get("params"), entry.stats.get("params_round")
+        if isinstance(digest, str) and isinstance(after, int):
+            models.setdefault(after, {}).setdefault(digest, []).append(index)
     split = [(r, held) for r, held in sorted(models.items()) if len(held) > 1]
     if split:
         round_index, held = split[-1]

@@ -156,8 +156,7 @@ class WorkerLog:
         if result.sides:  # the group held several models (a split run met again): workers of each, ours first
             record["sides"] = list(result.sides)
         self._emit(record, step)
-        # params: what a round's group compares to tell a split run met again (group_round.py)
-        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers, "params": param_hash[:16]}
+        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
         logger.info(
             "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent%s  params %s",
             round_number,
@@ -169,6 +168,12 @@ class WorkerLog:
             param_hash[:12],
         )
         self.restart_window()
+
+    def declare_params(self, round_number: int, param_hash: str) -> None:
+        """Tell the run, with the next heartbeat, the digest of the params after round ``round_number``,
+        which every worker of one model holds alike (blocking rounds): a group compares them to tell
+        a split run met again (comm/hivemind/group_round.py), ``diloco status`` to show one."""
+        self.live = {**self.live, "params": param_hash[:16], "params_round": round_number}
 
     def end(
         self, step: int, rounds: int, totals: Totals, *, val_loss: float, param_hash: str, param_count: int = 0

@@ -73,6 +73,9 @@ class SyncMode:
     average_gradients = None
     # after a round the model holds exactly the synced params: its evaluation may be cached by their hash
     model_is_synced = True
+    # the next round's averaging starts from the params hashed after this one, on the worker's own
+    # thread: their digest tells a group whether its workers share one model (a split run met again)
+    declares_params = False
 
     def __init__(self, synced_params: list[torch.Tensor], accounting: Accounting):
         self.synced_params = synced_params  # what every worker holds alike after a round: hashed each round
@@ -101,6 +104,8 @@ class SyncMode:
 
 class BlockingRounds(SyncMode):
     """Training waits at each round's end while the worker averages and takes the outer step."""
+
+    declares_params = True
 
     def __init__(
         self,
@@ -240,4 +245,6 @@ def merged(window: list[RoundCost]) -> SyncResult:
         bytes_sent=sum(r.bytes_sent for r in results),
         bytes_recv=sum(r.bytes_recv for r in results),
         error=next((r.error for r in results if r.error), ""),
+        missing=results[-1].missing,  # who the latest average missed
+        expected=max(r.expected for r in results),
     )

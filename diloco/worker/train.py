@@ -84,6 +84,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 param_hash=param_hash,
                 phases_s=watchdog.take_spent(),  # the previous round's checkpoint is in it
             )
+            if sync.declares_params and placement.ranks == 1:  # a site's ranks hold shards of their own
+                log.declare_params(round_index, param_hash)
 
             every = cfg.checkpoint.every_rounds
             if every and (round_index % every == 0 or not clock.running(step, round_index)):

@@ -1,5 +1,5 @@
 """A run split by the network, in real network namespaces: the links between two sides of the run
-are cut (``Testbed.split``) in round 3 and healed once each side has recorded the others missing;
+are cut (``Testbed.split``) in round 3 and healed once every worker has recorded the others missing;
 the run goes on. Every worker must end on one model, and its records must show the split (the
 workers missing) and the merge (a round of the whole run, or the state of the other side taken).
 Root and iptables only; skipped elsewhere with the testbed's reason."""
@@ -33,7 +33,7 @@ def test_a_split_run_records_the_split_and_ends_on_one_model_after_the_network_h
         workers=WORKERS,
         steps=STEPS,
         sync_every=SYNC_EVERY,
-        outage_s=0.0,  # healed as soon as every side has seen the split
+        outage_s=5.0,  # healed 5 s after every worker recorded the other side missing
         rate_mbit=20.0,
         sides=sides,
         timeout_s=360.0,
@@ -46,8 +46,9 @@ def test_a_split_run_records_the_split_and_ends_on_one_model_after_the_network_h
         others = sorted(set(range(WORKERS)) - set(side))
         for worker in side:
             rounds = _rounds(run_dir, worker)
-            # the split is seen: the other side is missing from the worker's records
-            split = [r for r in rounds if r.get("missing") == others]
+            # the split is seen: the other side is missing from the worker's records (the scenario
+            # heals only once every worker recorded that, and fails if one never does)
+            split = [r for r in rounds if set(others) <= set(r.get("missing", ()))]
             assert split, (worker, rounds)
             # and merged: after the last round that missed them, the whole run averaged together, or
             # the worker took the other side's state

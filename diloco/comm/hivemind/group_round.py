@@ -48,6 +48,12 @@ def model_sides(models: dict, own) -> tuple[int, ...]:
     return (counts.pop(ours),) + tuple(sorted(counts.values(), reverse=True))
 
 
+def _declared_model(declared) -> str:
+    """The params digest a peer declared (``""``: none, or not a string: a peer of another version)."""
+    model = declared.get("model") if isinstance(declared, dict) else None
+    return model if isinstance(model, str) else ""
+
+
 @dataclasses.dataclass
 class Attempt:
     """One try at round ``round_index`` (``attempt`` 1: the retry among survivors), in a group the
@@ -136,10 +142,13 @@ class GroupRound:
                 screening.dropped.setdefault(self._own_id, "our payload is unusable (see the averager's log)")
             traffic = (sent, recv, failed_values)
             result = self._result(averager, tensors, weight, gathered, screening, codec, traffic)
-        sides = model_sides({peer: g.get("model", "") for peer, g in gathered.items()}, self._own_id)
+        sides = model_sides({peer: _declared_model(g) for peer, g in gathered.items()}, self._own_id)
         if len(sides) > 1 and result.averaged:
             text = " + ".join(map(str, sides))
-            error = f"the group held {len(sides)} models ({text} workers, ours first): a split run met again"
+            error = (
+                f"the group held {len(sides)} models ({text} workers, ours first): a split run met again, or a "
+                f"worker that missed a state; the side that ranks lower takes the other's"
+            )
             result = dataclasses.replace(result, sides=sides, error=result.error or error)
         return result
 

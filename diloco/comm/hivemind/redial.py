@@ -47,6 +47,9 @@ async def _dial_and_ping(dht, node, *, maddrs: Sequence[str], timeout_s: float) 
         return answered
 
     results = await asyncio.gather(*(one(m) for m in dict.fromkeys(maddrs)), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):  # a malformed address, say: the others are still dialled
+            logger.debug("redial failed: %r", result)
     return sum(result is True for result in results)
 
 
@@ -58,7 +61,7 @@ def dial(send: Callable, maddrs: Sequence[str], *, timeout_s: float = DIAL_S):
 
 
 class Redial:
-    """A heartbeat chore (``Roster(on_beat=...)``): while ``roster`` misses workers it has seen,
+    """A heartbeat chore (``Roster.chores``): while ``roster`` misses workers it has seen,
     dial them and ``initial_peers`` again every ``every_s`` (one dial at a time, never waited for
     on the heartbeat's thread); logs once when they are live again."""
 
@@ -83,5 +86,7 @@ class Redial:
             return
         maddrs = [a for index in sorted(missing) for a in self.roster.addresses_of(index)] + self.initial_peers
         if maddrs:
+            if self._pending is not None and self._pending.exception() is None:
+                logger.debug("redial: %d answered (missing workers %s)", self._pending.result(), sorted(missing))
             self._last, self._dialled = now, self._dialled | missing
             self._pending = dial(self._send, maddrs)

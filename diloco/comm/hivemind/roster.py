@@ -252,6 +252,7 @@ class Roster:
         entries = self.own_entries()
         live = {i for i, entry in entries.items() if not entry.leaving} | {self.worker_index}
         leaving = {i for i, entry in entries.items() if entry.leaving}
+        self._live = live  # before _seen: a worker seen for the first time is never missing
         self._seen |= live
         self._servers_seen |= {i for i in live if i in entries and entries[i].serves_state}
         self._left |= leaving
@@ -259,7 +260,6 @@ class Roster:
         now = self._clock()
         self._last_seen.update((i, now) for i in live if i != self.worker_index)
         self._addresses.update((i, entries[i].addresses) for i in live if i in entries and entries[i].addresses)
-        self._live = live
         return live, leaving
 
 

@@ -34,13 +34,17 @@ def test_status_table_names_the_runs_round_and_loss_and_marks_leaving_workers():
 
 def test_status_names_the_planned_workers_it_cannot_see_and_the_models_of_a_split_run():
     def entry(index: int, params: str) -> RosterEntry:
-        return RosterEntry(index, 7, 140, written_at=99.0, stats={"params": params}, planned=5)
+        return RosterEntry(index, 7, 140, written_at=99.0, stats={"params": params, "params_round": 7}, planned=5)
 
     text = format_status("r", {0: entry(0, "aa" * 8), 1: entry(1, "aa" * 8), 3: entry(3, "bb" * 8)}, now=100.0)
     assert "not in the roster: workers 2, 4 of the 5 planned" in text
     assert "split: 2 models after round 7: workers 0, 1 (params aaaaaaaaaaaa) / worker 3 (params bbbbbbbbbbbb)" in text
     whole = format_status("r", {i: entry(i, "aa" * 8) for i in range(5)}, now=100.0)
     assert "split" not in whole and "not in the roster" not in whole
+    # a worker that has started its next round still declares the params after the last one
+    ahead = {i: entry(i, "aa" * 8) for i in range(5)}
+    ahead[4] = RosterEntry(4, 8, 141, written_at=99.0, stats={"params": "cc" * 8, "params_round": 8}, planned=5)
+    assert "split" not in format_status("r", ahead, now=100.0)
 
 
 class _Terminal(io.StringIO):

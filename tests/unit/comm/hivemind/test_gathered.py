@@ -44,13 +44,3 @@ def test_a_malformed_reply_is_refused_with_a_reason():
         gathered.unpack(reply + b"x", recipient=1, own=kept[1].payload)
     with pytest.raises(PayloadError, match="no contribution"):
         gathered.mean(codec, [], 500, [1.0])
-
-
-def test_a_group_that_declared_two_models_has_two_sides_ours_first():
-    from diloco.comm.hivemind.group_round import model_sides
-
-    assert model_sides({"a": "m1", "b": "m1", "c": "m1"}, "a") == (3,)  # one model
-    assert model_sides({"a": "m1", "b": "m1", "c": "m2", "d": "m2"}, "c") == (2, 2)
-    assert model_sides({"a": "m1", "b": "m1", "c": "m1", "d": "m2"}, "d") == (1, 3)
-    assert model_sides({"a": "", "b": "m1", "c": "m2"}, "b") == (1, 1)  # a newcomer declares none
-    assert model_sides({"a": "", "b": "m1"}, "a") == ()  # nothing to compare ours with
