@@ -142,10 +142,23 @@ class Cluster:
 
     def wait_for_step(self, index: int, step: int, timeout_s: float) -> None:
         """Until worker ``index`` has logged inner step ``step`` (its JSONL step records)."""
+        self.wait_for(index, lambda: latest_step(self.run_dir, index) >= step, timeout_s, f"reach step {step}")
+
+    def wait_for_record(self, index: int, holds: Callable[[dict], bool], timeout_s: float) -> None:
+        """Until worker ``index`` has written a round record for which ``holds`` is true."""
+
+        def written() -> bool:
+            return any(r.get("event") == "round" and holds(r) for r in written_records(self.run_dir, index))
+
+        self.wait_for(index, written, timeout_s, "write such a round record")
+
+    def wait_for(self, index: int, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Until ``done()``, polling the records worker ``index`` writes; ``TimeoutError`` past
+        ``timeout_s`` or once the worker has exited."""
         deadline = time.monotonic() + timeout_s
-        while latest_step(self.run_dir, index) < step:
+        while not done():
             if time.monotonic() > deadline or self.processes[index].poll() is not None:
-                raise TimeoutError(f"worker {index} did not reach step {step} within {timeout_s:.0f} s")
+                raise TimeoutError(f"worker {index} did not {what} within {timeout_s:.0f} s")
             time.sleep(0.5)  # polling a file another process writes
 
     def wait_all(self, timeout_s: float) -> dict[int, int]:
@@ -245,8 +258,7 @@ def _split(run: Injection) -> None:
         for side in sides:
             others = set(range(run.plan.workers)) - set(side)
             for worker in side:
-                saw_split = functools.partial(_misses, others)
-                _wait_for_record(run.cluster, worker, saw_split, run.plan.timeout_s)
+                run.cluster.wait_for_record(worker, functools.partial(_misses, others), run.plan.timeout_s)
         time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
     finally:
         run.testbed.heal()
@@ -281,15 +293,6 @@ def _merge_notes(run: Injection) -> None:
 
 def _misses(workers: set[int], record: dict) -> bool:
     return workers <= set(record.get("missing", ()))
-
-
-def _wait_for_record(cluster: Cluster, index: int, holds: Callable[[dict], bool], timeout_s: float) -> None:
-    """Until worker ``index`` has written a round record for which ``holds`` is true."""
-    deadline = time.monotonic() + timeout_s
-    while not any(r.get("event") == "round" and holds(r) for r in written_records(cluster.run_dir, index)):
-        if time.monotonic() > deadline or cluster.processes[index].poll() is not None:
-            raise TimeoutError(f"worker {index} wrote no such round record within {timeout_s:.0f} s")
-        time.sleep(0.5)  # polling a file another process writes
 
 
 def _slow_down(run: Injection) -> None:

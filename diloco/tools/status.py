@@ -18,7 +18,7 @@ import time
 from typing import TextIO
 
 from diloco.comm.base import CommConfig, CommError
-from diloco.comm.hivemind.roster import HEARTBEAT_S, RosterEntry, nobody_answered
+from diloco.comm.hivemind.roster import HEARTBEAT_S, RosterEntry, nobody_answered, worker_names
 from diloco.worker.metrics import format_duration
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: only ever written to a terminal
@@ -59,7 +59,7 @@ def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) 
     absent = [i for i in range(planned) if i not in entries]
     if absent:
         lines.append(
-            f"not in the roster: {_names(absent)} of the {planned} planned (not started, crashed, or cut off "
+            f"not in the roster: {worker_names(absent)} of the {planned} planned (not started, crashed, or cut off "
             f"from the peer read through: a split run)"
         )
     models: dict[int, dict[str, list[int]]] = {}  # round -> params digest after it -> workers
@@ -71,13 +71,9 @@ def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) 
     if split:
         round_index, held = split[-1]
         sides = sorted(held.items(), key=lambda item: -len(item[1]))
-        text = " / ".join(f"{_names(workers)} (params {digest[:12]})" for digest, workers in sides)
+        text = " / ".join(f"{worker_names(workers)} (params {digest[:12]})" for digest, workers in sides)
         lines.append(f"split: {len(held)} models after round {round_index}: {text}")
     return lines
-
-
-def _names(indices: list[int]) -> str:
-    return f"worker{'s' * (len(indices) != 1)} {', '.join(map(str, indices))}"
 
 
 def _phase(entry: RosterEntry, now: float) -> str:

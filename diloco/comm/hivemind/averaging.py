@@ -24,7 +24,7 @@ from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, live_counts
+from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
 from diloco.comm.hivemind.run_key import resolve_run_key
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
@@ -156,7 +156,7 @@ class HivemindAveraging(Averaging):
                 logger.warning(
                     "%s gone without leaving: crashed, or cut off from us (a split run, training apart); "
                     "rounds average among the workers still reachable until %s back",
-                    _workers(missing),
+                    f"{worker_names(missing)} {'is' if len(missing) == 1 else 'are'}",
                     "it is" if len(missing) == 1 else "they are",
                 )
             self._missing = missing
@@ -266,7 +266,8 @@ class HivemindAveraging(Averaging):
             return SyncResult(False, 1, weight, error="our own contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
-        drifted = self.num_workers > 1 and bool(self._roster.vanished)
+        # alone while workers that vanished without leaving may train on, cut off from us (or we from them)
+        drifted = self.num_workers > 1 and bool(self._roster.missing)
         return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted, codec=self.codecs.named(codec))
 
     def finish(self) -> None:
@@ -275,9 +276,3 @@ class HivemindAveraging(Averaging):
         deadline = time.monotonic() + self._peer.control_s
         while any(a.traffic.serving() for a in self.averagers) and time.monotonic() < deadline:
             time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
-
-
-def _workers(indices) -> str:
-    """``worker 2 is`` or ``workers 2, 3 are``."""
-    names = ", ".join(map(str, sorted(indices)))
-    return f"worker {names} is" if len(indices) == 1 else f"workers {names} are"

@@ -65,9 +65,9 @@ class HivemindBackend(CommBackend):
             planned=num_workers,
             slots=slots,
             serves_state=not peer.client_mode,
+            addresses=[] if peer.client_mode else peer.visible_addresses,
             chores=[] if peer.client_mode else [peer.answer_dialbacks],
         )
-        roster.addresses = [] if peer.client_mode else peer.visible_addresses
         roster.chores.append(Redial(peer.send, roster, cfg.initial_peers))
         averagers, flats = [], []
         try:  # should a part not start, what started is stopped again

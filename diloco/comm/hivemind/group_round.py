@@ -83,7 +83,7 @@ class GroupRound:
         others_averaged: Callable[[int], bool],
         others_gone: Callable[[], bool],
         control_s: float,
-        model: Callable[[], str] = str,
+        model: Callable[[], str] = lambda: "",
     ):
         self.cfg, self.codecs, self.codec = cfg, codecs, codecs.codec
         self._model = model

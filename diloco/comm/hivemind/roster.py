@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Roster:
         slots: int = 0,
         ttl_s: float = TTL_S,
         serves_state: bool = True,
+        addresses: Sequence[str] = (),
         chores=(),
         clock=None,
     ):
@@ -73,7 +75,7 @@ class Roster:
         self._phase: tuple[str, float] = ("", 0.0)
         self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
         self.run: dict = {}  # the settings every worker of the run must share, once announced
-        self.addresses: list[str] = []  # where our peer is dialled, announced for redial.py (none for a client)
+        self.addresses = list(addresses)  # where our peer is dialled, announced for redial.py (none for a client)
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._live: set[int] = set()  # the live workers at the last read
         self._seen: set[int] = set()
@@ -81,9 +83,6 @@ class Roster:
         self._servers_seen: set[int] = set()  # workers seen serving their state (not in client mode)
         self._clock = clock or time.monotonic
         self._last_seen: dict[int, float] = {}  # when each other worker's record was last read, by our clock
-        # the other workers that were gone without leaving at the last others_gone(): they may
-        # still be training, cut off from us (or we from them)
-        self.vanished: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -221,9 +220,7 @@ class Roster:
         if not others_seen or live != {self.worker_index}:
             return False
         now = self._clock()
-        vanished = others_seen - self._left
-        self.vanished = vanished
-        return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in vanished)
+        return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in self.missing)
 
     @property
     def missing(self) -> set[int]:
@@ -261,6 +258,11 @@ class Roster:
         self._last_seen.update((i, now) for i in live if i != self.worker_index)
         self._addresses.update((i, entries[i].addresses) for i in live if i in entries and entries[i].addresses)
         return live, leaving
+
+
+def worker_names(indices) -> str:
+    """``worker 2`` or ``workers 2, 3``, in order."""
+    return f"worker{'s' * (len(indices) != 1)} {', '.join(map(str, sorted(indices)))}"
 
 
 def nobody_answered(run_id: str, peers: list[str], timeout_s: float | None = None) -> str:

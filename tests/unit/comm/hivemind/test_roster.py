@@ -72,7 +72,7 @@ def test_a_worker_is_alone_once_every_other_left_cleanly(tmp_path):
     me._publish(), other._publish()
     assert not me.others_gone()
     other.leave()
-    assert me.others_gone() and not me.vanished  # the only other worker seen has finished: nobody to wait for
+    assert me.others_gone() and not me.missing  # the only other worker seen has finished: nobody to wait for
     third._publish()
     assert not me.others_gone()  # one came (back): groups again
 
@@ -89,7 +89,7 @@ def test_a_worker_whose_heartbeats_stopped_is_gone_a_ttl_after_its_record_expire
     now[0] += me.ttl_s - 1
     assert not me.others_gone()  # a heartbeat late under load is not a crash yet
     now[0] += 1
-    assert me.others_gone() and me.vanished == {1}  # alone at once from now on, and it may have drifted
+    assert me.others_gone() and me.missing == {1}  # alone at once from now on, and it may have drifted
     other._publish()
     assert not me.others_gone()  # it is back: groups again
 
