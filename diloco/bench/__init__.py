@@ -30,6 +30,7 @@ BENCHMARKS = {
         "one GPU end to end: M workers over hivemind with a restart, one worker alone, DiLoCo against data-parallel",
     ),
     "compression": ("diloco.bench.compression", "each compression codec against dense DiLoCo (M=4, H=50)"),
+    "attacks": ("diloco.bench.attacks", "one worker of four attacks the run: the screening's effect and cost"),
 }
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.robust import norm_of, screen
+from diloco.comm.robust import NO_SCREENING, ScreeningRules, against_the_others, norm_of, screen
 from diloco.compression import Codec, PayloadError, all_finite
 
 logger = logging.getLogger(__name__)
@@ -33,15 +33,17 @@ def average_payloads(
     numels: Sequence[int],
     *,
     round_index: int,
-    max_norm_ratio: float = 0.0,
-    clip_to_median: bool = False,
+    rules: ScreeningRules = NO_SCREENING,
 ) -> tuple[list[torch.Tensor], list[Contribution]]:
     """The rule every transport follows to average compressed tensors (``codec`` decodes them).
 
     Each contribution is decoded (one with an invalid payload or weight is dropped, with a log line
     that names the sender and the reason); the decoded contributions are screened by their norms
-    (``robust.screen``: one far above the median is dropped, and with ``clip_to_median`` those
-    above it are scaled down to it); the weighted mean is taken in fp32, in the order given;
+    and weights as ``rules`` say (``robust.screen``: one far above the median is dropped, with
+    ``clip_to_median`` those above it are scaled down to it, a weight counts for at most
+    ``max_weight_ratio`` x the median), then by direction (``robust.against_the_others``: one
+    that points against the others' median is dropped); the weighted mean is taken in fp32, in
+    the order given;
     and the result is what ``codec`` restores from the compressed mean. That last step is what a
     reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves
     (a codec that ``gathers`` is not compressed again: its ``gathered_mean``, checked to be finite).
@@ -61,9 +63,7 @@ def average_payloads(
         except PayloadError as error:
             logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, contribution.worker, error)
     screening = screen(
-        {i: norm_of(values) for i, values in enumerate(decoded)},
-        max_norm_ratio=max_norm_ratio,
-        clip_to_median=clip_to_median,
+        {i: norm_of(values) for i, values in enumerate(decoded)}, rules, {i: c.weight for i, c in enumerate(used)}
     )
     for i, reason in screening.dropped.items():
         logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
@@ -72,7 +72,12 @@ def average_payloads(
         for i, values in enumerate(decoded)
         if i in screening.scales
     ]
-    used = [c for i, c in enumerate(used) if i in screening.scales]
+    used = [_counted(c, screening.weight(c.weight)) for i, c in enumerate(used) if i in screening.scales]
+    against = {} if codec.gathers else against_the_others(decoded, rules.min_cosine)
+    for i, reason in against.items():
+        logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
+    decoded = [values for i, values in enumerate(decoded) if i not in against]
+    used = [c for i, c in enumerate(used) if i not in against]
     if not used:
         return [], []
     total = sum(c.weight for c in used)
@@ -91,3 +96,11 @@ def average_payloads(
             logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
             return [], []
     return means, used
+
+
+def _counted(contribution: Contribution, weight: float) -> Contribution:
+    """``contribution`` with the weight it counts for (a claim above the round's bound is cut)."""
+    if weight == contribution.weight:
+        return contribution
+    logger.warning("%s claimed weight %.4g: it counts for %.4g", contribution.worker, contribution.weight, weight)
+    return Contribution(contribution.worker, contribution.payloads, weight)

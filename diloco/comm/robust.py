@@ -1,10 +1,20 @@
-"""Robust aggregation: which contributions to a round are kept, and how much each is scaled.
+"""Robust aggregation: which contributions to a round are kept, how much each is scaled, and
+how much its weight may count.
 
-A contribution whose norm is far beyond the others' (more than ``comm.max_norm_ratio`` x the
-median norm of the round) is dropped; with ``comm.clip_to_median`` every kept contribution above
-the median is scaled down to it. The decision depends on the norms alone, so every reducer that
-screens the same norms reaches the same decision (hivemind's reducers each see only a slice of a
+By norm (``screen``): a contribution whose norm is far beyond the others' (more than
+``comm.max_norm_ratio`` x the median norm of the round) is dropped; with ``comm.clip_to_median``
+every kept contribution above the median is scaled down to it; no weight counts for more than
+``comm.max_weight_ratio`` x the median weight of the round (a claim above it is cut to it). The
+decision depends on the declared norms and weights alone, so every reducer that screens the same
+declarations reaches the same decision (hivemind's reducers each see only a slice of a
 contribution, so there the norms travel with the matchmaking; see ``hivemind/averager.py``).
+
+By direction (``against_the_others``): a contribution whose cosine to the coordinate-wise median
+of the contributions is below ``comm.min_cosine`` points against the others (a sign flip, a
+poisoner within the norm bound) and is dropped. The median needs at least three contributions to
+say which one is off. It is taken over what a reducer sees: whole vectors on the simulator and
+torch.distributed, each part on hivemind's reducers, where a part is reduced in one place only,
+so every peer receives the same decision.
 
 The reference is ``statistics.median_low`` over the finite norms: with two contributions it is
 the smaller one, so an honest worker is the reference for a blown-up one. A median of 0 (at
@@ -14,6 +24,7 @@ clip are off for that round rather than dropping every non-zero contribution.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections.abc import Hashable, Mapping, Sequence
@@ -21,22 +32,61 @@ from dataclasses import dataclass, field
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+_NORM_CHUNK = 1 << 16  # values per fp32 norm: its rounding stays near 1e-7 of the norm
+
+MIN_FOR_DIRECTION = 3  # contributions the coordinate-wise median needs to tell which one is off
+
+
+@dataclass(frozen=True)
+class ScreeningRules:
+    """The run's screening settings (``comm.max_norm_ratio``, ``comm.clip_to_median``,
+    ``comm.max_weight_ratio``, ``comm.min_cosine``); the defaults screen nothing."""
+
+    max_norm_ratio: float = 0.0  # 0 = off
+    clip_to_median: bool = False
+    max_weight_ratio: float = 0.0  # 0 = off
+    min_cosine: float = -1.0  # -1 = off (no cosine is below it)
+
+    @classmethod
+    def of(cls, comm) -> ScreeningRules:
+        """The rules a run's ``comm`` config section sets."""
+        return cls(comm.max_norm_ratio, comm.clip_to_median, comm.max_weight_ratio, comm.min_cosine)
+
+    @property
+    def by_direction(self) -> bool:
+        return self.min_cosine > -1.0
+
+
+NO_SCREENING = ScreeningRules()
+
 
 @dataclass(frozen=True)
 class Screening:
-    """The decision for one round: who is dropped (and why), and the factor for each kept one."""
+    """The decision for one round: who is dropped (and why), the factor for each kept one, and
+    the most a weight counts for."""
 
     dropped: dict = field(default_factory=dict)  # contributor -> reason, for the log
     scales: dict = field(default_factory=dict)  # kept contributor -> factor to multiply its values by
     median: float = math.nan  # the reference norm (nan when no norm was finite)
+    max_weight: float = math.inf  # a weight above it counts as it (``comm.max_weight_ratio``)
+    min_cosine: float = -1.0  # the direction rule every reducer applies to what it receives
+
+    def weight(self, claimed: float) -> float:
+        """What a contribution that claims ``claimed`` counts for."""
+        return min(claimed, self.max_weight)
 
 
-def screen(norms: Mapping[Hashable, float], *, max_norm_ratio: float, clip_to_median: bool) -> Screening:
-    """Screen a round's contributions by their norms (``contributor -> norm``).
+def screen(
+    norms: Mapping[Hashable, float], rules: ScreeningRules, weights: Mapping[Hashable, float] | None = None
+) -> Screening:
+    """Screen a round's contributions by their norms (``contributor -> norm``) and weights.
 
     Non-finite norms are dropped. When ``max_norm_ratio`` > 0, a norm above ``max_norm_ratio`` x
     the median is dropped. When ``clip_to_median``, a kept norm above the median gets the factor
-    ``median / norm``; every other kept one gets 1.0."""
+    ``median / norm``; every other kept one gets 1.0. When ``max_weight_ratio`` > 0, the most a
+    weight counts for is that x the median (low) of the positive finite ``weights``."""
     finite = [float(n) for n in norms.values() if math.isfinite(n)]
     median = statistics.median_low(finite) if finite else math.nan
     dropped, scales = {}, {}
@@ -44,16 +94,50 @@ def screen(norms: Mapping[Hashable, float], *, max_norm_ratio: float, clip_to_me
         norm = float(norm)
         if not math.isfinite(norm):
             dropped[who] = f"its norm is {norm}"
-        elif max_norm_ratio > 0 and median > 0 and norm > max_norm_ratio * median:
-            dropped[who] = f"its norm {norm:.4g} is more than {max_norm_ratio:g} x the median norm {median:.4g}"
-        elif clip_to_median and median > 0 and norm > median:
+        elif rules.max_norm_ratio > 0 and median > 0 and norm > rules.max_norm_ratio * median:
+            ratio = rules.max_norm_ratio
+            dropped[who] = f"its norm {norm:.4g} is more than {ratio:g} x the median norm {median:.4g}"
+        elif rules.clip_to_median and median > 0 and norm > median:
             scales[who] = median / norm
         else:
             scales[who] = 1.0
-    return Screening(dropped, scales, median)
+    return Screening(dropped, scales, median, _max_weight(weights or {}, rules), rules.min_cosine)
 
 
-_NORM_CHUNK = 1 << 16  # values per fp32 norm: its rounding stays near 1e-7 of the norm
+def _max_weight(weights: Mapping[Hashable, float], rules: ScreeningRules) -> float:
+    usable = [float(w) for w in weights.values() if math.isfinite(w) and w > 0]
+    if rules.max_weight_ratio <= 0 or not usable:
+        return math.inf
+    return rules.max_weight_ratio * statistics.median_low(usable)
+
+
+def against_the_others(vectors: Sequence[Sequence[torch.Tensor]], min_cosine: float) -> dict[int, str]:
+    """The contributions (each some flat tensors, all of the same shapes) whose cosine to the
+    coordinate-wise median of all of them is below ``min_cosine``: index -> reason. Nothing with
+    fewer than ``MIN_FOR_DIRECTION`` contributions, or when the median is zero. The median of an
+    even count is the lower middle value (``torch.median``), whatever the order of arrival; a zero
+    contribution has cosine 0. When half or more would be dropped, none is."""
+    if min_cosine <= -1.0 or len(vectors) < MIN_FOR_DIRECTION:
+        return {}
+    dots, squares, median_squares = [0.0] * len(vectors), [0.0] * len(vectors), 0.0
+    for k in range(len(vectors[0])):
+        for start in range(0, vectors[0][k].numel(), _NORM_CHUNK):
+            stack = torch.stack([v[k][start : start + _NORM_CHUNK].float() for v in vectors])
+            median = stack.median(dim=0).values
+            median_squares += float(median.double().square().sum())
+            for i, (dot, square) in enumerate(zip((stack @ median).tolist(), stack.square().sum(dim=1).tolist())):
+                dots[i] += dot
+                squares[i] += square
+    if median_squares <= 0:
+        return {}
+    dropped = {}
+    for i, (dot, square) in enumerate(zip(dots, squares)):
+        cosine = dot / math.sqrt(square * median_squares) if square > 0 else 0.0
+        logger.debug("contribution %d: cosine %.4f to the median", i, cosine)
+        if not cosine >= min_cosine:
+            dropped[i] = f"it points against the others (cosine {cosine:.3f} to their median, below {min_cosine:g})"
+    # the median speaks for a majority: when half or more point away from it, it tells nothing
+    return dropped if 2 * len(dropped) < len(vectors) else {}
 
 
 def norm_of(tensors: Sequence[torch.Tensor]) -> float:
@@ -75,3 +159,13 @@ def declared_norm(gathered: object) -> float:
     nan when it declared none or something that is not a number (such a peer is dropped)."""
     norm = gathered.get("norm") if isinstance(gathered, dict) else None
     return float(norm) if isinstance(norm, int | float) and not isinstance(norm, bool) else math.nan
+
+
+def declared_weights(gathered: Mapping[Hashable, object]) -> dict:
+    """The weight each hivemind peer declared in its gathered data (nan where it declared none)."""
+    weights = {}
+    for peer, data in gathered.items():
+        weight = data.get("weight") if isinstance(data, dict) else None
+        usable = isinstance(weight, int | float) and not isinstance(weight, bool)
+        weights[peer] = float(weight) if usable else math.nan
+    return weights

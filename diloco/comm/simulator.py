@@ -33,6 +33,7 @@ import torch
 
 from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
+from diloco.comm.robust import NO_SCREENING, ScreeningRules
 from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
 
@@ -67,7 +68,7 @@ class SimulatedGroup:
         self._arrived: dict[int, Contribution] = {}
         self._round_done = 0  # rounds averaged so far
         self._last: tuple[list[torch.Tensor], list[Contribution]] = ([], [])  # (means, contributions used)
-        self._reducer: tuple[Codec, list[int], dict] | None = None  # (codec, numel of each tensor, screening)
+        self._reducer: tuple[Codec, list[int], ScreeningRules] | None = None  # (codec, numel of each tensor, rules)
 
     def wait_turn(self, worker: int) -> None:
         with self._cond:
@@ -89,15 +90,13 @@ class SimulatedGroup:
         codec: Codec,
         numels: list[int],
         *,
-        max_norm_ratio: float = 0.0,
-        clip_to_median: bool = False,
+        rules: ScreeningRules = NO_SCREENING,
     ) -> tuple[list[torch.Tensor], list[Contribution]]:
         """Block until every live worker has arrived; return the averaged flat tensors and the
-        contributions in them (see ``average_payloads``, which screens them as the arguments say)."""
+        contributions in them (see ``average_payloads``, which screens them as ``rules`` say)."""
         with self._cond:
             if not self._arrived:  # the first to arrive sets the round's shapes (fragments differ)
-                screening = {"max_norm_ratio": max_norm_ratio, "clip_to_median": clip_to_median}
-                self._reducer = (codec, numels, screening)
+                self._reducer = (codec, numels, rules)
             self._arrived[worker] = contribution
             round_index = self._round_done
             if not self._complete_round_if_all_arrived():
@@ -118,9 +117,9 @@ class SimulatedGroup:
         return True
 
     def _average(self) -> tuple[list[torch.Tensor], list[Contribution]]:
-        codec, numels, screening = self._reducer
+        codec, numels, rules = self._reducer
         in_order = [self._arrived[w] for w in sorted(self._arrived)]  # a fixed order: the same sum on every run
-        return average_payloads(codec, in_order, numels, round_index=self._round_done, **screening)
+        return average_payloads(codec, in_order, numels, round_index=self._round_done, rules=rules)
 
     def finish(self, worker: int) -> None:
         """A worker is done (or failed): nobody waits for it any more. Safe to call twice."""
@@ -156,7 +155,7 @@ class SimulatedAveraging(Averaging):
     def __init__(self, cfg: CommConfig, group: SimulatedGroup, *, worker_index: int, codec: Codec):
         self.group, self.worker_index, self.codec = group, worker_index, codec
         self.bandwidth_mbps, self.latency_ms = cfg.bandwidth_mbps, cfg.latency_ms
-        self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
+        self.rules = ScreeningRules.of(cfg)
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
@@ -169,8 +168,7 @@ class SimulatedAveraging(Averaging):
             mine,
             self.codec,
             numels,
-            max_norm_ratio=self.max_norm_ratio,
-            clip_to_median=self.clip_to_median,
+            rules=self.rules,
         )
         peers, total = len(used), sum(c.weight for c in used)
         if not used:

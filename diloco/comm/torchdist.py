@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
-from diloco.comm.robust import screen
+from diloco.comm.robust import ScreeningRules, screen
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -67,13 +67,13 @@ class TorchDistAveraging(Averaging):
 
     def __init__(self, cfg: CommConfig, *, num_workers: int, device: torch.device, codec: Codec):
         self.device, self.codec, self.num_workers = device, codec, num_workers
-        self.max_norm_ratio, self.clip_to_median = cfg.max_norm_ratio, cfg.clip_to_median
+        self.rules = ScreeningRules.of(cfg)
 
     @torch.no_grad()
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        if not self.codec.lossless:
+        if not self.codec.lossless or self.rules.by_direction:  # a sum cannot be screened by direction
             return self._all_gather_compressed(tensors, weight, round_index)
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
         norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
@@ -84,18 +84,16 @@ class TorchDistAveraging(Averaging):
         except RuntimeError as error:  # a peer died or timed out: the group is unusable
             return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
         norms, weights = zip(*(s.tolist() for s in stats))
-        screening = screen(
-            dict(enumerate(norms)), max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median
-        )
+        screening = screen(dict(enumerate(norms)), self.rules, dict(enumerate(weights)))
         for rank, reason in sorted(screening.dropped.items()):
             logger.warning("round %d: dropped the contribution of rank %d: %s", round_index + 1, rank, reason)
         kept = sorted(screening.scales)
-        total = sum(weights[rank] for rank in kept)
+        total = sum(screening.weight(weights[rank]) for rank in kept)
         if not kept or not (math.isfinite(total) and total > 0):  # every rank sees the same and gives up alike
             return SyncResult(False, 1, weight, error="every contribution was dropped")
         rank = dist.get_rank()
         if rank in screening.scales:
-            flat.mul_(weight * screening.scales[rank])
+            flat.mul_(screening.weight(weight) * screening.scales[rank])
         else:
             flat.zero_()  # not multiplied: NaN x 0 is NaN
         try:
@@ -139,8 +137,7 @@ class TorchDistAveraging(Averaging):
             contributions,
             numels,
             round_index=round_index,
-            max_norm_ratio=self.max_norm_ratio,
-            clip_to_median=self.clip_to_median,
+            rules=self.rules,
         )
         if not used:
             return SyncResult(False, 1, weight, error="every contribution was dropped")

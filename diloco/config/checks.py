@@ -128,6 +128,27 @@ def _check_faults(cfg: Config) -> None:
         math.isfinite(cfg.faults.payload_scale),
         f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",
     )
+    require(
+        math.isfinite(cfg.faults.weight_scale) and cfg.faults.weight_scale > 0,
+        f"faults.weight_scale={cfg.faults.weight_scale} must be a positive number",
+    )
+
+
+def _check_screening(cfg: Config) -> None:
+    """``comm.max_weight_ratio`` and ``comm.min_cosine``, and the transports that can apply them."""
+    require(
+        cfg.comm.max_weight_ratio == 0 or cfg.comm.max_weight_ratio >= 1,
+        f"comm.max_weight_ratio={cfg.comm.max_weight_ratio} must be 0 (off) or at least 1",
+    )
+    require(
+        -1 <= cfg.comm.min_cosine < 1,
+        f"comm.min_cosine={cfg.comm.min_cosine} must be in [-1, 1) (-1 = off)",
+    )
+    require(
+        cfg.comm.min_cosine == -1 or cfg.comm.data_plane != "gloo",
+        "comm.min_cosine screens what a reducer receives, and comm.data_plane=gloo sums vectors nobody "
+        "sees: set comm.min_cosine=-1 to use the gloo plane (between sites that trust each other)",
+    )
 
 
 def _check_comm(cfg: Config) -> None:
@@ -138,6 +159,7 @@ def _check_comm(cfg: Config) -> None:
         cfg.comm.max_norm_ratio == 0 or cfg.comm.max_norm_ratio > 1,
         f"comm.max_norm_ratio={cfg.comm.max_norm_ratio} must be 0 (off) or above 1",
     )
+    _check_screening(cfg)
     require(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     require(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
     bad_peers = [peer for peer in cfg.comm.initial_peers if not peer.startswith("/")]

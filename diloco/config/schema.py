@@ -71,6 +71,7 @@ class FaultConfig:
     bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
     payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
     step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
+    weight_scale: float = 1.0  # this worker claims this x the samples it trained on as its contribution's weight
 
 
 @dataclass

@@ -6,6 +6,7 @@
     diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
     diloco local ... faults.worker=1 faults.step_delay_s=0.2  # worker 1 computes like a slower machine
     diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
+    diloco local ... faults.worker=1 faults.weight_scale=1000  # worker 1 claims 1000 x its samples
 
 Faults wrap the real parts; nothing else in the code knows about them.
 """
@@ -76,6 +77,22 @@ class ScaledPayloadAveraging(FaultyAveraging):
         return result
 
 
+class ClaimedWeightAveraging(FaultyAveraging):
+    """Averages through ``inner`` claiming ``scale`` x its real weight (the samples it trained on):
+    a worker that wants its contribution to count for more than it is worth."""
+
+    def __init__(self, inner: Averaging, scale: float):
+        super().__init__(inner)
+        self.scale = scale
+
+    def all_reduce_mean(
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+    ) -> SyncResult:
+        return self.inner.all_reduce_mean(
+            tensors, weight * self.scale, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+        )
+
+
 class BadPayloadCodec(Codec):
     """``inner``, except that what it compresses arrives broken in the way ``mode`` names."""
 
@@ -132,6 +149,8 @@ def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> Co
     averaging = backend.averaging
     if cfg.bad_payload == "scaled":
         averaging = ScaledPayloadAveraging(averaging, cfg.payload_scale)
+    if cfg.weight_scale != 1.0:
+        averaging = ClaimedWeightAveraging(averaging, cfg.weight_scale)
     if cfg.skip_round:
         averaging = SkipRoundAveraging(averaging, cfg.skip_round)
     return backend if averaging is backend.averaging else backend.with_parts(averaging=averaging)

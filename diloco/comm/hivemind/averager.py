@@ -46,7 +46,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException, TensorPartReducer
+from hivemind.averaging.partition import BannedException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
@@ -54,8 +54,16 @@ from hivemind.utils.mpfuture import MPFuture
 
 from diloco.comm.base import StateReader
 from diloco.comm.hivemind import gathered, gloo_plane
+from diloco.comm.hivemind.reducer import ScreeningReducer, reducer_for
 from diloco.comm.hivemind.run_key import keyed_schema_hash
-from diloco.comm.robust import Screening, declared_norm, screen
+from diloco.comm.robust import (
+    NO_SCREENING,
+    Screening,
+    ScreeningRules,
+    declared_norm,
+    declared_weights,
+    screen,
+)
 from diloco.compression import PAYLOAD_FORMAT, Codec, PayloadError, all_finite
 from diloco.lifetime import die_with_parent
 
@@ -135,31 +143,6 @@ class _TrafficCounters:
         return self._sent.value, self._recv.value, self._failed_values.value, self._own_drops.value
 
 
-class SenderlessEndingReducer(TensorPartReducer):
-    """hivemind's reducer of our share, which also ends once no sender is left to wait for.
-
-    When the last senders of a part fail before sending it (a peer cut off, or every peer but one
-    whose own contribution was dropped), hivemind's reducer closes that part with nobody in it and
-    opens the next one expecting no sender, and never checks again: its ``finished`` event never
-    fires, and the round waits for the all-reduce's whole timeout (``comm.deadline_s``) while the
-    others have long gone on. A worker whose own contribution every peer dropped waits for exactly
-    that event before its round can end (``_communicate_with_peer``)."""
-
-    def __init__(self, part_shapes, num_senders: int):
-        self.contributions: dict[int, int] = {}  # part -> how many senders its average is over
-        super().__init__(part_shapes, num_senders)
-
-    def check_current_part_finished(self):
-        if self.current_part_accumulated_from == self.num_current_senders:
-            self.contributions[self.current_part_index] = self.current_part_accumulated_from
-        super().check_current_part_finished()
-
-    def on_sender_failed(self, sender_index: int):
-        super().on_sender_failed(sender_index)
-        if not self.finished.is_set() and self.num_current_senders == 0:
-            self.finalize()
-
-
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers hand out the average itself, not a delta."""
 
@@ -174,9 +157,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     ):
         super().__init__(*args, **kwargs)
         self.tensor_part_reducer.finished.set()  # hivemind's own, replaced: never used, nothing to report
-        self.tensor_part_reducer = SenderlessEndingReducer(
-            self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
-        )
+
         # a failed reducer's part falls back to our own values rather than a zero delta
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
@@ -187,6 +168,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._own_payloads: dict[tuple[int, int], bytes] = {}
         # robust aggregation: who every peer drops, each kept sender's factor, and the norms declared
         self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
+        shapes, senders = self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
+        self.tensor_part_reducer = reducer_for(shapes, senders, self.screening.min_cosine, gathers=codec.gathers)
         self.norms = norms or {}
         self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
 
@@ -285,15 +268,13 @@ class ExactAllReduceRunner(AllReduceRunner):
             return await self._exchange_with_reducer(peer_id)
         # our own share: reduce it locally and keep what the others get (the stock runner keeps a delta)
         sender_index = self.sender_peer_ids.index(peer_id)
-        scale = self.screening.scales.get(peer_id, 1.0)
+        scale, weight = self.screening.scales.get(peer_id, 1.0), self.screening.weight(self.weight)
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
             try:  # our part as the others would decode it
                 if self.codec.gathers:  # and its bytes, which the others take the mean from
                     payload, sent = await loop.run_in_executor(None, _compressed_as_sent, self.codec, part)
-                    self._kept.setdefault(part_index, {})[sender_index] = gathered.Kept(
-                        sender_index, self.weight, payload
-                    )
+                    self._kept.setdefault(part_index, {})[sender_index] = gathered.Kept(sender_index, weight, payload)
                 else:
                     sent = await loop.run_in_executor(None, _as_sent, self.codec, part)
                 if scale != 1.0:
@@ -305,9 +286,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 await self.tensor_part_reducer.finished.wait()  # keep serving the others until they are done
                 self.tensor_part_container.register_failed_reducer(peer_index)
                 return
-            averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, sent, weight=self.weight
-            )
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent, weight=weight)
             self.traffic.note_contributions(self.tensor_part_reducer.contributions.get(part_index, 0))
             try:
                 if self.codec.gathers:
@@ -380,6 +359,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     if not (math.isfinite(message.weight) and message.weight > 0):
                         raise PayloadError(f"weight {message.weight} is not a positive number")
+                    weight = self.screening.weight(message.weight)  # a claim above the round's bound is cut
                     numel = reducer.part_shapes[parts_done].numel() if parts_done < reducer.num_parts else -1
                     part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
                     self._check_declared_norm(sender, part)
@@ -390,10 +370,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 if self.codec.gathers:  # what the others take this part's mean from
                     self._kept.setdefault(parts_done, {})[sender_index] = gathered.Kept(
-                        sender_index, message.weight, bytes(message.tensor_part.buffer)
+                        sender_index, weight, bytes(message.tensor_part.buffer)
                     )
                 try:
-                    averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=message.weight)
+                    averaged = await reducer.accumulate_part(sender_index, parts_done, part, weight=weight)
                 except BannedException:
                     # the sender was dropped from this round (too late, say): not in the part's
                     # gathered mean either (the part waits for it until this raises); stop serving it
@@ -413,6 +393,19 @@ class ExactAllReduceRunner(AllReduceRunner):
         finally:
             if parts_done != reducer.num_parts:
                 await self._ban_sender(sender)
+
+
+def _log_left_out(runner: ExactAllReduceRunner) -> None:
+    """One line per sender our reducer left out of parts of our share (``comm.min_cosine``)."""
+    reducer = runner.tensor_part_reducer
+    if not isinstance(reducer, ScreeningReducer):
+        return
+    for index, reasons in sorted(reducer.left_out.items()):
+        peer = runner.sender_peer_ids[index]
+        logger.warning(
+            "left the contribution of peer %s out of %d of the %d parts we reduced: %s",
+            peer, len(reasons), reducer.num_parts, reasons[0],
+        )  # fmt: skip
 
 
 def _bytes_part(payload: bytes) -> runtime_pb2.Tensor:
@@ -496,13 +489,12 @@ class ExactAverager(DecentralizedAverager):
         *,
         codec: Codec,
         run_key: str = "",
-        max_norm_ratio: float = 0.0,
-        clip_to_median: bool = False,
+        rules: ScreeningRules = NO_SCREENING,
         start: bool,
         **kwargs,
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
-        self.max_norm_ratio, self.clip_to_median = max_norm_ratio, clip_to_median
+        self.rules = rules
         self._shared_state: tuple[dict, StateReader] | None = None
         super().__init__(
             averaged_tensors,
@@ -583,7 +575,7 @@ class ExactAverager(DecentralizedAverager):
             self._running_groups[group_id].set_result(None)
             return
         norms = {peer: declared_norm(data) for peer, data in declared.items()}
-        screening = screen(norms, max_norm_ratio=self.max_norm_ratio, clip_to_median=self.clip_to_median)
+        screening = screen(norms, self.rules, declared_weights(declared))
         for peer, reason in screening.dropped.items():
             if peer == self.peer_id:
                 logger.warning("dropped our own contribution: %s", reason)
@@ -617,6 +609,7 @@ class ExactAverager(DecentralizedAverager):
             self.traffic.add(
                 failed_values=runner.tensor_part_container.failed_size, transfer_s=time.monotonic() - started
             )
+            _log_left_out(runner)
 
     def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
         """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``

@@ -29,6 +29,7 @@ from diloco.comm.hivemind.run_key import resolve_run_key
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads
+from diloco.comm.robust import ScreeningRules
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,7 @@ def start_averager(
         codec=codec,
         run_key=resolve_run_key(cfg.run_key),
         client_mode=peer.client_mode,
-        max_norm_ratio=cfg.max_norm_ratio,
-        clip_to_median=cfg.clip_to_median,
+        rules=ScreeningRules.of(cfg),
         start=True,
         prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
         target_group_size=num_workers,

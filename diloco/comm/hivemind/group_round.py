@@ -23,7 +23,7 @@ import torch
 from diloco.comm.base import CommConfig, SyncResult
 from diloco.comm.hivemind import gloo_plane
 from diloco.comm.link_meter import CodecChoice
-from diloco.comm.robust import Screening, declared_norm, norm_of, screen
+from diloco.comm.robust import Screening, ScreeningRules, declared_norm, declared_weights, norm_of, screen
 from diloco.compression import all_finite
 
 logger = logging.getLogger(__name__)
@@ -125,11 +125,8 @@ class GroupRound:
             self.codecs.measure(self.codec.candidates[averager.traffic.used_codec()], sent + recv, transfer_s)
             return SyncResult(False, 1, weight, sent, recv, error=failure)
         # the group's screening (robust.py), which every peer computes alike from what it gathered
-        screening = screen(
-            {peer: declared_norm(g) for peer, g in gathered.items()},
-            max_norm_ratio=self.cfg.max_norm_ratio,
-            clip_to_median=self.cfg.clip_to_median,
-        )
+        norms = {peer: declared_norm(g) for peer, g in gathered.items()}
+        screening = screen(norms, ScreeningRules.of(self.cfg), declared_weights(gathered))
         codec = self.codec.agreed(gathered.values())  # as every peer of the group does
         if gloo_plane.carries(codec, list(gathered.values())):  # hivemind found the group; gloo averages
             started = time.monotonic()
@@ -211,7 +208,9 @@ class GroupRound:
         except TimeoutError as error:
             return SyncResult(False, 1, weight, sent, recv, error=str(error), group=group)
         kept = screening.scales  # the peers whose contribution is in the mean
-        total_weight = sum(float(g.get("weight", 0.0)) for peer, g in gathered.items() if peer in kept)
+        total_weight = sum(
+            screening.weight(float(g.get("weight", 0.0))) for peer, g in gathered.items() if peer in kept
+        )
         counted = averager.traffic.take_contributions()
         least, most = counted if counted is not None else (len(kept), len(kept))
         named = self.codecs.named(codec)
@@ -231,7 +230,7 @@ class GroupRound:
         own vector by its weight and screening factor (0: dropped, it still takes part so that
         nobody waits for it), the ring all-reduce sums them, and every peer divides alike."""
         own = self._own_id
-        weights = {peer: float(g.get("weight", 0.0)) for peer, g in gathered.items()}
+        weights = {peer: screening.weight(float(g.get("weight", 0.0))) for peer, g in gathered.items()}
         kept = screening.scales
         total_weight = sum(weights[peer] for peer in kept)
         moved = gloo_plane.ring_bytes(flat.numel(), len(gathered))

@@ -12,7 +12,7 @@ import torch
 
 from diloco.comm.base import Averaging, CommBackend, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
-from diloco.comm.robust import norm_of, screen
+from diloco.comm.robust import ScreeningRules, against_the_others, norm_of, screen
 from diloco.compression import CompressionConfig, NoCompression, build_codec
 from diloco.config import ConfigError, FaultConfig, load_config
 from diloco.tools.launcher import simulate
@@ -21,7 +21,7 @@ from tests.conftest import TINY
 
 
 def test_with_two_contributions_the_smaller_norm_is_the_reference():
-    decision = screen({"honest": 1.0, "big": 100.0}, max_norm_ratio=10, clip_to_median=False)
+    decision = screen({"honest": 1.0, "big": 100.0}, ScreeningRules(10, False))
     assert decision.median == 1.0
     assert list(decision.dropped) == ["big"] and decision.scales == {"honest": 1.0}
     assert "100" in decision.dropped["big"] and "median norm 1" in decision.dropped["big"]
@@ -29,38 +29,36 @@ def test_with_two_contributions_the_smaller_norm_is_the_reference():
 
 def test_a_norm_at_the_ratio_is_kept_and_just_above_is_dropped():
     norms = {"a": 1.0, "b": 1.0, "c": 10.0, "d": 10.000001}
-    decision = screen(norms, max_norm_ratio=10, clip_to_median=False)
+    decision = screen(norms, ScreeningRules(10, False))
     assert list(decision.dropped) == ["d"] and decision.scales == {"a": 1.0, "b": 1.0, "c": 1.0}
 
 
 def test_ratio_zero_turns_the_rule_off_but_non_finite_norms_are_always_dropped():
     norms = {"a": 1.0, "b": 1e6, "c": math.nan, "d": math.inf}
-    decision = screen(norms, max_norm_ratio=0, clip_to_median=False)
+    decision = screen(norms, ScreeningRules(0, False))
     assert sorted(decision.dropped) == ["c", "d"] and decision.scales == {"a": 1.0, "b": 1.0}
     assert decision.median == 1.0  # over the finite norms only
-    on = screen(norms, max_norm_ratio=10, clip_to_median=False)
+    on = screen(norms, ScreeningRules(10, False))
     assert sorted(on.dropped) == ["b", "c", "d"]
 
 
 def test_clip_scales_the_norms_above_the_median_down_to_it():
-    decision = screen({"a": 1.0, "b": 2.0, "c": 4.0, "d": 50.0}, max_norm_ratio=10, clip_to_median=True)
+    decision = screen({"a": 1.0, "b": 2.0, "c": 4.0, "d": 50.0}, ScreeningRules(10, True))
     assert decision.median == 2.0 and list(decision.dropped) == ["d"]
     assert decision.scales == {"a": 1.0, "b": 1.0, "c": 0.5}
-    no_ratio = screen({"a": 1.0, "b": 2.0, "c": 4.0, "d": 50.0}, max_norm_ratio=0, clip_to_median=True)
+    no_ratio = screen({"a": 1.0, "b": 2.0, "c": 4.0, "d": 50.0}, ScreeningRules(0, True))
     assert no_ratio.scales["d"] == pytest.approx(2.0 / 50.0) and not no_ratio.dropped
 
 
 def test_a_zero_median_leaves_every_finite_contribution_in():
     # half the group sent nothing: no scale to judge the others by (dropping them all would stall training)
-    decision = screen({"a": 0.0, "b": 0.0, "c": 5.0}, max_norm_ratio=10, clip_to_median=True)
+    decision = screen({"a": 0.0, "b": 0.0, "c": 5.0}, ScreeningRules(10, True))
     assert not decision.dropped and decision.scales == {"a": 1.0, "b": 1.0, "c": 1.0}
 
 
 def test_the_decision_depends_on_the_norms_alone_not_their_order():
     norms = {"a": 3.0, "b": 0.5, "c": 40.0, "d": 2.0, "e": math.nan}
-    decisions = [
-        screen(dict(order), max_norm_ratio=10, clip_to_median=True) for order in itertools.permutations(norms.items())
-    ]
+    decisions = [screen(dict(order), ScreeningRules(10, True)) for order in itertools.permutations(norms.items())]
     assert all(d.dropped == decisions[0].dropped and d.scales == decisions[0].scales for d in decisions)
     assert sorted(decisions[0].dropped) == ["c", "e"]
 
@@ -79,19 +77,19 @@ def _contribution(name: str, value: float, codec=None) -> Contribution:
 def test_average_payloads_drops_a_blown_up_contribution_and_logs_who_sent_it(caplog):
     contributions = [_contribution("worker 0", 1.0), _contribution("worker 1", 3.0), _contribution("worker 2", 300.0)]
     with caplog.at_level(logging.WARNING, logger="diloco.comm.base"):
-        means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, max_norm_ratio=10)
+        means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, rules=ScreeningRules(10))
     assert [c.worker for c in used] == ["worker 0", "worker 1"]
     torch.testing.assert_close(means[0], torch.full((4,), 2.0))
     assert "round 8: dropped the contribution of worker 2: its norm 734.8 is more than 10 x the median" in caplog.text
     # off: the poisoned mean
-    means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, max_norm_ratio=0)
+    means, used = average_payloads(NoCompression(), contributions, [4, 2], round_index=7, rules=ScreeningRules(0))
     assert len(used) == 3 and means[0][0].item() == pytest.approx(304 / 3)
 
 
 def test_average_payloads_clips_to_the_median_norm_of_the_decoded_contributions():
     codec = build_codec(CompressionConfig(name="int8"))
     contributions = [_contribution(f"worker {i}", v, codec) for i, v in enumerate([1.0, 2.0, 4.0])]
-    means, used = average_payloads(codec, contributions, [4, 2], round_index=0, max_norm_ratio=10, clip_to_median=True)
+    means, used = average_payloads(codec, contributions, [4, 2], round_index=0, rules=ScreeningRules(10, True))
     assert len(used) == 3
     torch.testing.assert_close(means[0], torch.full((4,), (1 + 2 + 2) / 3), atol=0.02, rtol=0)
 
@@ -169,3 +167,63 @@ def test_norm_of_a_long_vector_is_its_float64_norm_to_a_millionth():
     values = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0))
     exact = float(torch.linalg.vector_norm(values, dtype=torch.float64))
     assert norm_of([values[:10], values[10:]]) == pytest.approx(exact, rel=1e-6)
+
+
+def test_a_weight_claim_above_the_bound_counts_for_the_bound_and_the_mean_follows():
+    weights = {"a": 12.0, "b": 12.0, "c": 6.0, "d": 12_000.0}
+    decision = screen(dict.fromkeys(weights, 1.0), ScreeningRules(max_weight_ratio=4), weights)
+    assert decision.max_weight == 48.0 and decision.weight(12_000.0) == 48.0 and decision.weight(6.0) == 6.0
+    assert screen(dict.fromkeys(weights, 1.0), ScreeningRules(), weights).weight(12_000.0) == 12_000.0  # off
+    contributions = [_contribution(f"worker {i}", v) for i, v in enumerate([1.0, 2.0, 3.0, 4.0])]
+    contributions[3] = Contribution("worker 3", contributions[3].payloads, 1000.0)
+    means, used = average_payloads(
+        NoCompression(), contributions, [4, 2], round_index=0, rules=ScreeningRules(0, False, 4)
+    )
+    assert [c.weight for c in used] == [1.0, 1.0, 1.0, 4.0]
+    torch.testing.assert_close(means[0], torch.full((4,), (1 + 2 + 3 + 4 * 4) / 7))
+
+
+def _vectors(*rows) -> list[list[torch.Tensor]]:
+    return [[torch.tensor(row, dtype=torch.float32)] for row in rows]
+
+
+def test_the_direction_rule_drops_what_points_against_the_median_whatever_the_order():
+    rows = [(1.0, 2.0, 0.5), (1.2, 1.5, 0.7), (0.8, 2.5, 0.2), (-9.0, -18.0, -4.5)]
+    for order in itertools.permutations(range(4)):
+        dropped = against_the_others(_vectors(*(rows[i] for i in order)), 0.0)
+        assert list(dropped) == [order.index(3)], dropped
+        assert "points against the others (cosine -0.9" in dropped[order.index(3)]
+    assert against_the_others(_vectors(*rows), -1.0) == {}  # off
+    assert against_the_others(_vectors(rows[0], rows[3]), 0.0) == {}  # two: no telling which one is off
+
+
+def test_the_direction_rule_needs_a_majority_and_reads_a_zero_contribution_as_cosine_zero():
+    honest, flipped = (1.0, 2.0, 0.5), (-1.0, -2.0, -0.5)
+    assert against_the_others(_vectors(honest, honest, flipped, flipped), 0.0) == {}  # half against: no majority
+    free_rider = (0.0, 0.0, 0.0)
+    assert against_the_others(_vectors(honest, honest, free_rider), 0.0) == {}  # cosine 0 is not below 0
+    assert list(against_the_others(_vectors(honest, honest, free_rider), 0.1)) == [2]
+
+
+def test_a_simulated_worker_sending_minus_nine_times_its_pseudo_gradient_is_dropped_by_direction(tmp_path, caplog):
+    _, clean = _simulated_loss(tmp_path, "clean")
+    attack = ["faults.worker=2", "faults.bad_payload=scaled", "faults.payload_scale=-9"]
+    with caplog.at_level(logging.WARNING, logger="diloco.comm.reduce"):
+        summary, screened = _simulated_loss(tmp_path, "screened", *attack, "comm.min_cosine=0")
+    drops = [r.getMessage() for r in caplog.records if "dropped the contribution of worker 2" in r.getMessage()]
+    assert len(drops) == 2 and all("points against the others" in d for d in drops), caplog.text  # both rounds
+    assert not any("worker 0" in r.getMessage() or "worker 1" in r.getMessage() for r in caplog.records)
+    assert summary["params_agree"]
+    _, unscreened = _simulated_loss(tmp_path, "unscreened", *attack)
+    assert abs(screened - clean) < abs(unscreened - clean), (clean, screened, unscreened)
+
+
+def test_config_checks_the_screening_settings():
+    with pytest.raises(ConfigError, match="comm.max_weight_ratio=0.5 must be 0"):
+        load_config(None, ["comm.max_weight_ratio=0.5"])
+    with pytest.raises(ConfigError, match=r"comm.min_cosine=1.0 must be in \[-1, 1\)"):
+        load_config(None, ["comm.min_cosine=1"])
+    with pytest.raises(ConfigError, match="comm.data_plane=gloo sums vectors nobody sees"):
+        load_config(None, ["comm.min_cosine=0", "comm.data_plane=gloo"])
+    with pytest.raises(ConfigError, match="faults.weight_scale=0.0 must be a positive number"):
+        load_config(None, ["faults.weight_scale=0"])

@@ -1,0 +1,155 @@
+"""``diloco bench attacks``: one worker of four attacks the run; the screening against it, measured.
+
+The reference workload on the simulator (``arms.py``: tinyshakespeare, model "baby", M = 4, global
+batch 48, H = 50, Nesterov lr 1.0 momentum 0.8), 600 inner steps. Worker 3 attacks with the
+project's fault knobs; every arm but those named ``-off`` screens with the run's defaults
+(``comm.min_cosine``, ``comm.clip_to_median``, ``comm.max_norm_ratio``, ``comm.max_weight_ratio``):
+
+    clean          no attack
+    sign-flip      worker 3 sends minus its pseudo-gradient (the same norm)
+    minus-9x       minus 9 x it (inside comm.max_norm_ratio=10)
+    9x             9 x it
+    free-rider     zeros (it sends nothing of value and claims its samples)
+    weight-1000x   its real pseudo-gradient, claiming 1,000 x its samples as its weight
+    clean-off, minus-9x-off   the same with every screen off: what the screening buys and costs
+
+Per arm: the final val loss over the clean (screened) run's of the same seed, and the rounds in
+which a contribution was left out (of worker 3, the attacker; of any other worker in ``clean``,
+which must be none). ``clean`` over ``clean-off`` is the screening's cost on an honest run.
+
+    diloco bench attacks                          # every arm, 3 seeds (about 25 min on 2 cores, --jobs 2)
+    diloco bench attacks --arms minus-9x --seeds 1
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from diloco.bench import seeds
+from diloco.bench.arms import Arm, default_data, loss_ratio, rows_by_arm, run_arms
+from diloco.errors import UsageError
+
+WORKERS, SYNC_EVERY, ATTACKER = 4, 50, 3
+OUTER = ("outer.optimizer=nesterov", "outer.lr=1.0", "outer.momentum=0.8")
+SCREENED = ("comm.min_cosine=0", "comm.clip_to_median=true", "comm.max_norm_ratio=10", "comm.max_weight_ratio=4")
+UNSCREENED = ("comm.min_cosine=-1", "comm.clip_to_median=false", "comm.max_norm_ratio=0", "comm.max_weight_ratio=0")
+ATTACKS: dict[str, tuple[str, ...]] = {
+    "clean": (),
+    "sign-flip": ("faults.bad_payload=scaled", "faults.payload_scale=-1"),
+    "minus-9x": ("faults.bad_payload=scaled", "faults.payload_scale=-9"),
+    "9x": ("faults.bad_payload=scaled", "faults.payload_scale=9"),
+    "free-rider": ("faults.bad_payload=scaled", "faults.payload_scale=0"),
+    "weight-1000x": ("faults.weight_scale=1000",),
+}
+UNSCREENED_ARMS = ("clean", "minus-9x")  # run again with every screen off
+TARGET = 1.02  # an attacked run's loss over the clean run's
+COST_TARGET = 1.005  # the screened clean run's loss over the unscreened one's
+
+
+def _arms() -> list[Arm]:
+    arms = []
+    for name, attack in ATTACKS.items():
+        faults = (f"faults.worker={ATTACKER}", *attack) if attack else ()
+        arms.append(Arm(name, WORKERS, SYNC_EVERY, (*OUTER, *SCREENED, *faults)))
+        if name in UNSCREENED_ARMS:
+            arms.append(Arm(f"{name}-off", WORKERS, SYNC_EVERY, (*OUTER, *UNSCREENED, *faults)))
+    return arms
+
+
+ARMS = _arms()
+
+
+def rounds_with_drops(run_dir: Path) -> tuple[int, int]:
+    """(rounds averaged over fewer than all the workers, rounds) in worker 0's records."""
+    path = Path(run_dir) / "worker-0.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rounds = [r for r in records if r.get("event") == "round"]
+    return sum(r.get("peers", WORKERS) < WORKERS for r in rounds), len(rounds)
+
+
+def _collect(runs: list[dict]) -> dict:
+    by_arm = rows_by_arm(runs)
+    for run in runs:
+        run["rounds_with_drops"], run["rounds"] = rounds_with_drops(run["run_dir"])
+    for name, row in by_arm.items():
+        row["rounds_with_drops"] = [r["rounds_with_drops"] for r in sorted(runs, key=lambda r: r["seed"])
+                                    if r["arm"] == name]  # fmt: skip
+        base = by_arm.get("clean-off" if name == "clean" else "clean")
+        if name == "clean-off":
+            continue
+        if base is not None and base is not row:
+            row["ratio_to_clean"] = loss_ratio(row, base)
+    return {"arms": by_arm, "runs": runs, "target": TARGET, "cost_target": COST_TARGET}
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| arm | final val loss per seed | mean | / clean | rounds with a contribution left out | target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm in ARMS:
+        row = results["arms"].get(arm.name)
+        if row is None:
+            continue
+        losses = row["final_val_loss"]
+        ratio = row.get("ratio_to_clean")
+        if arm.name == "clean":
+            target, versus = f"<= {COST_TARGET} x clean-off, no drop", " (/ clean-off)"
+        elif arm.name.endswith("-off"):
+            target, versus = "-", ""
+        else:
+            target, versus = f"<= {TARGET}", ""
+        lines.append(
+            f"| {arm.name} | {', '.join(f'{v:.4f}' for v in losses)} | {statistics.mean(losses):.4f} | "
+            f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {', '.join(map(str, row['rounds_with_drops']))} | {target} |"
+        )
+    return "\n".join(lines)
+
+
+def select_arms(names: Sequence[str]) -> list[Arm]:
+    """The arms named (all when none is) and the clean arms they are compared with; ``UsageError``
+    naming an unknown one."""
+    if not names:
+        return list(ARMS)
+    known = [arm.name for arm in ARMS]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise UsageError(f"--arms: {unknown[0]!r} is not one of {', '.join(known)}")
+    wanted = {*names, "clean", "clean-off"}
+    return [arm for arm in ARMS if arm.name in wanted]
+
+
+def add_arguments(parser) -> None:
+    """``diloco bench attacks``'s flags."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
+    parser.add_argument("--steps", type=int, default=600, help="inner steps per worker (default 600)")
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--out", default="runs/bench-attacks", help="output folder")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    parser.add_argument("--arms", default="", help="comma-separated arms (default all; each brings the clean ones)")
+
+
+def main(args) -> int:
+    out = Path(args.out)
+    results, _ = run_arms(
+        "attacks",
+        select_arms([name for name in args.arms.split(",") if name]),
+        data_path=default_data(args.data),
+        steps=args.steps,
+        seeds=seeds(args),
+        out=out,
+        jobs=args.jobs,
+        device=args.device,
+        overrides=args.overrides,
+        collect=_collect,
+        first=("clean", "clean-off"),
+    )
+    print(table(results))
+    print(f"wrote {out / 'results.json'}")
+    return 0

@@ -1,0 +1,108 @@
+"""The reducer of a peer's share of the all-reduce: hivemind's ``TensorPartReducer``, which sums
+each part of the share over the group's senders as they arrive, changed in two ways.
+
+- ``SenderlessEndingReducer`` also ends when no sender is left to wait for (stock hivemind then
+  waits out the whole all-reduce timeout).
+- ``ScreeningReducer`` holds each part's contributions until the part is complete, leaves out
+  those that point against the others (``robust.against_the_others``: ``comm.min_cosine``). A
+  part is reduced in one place only and its average sent to every sender, so every peer receives
+  the same decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.partition import BannedException, TensorPartReducer
+
+from diloco.comm.robust import against_the_others
+
+
+class SenderlessEndingReducer(TensorPartReducer):
+    """hivemind's reducer of our share, which also ends once no sender is left to wait for.
+
+    When the last senders of a part fail before sending it (a peer cut off, or every peer but one
+    whose own contribution was dropped), hivemind's reducer closes that part with nobody in it and
+    opens the next one expecting no sender, and never checks again: its ``finished`` event never
+    fires, and the round waits for the all-reduce's whole timeout (``comm.deadline_s``) while the
+    others have long gone on. A worker whose own contribution every peer dropped waits for exactly
+    that event before its round can end (``_communicate_with_peer``)."""
+
+    def __init__(self, part_shapes, num_senders: int):
+        self.contributions: dict[int, int] = {}  # part -> how many senders its average is over
+        super().__init__(part_shapes, num_senders)
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.contributions[self.current_part_index] = self.current_part_accumulated_from
+        super().check_current_part_finished()
+
+    def on_sender_failed(self, sender_index: int):
+        super().on_sender_failed(sender_index)
+        if not self.finished.is_set() and self.num_current_senders == 0:
+            self.finalize()
+
+
+class ScreeningReducer(SenderlessEndingReducer):
+    """A reducer that screens each part of its share before averaging it (see the module's
+    docstring). ``left_out`` says, per sender index, the reason of each part it was left out of."""
+
+    def __init__(self, part_shapes, num_senders: int, min_cosine: float):
+        self.min_cosine = min_cosine
+        self._held: dict[int, tuple[torch.Tensor, float]] = {}  # the current part: sender -> (values, weight)
+        self.left_out: dict[int, list[str]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        """As hivemind's (the same waiting and banning), except that the part is held, not summed."""
+        if not (0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts):
+            raise AllreduceException(f"sender {sender_index} sent part {part_index}: out of range")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # the parts before it are not averaged yet
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self._held[sender_index] = (tensor_part, weight)
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.accumulator, self.denominator = self._screened_sum()
+        super().check_current_part_finished()
+
+    def _screened_sum(self) -> tuple[torch.Tensor, float]:
+        """The weighted sum of the current part's kept contributions (in sender order), and their weight."""
+        held, self._held = self._held, {}
+        senders = sorted(held)
+        against = against_the_others([[held[s][0]] for s in senders], self.min_cosine)
+        for i, reason in against.items():
+            self.left_out.setdefault(senders[i], []).append(reason)
+        total = torch.zeros(self.part_shapes[self.current_part_index])
+        weight = 0.0
+        for i, sender in enumerate(senders):
+            if i not in against:
+                total.add_(held[sender][0], alpha=held[sender][1])
+                weight += held[sender][1]
+        return total, weight
+
+
+def reducer_for(part_shapes: Sequence[torch.Size], num_senders: int, min_cosine: float, *, gathers: bool):
+    """The reducer of our share: one that screens by direction where the run asks for it (a codec
+    that gathers is not averaged by the reducer: nothing to screen there)."""
+    if gathers or min_cosine <= -1.0:
+        return SenderlessEndingReducer(part_shapes, num_senders)
+    return ScreeningReducer(part_shapes, num_senders, min_cosine)

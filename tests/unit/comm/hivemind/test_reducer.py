@@ -1,0 +1,125 @@
+"""The reducers of our share of the all-reduce (comm/hivemind/reducer.py): no network needed."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+
+import pytest
+import torch
+from hivemind.averaging.partition import TensorPartReducer
+
+from diloco.comm.hivemind.reducer import ScreeningReducer, SenderlessEndingReducer, reducer_for
+
+REDUCERS = [SenderlessEndingReducer, functools.partial(ScreeningReducer, min_cosine=0.0)]
+
+
+async def _senders_fail_after_the_first_part(reducer_type) -> bool:
+    """Our share in 3 parts from 3 senders: sender 2 is ourselves, dropped up front (every peer refused
+    our contribution); senders 0 and 1 send part 0, then fail (cut off, or they gave up on us). Returns
+    whether the reducer says it is finished, which is what the dropped worker's round waits for."""
+    reducer = reducer_type([torch.Size([4])] * 3, 3)
+    reducer.on_sender_failed(2)
+    await asyncio.gather(*(reducer.accumulate_part(s, 0, torch.ones(4)) for s in (0, 1)))
+    reducer.on_sender_failed(0)
+    reducer.on_sender_failed(1)
+    try:
+        await asyncio.wait_for(reducer.finished.wait(), timeout=1.0)
+    except TimeoutError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(30)
+def test_a_reducer_whose_senders_all_failed_is_finished_at_once():
+    # hivemind's own reducer never finishes here: the dropped worker's round then waited for the
+    # all-reduce's whole timeout (comm.deadline_s) after the others had gone on
+    assert not asyncio.run(_senders_fail_after_the_first_part(TensorPartReducer))
+    for reducer_type in REDUCERS:
+        assert asyncio.run(_senders_fail_after_the_first_part(reducer_type))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("reducer_type", REDUCERS)
+def test_a_reducer_with_a_sender_left_still_waits_for_it(reducer_type):
+    async def one_left() -> bool:
+        reducer = reducer_type([torch.Size([4])] * 2, 2)
+        reducer.on_sender_failed(1)
+        assert not reducer.finished.is_set()
+        averaged = await reducer.accumulate_part(0, 0, torch.full((4,), 3.0))
+        assert torch.equal(averaged, torch.full((4,), 3.0)) and not reducer.finished.is_set()
+        await reducer.accumulate_part(0, 1, torch.ones(4))
+        return reducer.finished.is_set()
+
+    assert asyncio.run(one_left())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("reducer_type", REDUCERS)
+def test_the_reducer_counts_the_contributions_of_each_part(reducer_type):
+    # what the senders' round records report: a part averaged without some sender is of fewer workers
+    async def one_fails_after_the_first_part() -> dict[int, int]:
+        reducer = reducer_type([torch.Size([4])] * 2, 3)
+        await asyncio.gather(*(reducer.accumulate_part(s, 0, torch.ones(4)) for s in range(3)))
+        reducer.on_sender_failed(2)
+        await asyncio.gather(*(reducer.accumulate_part(s, 1, torch.ones(4)) for s in range(2)))
+        return reducer.contributions
+
+    assert asyncio.run(one_fails_after_the_first_part()) == {0: 3, 1: 2}
+
+
+def _honest_and_flipped(size: int = 64) -> list[torch.Tensor]:
+    """Three honest contributions around one direction, and a fourth at -9 x the first."""
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(2 * size, generator=generator)
+    honest = [common + 0.5 * torch.randn(2 * size, generator=generator) for _ in range(3)]
+    return [*honest, -9 * honest[0]]
+
+
+async def _reduce(contributions: list[torch.Tensor], order) -> tuple[torch.Tensor, dict]:
+    """A screening reducer of two parts, each sender's task started in ``order``: the average, and
+    the senders it left out."""
+    reducer = ScreeningReducer([torch.Size([contributions[0].numel() // 2])] * 2, len(contributions), min_cosine=0.0)
+
+    async def send(sender: int) -> list[torch.Tensor]:
+        halves = contributions[sender].chunk(2)
+        return [await reducer.accumulate_part(sender, part, halves[part], weight=1.0 + sender) for part in (0, 1)]
+
+    results = await asyncio.gather(*(send(s) for s in order))
+    return torch.cat(results[0]), reducer.left_out
+
+
+@pytest.mark.timeout(30)
+def test_the_screening_reducer_leaves_out_the_sender_against_the_others_in_any_order_of_arrival():
+    contributions = _honest_and_flipped()
+    honest_mean = sum(c * (1.0 + s) for s, c in enumerate(contributions[:3])) / 6.0
+    averages = []
+    for order in itertools.permutations(range(4)):
+        averaged, left_out = asyncio.run(_reduce(contributions, order))
+        assert set(left_out) == {3} and len(left_out[3]) == 2, left_out
+        assert "points against the others" in left_out[3][0]
+        averages.append(averaged)
+    assert all(torch.equal(a, averages[0]) for a in averages)  # the same bits whatever arrived first
+    assert torch.allclose(averages[0], honest_mean, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_the_screening_reducer_leaves_nobody_out_of_an_honest_round_or_one_of_two():
+    contributions = _honest_and_flipped()
+    for senders in (contributions[:3], [contributions[0], contributions[3]]):
+        averaged, left_out = asyncio.run(_reduce(senders, range(len(senders))))
+        expected = sum(c * (1.0 + s) for s, c in enumerate(senders)) / sum(1.0 + s for s in range(len(senders)))
+        assert left_out == {} and torch.allclose(averaged, expected, atol=1e-6)
+
+
+def test_only_a_run_that_screens_by_direction_holds_its_parts():
+    async def types() -> list[type]:
+        shapes = [torch.Size([4])]
+        return [
+            type(reducer_for(shapes, 2, -1.0, gathers=False)),
+            type(reducer_for(shapes, 2, 0.0, gathers=True)),  # the peers take the mean themselves
+            type(reducer_for(shapes, 2, 0.0, gathers=False)),
+        ]
+
+    assert asyncio.run(types()) == [SenderlessEndingReducer, SenderlessEndingReducer, ScreeningReducer]
