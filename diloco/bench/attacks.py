@@ -12,10 +12,13 @@ project's fault knobs; every arm but those named ``-off`` screens with the run's
     free-rider     zeros (it sends nothing of value and claims its samples)
     weight-1000x   its real pseudo-gradient, claiming 1,000 x its samples as its weight
     clean-off, minus-9x-off   the same with every screen off: what the screening buys and costs
+    honest-3       the three honest workers alone (global batch 36): the best a screening that
+                   leaves the attacker out can do, since its data is lost with it
 
-Per arm: the final val loss over the clean (screened) run's of the same seed, and the rounds in
-which a contribution was left out (of worker 3, the attacker; of any other worker in ``clean``,
-which must be none). ``clean`` over ``clean-off`` is the screening's cost on an honest run.
+Per arm: the final val loss over the clean (screened) run's of the same seed, and over
+``honest-3``'s, and the rounds in which a contribution was left out (of worker 3, the attacker; of
+any other worker in ``clean``, which must be none). ``clean`` over ``clean-off`` is the
+screening's cost on an honest run.
 
     diloco bench attacks                          # every arm, 3 seeds (about 25 min on 2 cores, --jobs 2)
     diloco bench attacks --arms minus-9x --seeds 1
@@ -29,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench import seeds
-from diloco.bench.arms import Arm, default_data, loss_ratio, rows_by_arm, run_arms
+from diloco.bench.arms import GLOBAL_BATCH, Arm, default_data, loss_ratio, rows_by_arm, run_arms
 from diloco.errors import UsageError
 
 WORKERS, SYNC_EVERY, ATTACKER = 4, 50, 3
@@ -45,6 +48,7 @@ ATTACKS: dict[str, tuple[str, ...]] = {
     "weight-1000x": ("faults.weight_scale=1000",),
 }
 UNSCREENED_ARMS = ("clean", "minus-9x")  # run again with every screen off
+HONEST = "honest-3"  # the honest workers alone
 TARGET = 1.02  # an attacked run's loss over the clean run's
 COST_TARGET = 1.005  # the screened clean run's loss over the unscreened one's
 
@@ -56,55 +60,61 @@ def _arms() -> list[Arm]:
         arms.append(Arm(name, WORKERS, SYNC_EVERY, (*OUTER, *SCREENED, *faults)))
         if name in UNSCREENED_ARMS:
             arms.append(Arm(f"{name}-off", WORKERS, SYNC_EVERY, (*OUTER, *UNSCREENED, *faults)))
+    per_worker = f"inner.batch_size={GLOBAL_BATCH // WORKERS}"  # the others' batch: a quarter less data
+    arms.append(Arm(HONEST, WORKERS - 1, SYNC_EVERY, (*OUTER, *SCREENED, per_worker)))
     return arms
 
 
 ARMS = _arms()
 
 
-def rounds_with_drops(run_dir: Path) -> tuple[int, int]:
-    """(rounds averaged over fewer than all the workers, rounds) in worker 0's records."""
+def rounds_with_drops(run_dir: Path, workers: int) -> tuple[int, int]:
+    """(rounds averaged over fewer than all ``workers``, rounds) in worker 0's records."""
     path = Path(run_dir) / "worker-0.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     rounds = [r for r in records if r.get("event") == "round"]
-    return sum(r.get("peers", WORKERS) < WORKERS for r in rounds), len(rounds)
+    return sum(r.get("peers", workers) < workers for r in rounds), len(rounds)
 
 
 def _collect(runs: list[dict]) -> dict:
     by_arm = rows_by_arm(runs)
     for run in runs:
-        run["rounds_with_drops"], run["rounds"] = rounds_with_drops(run["run_dir"])
+        run["rounds_with_drops"], run["rounds"] = rounds_with_drops(run["run_dir"], run["workers"])
     for name, row in by_arm.items():
         row["rounds_with_drops"] = [r["rounds_with_drops"] for r in sorted(runs, key=lambda r: r["seed"])
                                     if r["arm"] == name]  # fmt: skip
-        base = by_arm.get("clean-off" if name == "clean" else "clean")
-        if name == "clean-off":
+        base, honest = by_arm.get("clean-off" if name == "clean" else "clean"), by_arm.get(HONEST)
+        if name in ("clean-off", HONEST):
             continue
-        if base is not None and base is not row:
+        if base is not None:
             row["ratio_to_clean"] = loss_ratio(row, base)
+        if honest is not None and name != "clean":
+            row["ratio_to_honest"] = loss_ratio(row, honest)
     return {"arms": by_arm, "runs": runs, "target": TARGET, "cost_target": COST_TARGET}
 
 
 def table(results: dict) -> str:
     lines = [
-        "| arm | final val loss per seed | mean | / clean | rounds with a contribution left out | target |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| arm | final val loss per seed | mean | / clean | / honest-3 | rounds with a contribution left out "
+        "| target |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm in ARMS:
         row = results["arms"].get(arm.name)
         if row is None:
             continue
         losses = row["final_val_loss"]
-        ratio = row.get("ratio_to_clean")
+        ratio, to_honest = row.get("ratio_to_clean"), row.get("ratio_to_honest")
         if arm.name == "clean":
             target, versus = f"<= {COST_TARGET} x clean-off, no drop", " (/ clean-off)"
-        elif arm.name.endswith("-off"):
+        elif arm.name.endswith("-off") or arm.name == HONEST:
             target, versus = "-", ""
         else:
             target, versus = f"<= {TARGET}", ""
         lines.append(
             f"| {arm.name} | {', '.join(f'{v:.4f}' for v in losses)} | {statistics.mean(losses):.4f} | "
-            f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {', '.join(map(str, row['rounds_with_drops']))} | {target} |"
+            f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {f'{to_honest:.4f}' if to_honest else '-'} | "
+            f"{', '.join(map(str, row['rounds_with_drops']))} | {target} |"
         )
     return "\n".join(lines)
 
@@ -118,7 +128,7 @@ def select_arms(names: Sequence[str]) -> list[Arm]:
     unknown = [name for name in names if name not in known]
     if unknown:
         raise UsageError(f"--arms: {unknown[0]!r} is not one of {', '.join(known)}")
-    wanted = {*names, "clean", "clean-off"}
+    wanted = {*names, "clean", "clean-off", HONEST}
     return [arm for arm in ARMS if arm.name in wanted]
 
 

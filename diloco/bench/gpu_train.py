@@ -63,6 +63,8 @@ class TrainPlan:
     run_steps: int = 300  # inner steps of the hivemind run (a worker is killed in its second round)
     quality_steps: int = 400  # inner steps of alone and diloco, each worker (26M tokens each at M=4)
     timeout_s: float = 600.0  # each part
+    # run: a pause after each inner step, so that a tiny model's run outlives the kill mid-run
+    run_step_delay_s: float = 0.0
 
 
 SMOKE = TrainPlan(
@@ -78,10 +80,9 @@ SMOKE = TrainPlan(
         "logging.log_every=5",
         "logging.eval_batches=2",
         "comm.data_plane=gloo",
+        "comm.min_cosine=-1",  # the plane sums: its peers trust each other
         "outer.global_device=model",
         "inner.warmup_steps=5",
-        # a tiny model's 60 steps take a second or two: paced, the run outlives the kill mid-run
-        "faults.step_delay_s=0.1",
     ),
     workers=2,
     batch=4,
@@ -89,6 +90,7 @@ SMOKE = TrainPlan(
     run_steps=60,
     quality_steps=20,
     timeout_s=180.0,  # under the tests' own limit (240 s), so that the bench's bounds fire first
+    run_step_delay_s=0.1,  # its 60 steps take a second or two on a fast CPU
 )
 
 
@@ -218,6 +220,7 @@ def run_with_a_restart(plan: TrainPlan, out: Path) -> dict:
         f"inner.batch_size={plan.batch}",
         "checkpoint.every_rounds=1",
         gpu_share_override(plan.workers),  # as diloco local sets it (it applies on a GPU only)
+        *([f"faults.step_delay_s={plan.run_step_delay_s}"] if plan.run_step_delay_s else []),
     ]
     threads = threads_per_worker(plan.workers)
     started = time.monotonic()

@@ -47,7 +47,7 @@ class CommConfig:
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
     max_weight_ratio: float = 4.0  # a contribution's weight counts for at most this x the round's median; 0 = off
-    min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this; -1 = off
+    min_cosine: float = 0.0  # drop a contribution whose cosine to the others' median is below this; -1 = off
 
 
 @dataclass

@@ -16,7 +16,10 @@ computes the same mean from the same bytes; a ring all-gather sends (n-1) payloa
 Either way every rank screens the same norms alike (``robust.screen``; for fp32 the ranks first
 all-gather their norm and weight, two numbers each): a rank whose norm is not finite or far
 above the median is left out of the mean (with ``comm.clip_to_median``, one above it is scaled
-down). The fp32 all-reduce checks nothing else. Unlike hivemind, a dead peer fails the whole
+down). The fp32 all-reduce checks nothing else: with ``comm.min_cosine`` on (the default) and
+three ranks or more, the ranks gather their fp32 contributions instead, so that each can screen
+them by direction (``robust.against_the_others``); ranks that trust each other set
+``comm.min_cosine=-1`` for the plain all-reduce. Unlike hivemind, a dead peer fails the whole
 group: this transport is for reliable links.
 """
 
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
-from diloco.comm.robust import ScreeningRules, screen
+from diloco.comm.robust import MIN_FOR_DIRECTION, ScreeningRules, screen
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -73,7 +76,9 @@ class TorchDistAveraging(Averaging):
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        if not self.codec.lossless or self.rules.by_direction:  # a sum cannot be screened by direction
+        # a sum cannot be screened by direction: the contributions are gathered instead
+        screens_direction = self.rules.by_direction and self.num_workers >= MIN_FOR_DIRECTION
+        if not self.codec.lossless or screens_direction:
             return self._all_gather_compressed(tensors, weight, round_index)
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
         norm = torch.linalg.vector_norm(flat, dtype=torch.float64)

@@ -147,7 +147,7 @@ def _check_screening(cfg: Config) -> None:
     require(
         cfg.comm.min_cosine == -1 or cfg.comm.data_plane != "gloo",
         "comm.min_cosine screens what a reducer receives, and comm.data_plane=gloo sums vectors nobody "
-        "sees: set comm.min_cosine=-1 to use the gloo plane (between sites that trust each other)",
+        "sees: set comm.min_cosine=-1 with it (between sites that trust each other)",
     )
 
 

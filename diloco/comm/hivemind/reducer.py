@@ -48,7 +48,9 @@ class SenderlessEndingReducer(TensorPartReducer):
 
 class ScreeningReducer(SenderlessEndingReducer):
     """A reducer that screens each part of its share before averaging it (see the module's
-    docstring). ``left_out`` says, per sender index, the reason of each part it was left out of."""
+    docstring). ``left_out`` says, per sender index, the reason of each part it was left out of;
+    ``contributions`` counts only the kept ones (a part with a sender left out is of fewer workers,
+    as the senders' round records then say)."""
 
     def __init__(self, part_shapes, num_senders: int, min_cosine: float):
         self.min_cosine = min_cosine
@@ -80,12 +82,16 @@ class ScreeningReducer(SenderlessEndingReducer):
         return await current_part_future
 
     def check_current_part_finished(self):
+        part, kept = self.current_part_index, None
         if self.current_part_accumulated_from == self.num_current_senders:
-            self.accumulator, self.denominator = self._screened_sum()
+            self.accumulator, self.denominator, kept = self._screened_sum()
         super().check_current_part_finished()
+        if kept is not None:  # the senders' records count the contributions in the part's average
+            self.contributions[part] = kept
 
-    def _screened_sum(self) -> tuple[torch.Tensor, float]:
-        """The weighted sum of the current part's kept contributions (in sender order), and their weight."""
+    def _screened_sum(self) -> tuple[torch.Tensor, float, int]:
+        """The weighted sum of the current part's kept contributions (in sender order), their
+        weight, and how many they are."""
         held, self._held = self._held, {}
         senders = sorted(held)
         against = against_the_others([[held[s][0]] for s in senders], self.min_cosine)
@@ -97,7 +103,7 @@ class ScreeningReducer(SenderlessEndingReducer):
             if i not in against:
                 total.add_(held[sender][0], alpha=held[sender][1])
                 weight += held[sender][1]
-        return total, weight
+        return total, weight, len(senders) - len(against)
 
 
 def reducer_for(part_shapes: Sequence[torch.Size], num_senders: int, min_cosine: float, *, gathers: bool):

@@ -214,7 +214,7 @@ def test_a_simulated_worker_sending_minus_nine_times_its_pseudo_gradient_is_drop
     assert len(drops) == 2 and all("points against the others" in d for d in drops), caplog.text  # both rounds
     assert not any("worker 0" in r.getMessage() or "worker 1" in r.getMessage() for r in caplog.records)
     assert summary["params_agree"]
-    _, unscreened = _simulated_loss(tmp_path, "unscreened", *attack)
+    _, unscreened = _simulated_loss(tmp_path, "unscreened", *attack, "comm.min_cosine=-1")
     assert abs(screened - clean) < abs(unscreened - clean), (clean, screened, unscreened)
 
 
@@ -223,7 +223,9 @@ def test_config_checks_the_screening_settings():
         load_config(None, ["comm.max_weight_ratio=0.5"])
     with pytest.raises(ConfigError, match=r"comm.min_cosine=1.0 must be in \[-1, 1\)"):
         load_config(None, ["comm.min_cosine=1"])
-    with pytest.raises(ConfigError, match="comm.data_plane=gloo sums vectors nobody sees"):
+    with pytest.raises(
+        ConfigError, match="comm.data_plane=gloo sums vectors nobody sees: set comm.min_cosine=-1 with it"
+    ):
         load_config(None, ["comm.min_cosine=0", "comm.data_plane=gloo"])
     with pytest.raises(ConfigError, match="faults.weight_scale=0.0 must be a positive number"):
         load_config(None, ["faults.weight_scale=0"])

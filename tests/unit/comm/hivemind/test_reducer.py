@@ -87,6 +87,8 @@ async def _reduce(contributions: list[torch.Tensor], order) -> tuple[torch.Tenso
         return [await reducer.accumulate_part(sender, part, halves[part], weight=1.0 + sender) for part in (0, 1)]
 
     results = await asyncio.gather(*(send(s) for s in order))
+    kept = len(contributions) - len(reducer.left_out)
+    assert reducer.contributions == {0: kept, 1: kept}  # what the senders' records say
     return torch.cat(results[0]), reducer.left_out
 
 

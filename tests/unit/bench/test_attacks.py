@@ -1,0 +1,65 @@
+"""``diloco bench attacks``: its arms (the attacker, the screens on and off, the honest workers
+alone), the ratios it reports and its table, on a tiny run of one arm."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diloco.bench.arms import Job, _run_one
+from diloco.bench.attacks import ARMS, HONEST, _collect, rounds_with_drops, select_arms, table
+from diloco.cli import UsageError
+
+SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes=100000", "logging.eval_batches=2"]
+
+
+def test_every_attack_is_worker_three_screened_and_the_honest_arm_is_three_workers_at_their_batch():
+    by_name = {arm.name: arm for arm in ARMS}
+    assert "comm.min_cosine=0" in by_name["minus-9x"].extra and "faults.payload_scale=-9" in by_name["minus-9x"].extra
+    assert "faults.worker=3" in by_name["weight-1000x"].extra and "comm.min_cosine=-1" in by_name["minus-9x-off"].extra
+    honest = by_name[HONEST]
+    assert honest.workers == 3 and honest.overrides[-1] == "inner.batch_size=12"  # the last word wins
+    assert [arm.name for arm in select_arms(["9x"])] == ["clean", "clean-off", "9x", HONEST]
+    with pytest.raises(UsageError, match="'10x' is not one of"):
+        select_arms(["10x"])
+
+
+def _run(name: str, seed: int, loss: float, workers: int, run_dir) -> dict:
+    return {
+        "arm": name,
+        "seed": seed,
+        "final_val_loss": loss,
+        "bytes_sent": 0,
+        "workers": workers,
+        "run_dir": str(run_dir),
+    }
+
+
+def test_the_ratios_are_to_the_clean_run_and_the_honest_workers_and_drops_are_counted(tmp_path):
+    dropped = tmp_path / "dropped"
+    dropped.mkdir()
+    rounds = [{"event": "round", "round": r, "peers": 3 if r > 1 else 4} for r in (1, 2, 3)]
+    (dropped / "worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    assert rounds_with_drops(dropped, 4) == (2, 3) and rounds_with_drops(dropped, 3) == (0, 3)
+    runs = [
+        _run("clean", 0, 2.0, 4, tmp_path / "none"),
+        _run("clean-off", 0, 1.99, 4, tmp_path / "none"),
+        _run(HONEST, 0, 2.05, 3, dropped),
+        _run("minus-9x", 0, 2.1, 4, dropped),
+    ]
+    results = _collect(runs)
+    arms = results["arms"]
+    assert arms["clean"]["ratio_to_clean"] == pytest.approx(2.0 / 1.99) and "ratio_to_honest" not in arms["clean"]
+    assert arms["minus-9x"]["ratio_to_clean"] == pytest.approx(1.05)
+    assert arms["minus-9x"]["ratio_to_honest"] == pytest.approx(2.1 / 2.05)
+    assert arms["minus-9x"]["rounds_with_drops"] == [2] and arms[HONEST]["rounds_with_drops"] == [0]
+    text = table(results)
+    assert "| minus-9x | 2.1000 | 2.1000 | 1.0500 | 1.0244 | 2 | <= 1.02 |" in text
+    assert "| clean | 2.0000 | 2.0000 | 1.0050 (/ clean-off) | - | 0 |" in text
+
+
+def test_an_arm_of_the_bench_runs_with_its_attacker(tmp_path):
+    arm = next(a for a in ARMS if a.name == "minus-9x")
+    run = _run_one(Job(arm, 0, "", 4, tmp_path, "cpu", 1, [*SMALL, "outer.sync_every=2"]))
+    assert run["workers"] == 4 and rounds_with_drops(run["run_dir"], 4) == (2, 2)  # left out of both rounds
