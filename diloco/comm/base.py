@@ -21,6 +21,8 @@ from diloco.errors import CommError as CommError  # raised here; importers take 
 
 # how a worker offers its state: ``read(use)`` is ``use(live state)`` under the outer step's lock, or None once stale
 StateReader = Callable[[Callable[[dict], object]], object]
+# what a worker makes of a downloaded state before it takes it: core/recovery.py checks its params
+StateCheck = Callable[["PeerState"], "StateVerdict"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,18 @@ def fingerprint_of(digest: bytes) -> float:
     return int.from_bytes(digest[:3], "big") / (1 << 24)
 
 
+@dataclass(frozen=True)
+class StateVerdict:
+    """Whether to take a downloaded state: yes when neither field says why not."""
+
+    refuse: str = ""  # why it must not be taken: the peer that served it is not asked again in this search
+    wait: str = ""  # why it cannot be told yet: asked again shortly
+
+    @property
+    def take(self) -> bool:
+        return not (self.refuse or self.wait)
+
+
 @dataclass
 class PeerState:
     """A state downloaded from a peer: after which round, how it ranked, and the state itself."""
@@ -156,11 +170,18 @@ class StateExchange:
         outer step's path (``OuterStep.offered_state``)."""
 
     def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+        self,
+        round_index: int,
+        *,
+        better_than: StateRank,
+        timeout_s: float,
+        newer: bool = False,
+        check: StateCheck | None = None,
     ) -> PeerState | None:
         """A peer's state after round ``round_index`` ranked above ``better_than``, or (``newer``)
         after any later round, the newest and best first; None if no such peer answers within
-        ``timeout_s``."""
+        ``timeout_s``. A state that ``check`` refuses is not taken: the peer that served it is
+        named in the log and the next offer is tried; one it cannot tell yet is asked for again."""
         return None
 
     def sole_state_source(self) -> bool:
@@ -193,6 +214,11 @@ class Membership:
 
     def live_workers(self) -> dict:
         """The live workers' roster entries by index (transports that track who is alive)."""
+        return {}
+
+    def declared_params(self) -> dict[int, tuple[int, str]]:
+        """What each other live worker last declared of its params (blocking rounds declare them):
+        by worker index, (rounds done, the first 16 hex digits of their digest); {} where not known."""
         return {}
 
     def leave(self) -> None:  # noqa: B027 - optional

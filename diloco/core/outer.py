@@ -198,6 +198,13 @@ class OuterStep:
         """A number in [0, 1) from the hash of the global params: equal exactly when they are."""
         return fingerprint_of(bytes.fromhex(tensors_digest(self.global_params)))
 
+    @staticmethod
+    def params_digest(state: dict) -> str:
+        """The digest of the global params in ``state`` (``state_dict``'s), as a worker declares
+        its own after a round (worker/train.py); "" for a state that holds none."""
+        params = state.get("global_params") if isinstance(state, dict) else None
+        return tensors_digest(params) if isinstance(params, list) and params else ""
+
     def state_dict(self, *, copy: bool = True) -> dict:
         """A snapshot (tensors copied: the next outer step does not change it), on the CPU whatever
         ``outer.global_device`` is: checkpoints and peers' downloads load anywhere. With ``copy``

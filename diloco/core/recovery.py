@@ -30,6 +30,11 @@ Where the rest lives: the transport serves and downloads states (its ``StateExch
 comm/hivemind/state_exchange.py) and says who is live (its ``Membership``); the worker hands both
 to ``Recovery.connect`` once it has a transport (worker/build.py). The outer step applies the
 worker's own pseudo-gradient when a round failed (core/outer.py).
+
+A downloaded state is checked before it is taken (``Recovery.check``): its params must be those
+a majority of the live workers declared after its round (their roster records carry the digest),
+so a key holder that offers other params under a high rank is refused, named in the log, and the
+next offer tried.
 """
 
 from __future__ import annotations
@@ -40,7 +45,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from diloco.comm.base import Membership, PeerState, StateExchange, StateRank, StateReader, SyncResult
+from diloco.comm.base import (
+    Membership,
+    PeerState,
+    StateExchange,
+    StateRank,
+    StateReader,
+    StateVerdict,
+    SyncResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +102,8 @@ class RecoverableState(Protocol):
     """What recovery needs of the worker's global state (``OuterStep``)."""
 
     def fingerprint(self) -> float: ...
+
+    def params_digest(self, state: dict) -> str: ...
 
     def offered_state(self) -> StateReader: ...
 
@@ -163,7 +178,7 @@ class Recovery:
         """Before the first round, with live peers rounds ahead: take the state of one after a round
         later than ``round_index - 1``, the newest first. Returns the round of the state taken, or None."""
         found = self.states.fetch_state(
-            round_index - 1, better_than=StateRank(1 << 30), timeout_s=timeout_s, newer=True
+            round_index - 1, better_than=StateRank(1 << 30), timeout_s=timeout_s, newer=True, check=self.check
         )
         if found is None:
             return None
@@ -200,7 +215,9 @@ class Recovery:
             elif expected > 1:  # alone with nobody live to sync with, it stays what it was until someone is back
                 self.standing = Standing.SYNCED
             return None
-        found = self.states.fetch_state(outcome.round_index, better_than=rank, timeout_s=timeout_s, newer=newer)
+        found = self.states.fetch_state(
+            outcome.round_index, better_than=rank, timeout_s=timeout_s, newer=newer, check=self.check
+        )
         if found is not None:
             self._load(found)
             self.states.publish_state(
@@ -228,6 +245,40 @@ class Recovery:
             expected,
         )
         return None
+
+    def check(self, found: PeerState) -> StateVerdict:
+        """What to make of ``found`` before taking it, from what the live workers declared of their
+        params (each its last round's digest). Its params must be those a majority of them declared
+        after its round: other params are refused. While no digest of its round has a majority and
+        some worker has yet to declare that round, it cannot be told yet. Taken unverified only
+        where nothing can tell: nobody declares (overlapped runs, sites), or every worker is past
+        the round without a majority (a split run's sides meeting again)."""
+        declared = self.membership.declared_params()
+        if not declared:
+            return StateVerdict()
+        rounds_done = found.round + 1
+        votes: dict[str, int] = {}
+        for done, digest in declared.values():
+            if done == rounds_done:
+                votes[digest] = votes.get(digest, 0) + 1
+        digest, count = max(votes.items(), key=lambda item: (item[1], item[0]), default=("", 0))
+        if 2 * count > len(declared):
+            offered = self.state.params_digest(found.state)
+            if not offered or offered.startswith(digest):
+                return StateVerdict()
+            return StateVerdict(
+                refuse=f"its params (digest {offered[:16]}) are not those {count} of the {len(declared)} live workers "
+                f"declared after round {rounds_done} ({digest})"
+            )
+        newest = max(done for done, _ in declared.values())
+        if rounds_done > newest + 1:
+            return StateVerdict(refuse=f"it claims round {rounds_done}, and no live worker has declared past {newest}")
+        behind = sum(done < rounds_done for done, _ in declared.values())
+        if behind:
+            return StateVerdict(
+                wait=f"{behind} of the {len(declared)} live workers have not declared round {rounds_done}"
+            )
+        return StateVerdict()
 
     def _load(self, found: PeerState) -> None:
         self.state.load_state_dict(found.state)

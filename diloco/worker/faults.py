@@ -1,4 +1,4 @@
-"""Fault injection at named points, for tests and the fault benchmarks (as torchft does).
+"""Fault injection at named points, for tests and the fault and attack benchmarks (as torchft does).
 
     diloco train ... faults.skip_round=2        # sit out round 2's averaging, as if the link dropped
     diloco train ... faults.stop_after_round=3  # exit right after round 3's checkpoint, as if killed
@@ -7,6 +7,7 @@
     diloco local ... faults.worker=1 faults.step_delay_s=0.2  # worker 1 computes like a slower machine
     diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
     diloco local ... faults.worker=1 faults.weight_scale=1000  # worker 1 claims 1000 x its samples
+    diloco train ... faults.poison_state=true  # offers its state with other params, claiming a huge group
 
 Faults wrap the real parts; nothing else in the code knows about them.
 """
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, SyncResult
+from diloco.comm.base import Averaging, CommBackend, PeerState, StateExchange, StateRank, StateReader, SyncResult
 from diloco.compression import Codec
 from diloco.config import FaultConfig
 
@@ -93,6 +94,29 @@ class ClaimedWeightAveraging(FaultyAveraging):
         )
 
 
+class PoisonedStateOffers(StateExchange):
+    """Offers ``inner``'s state with every global param shifted by 1, ranked as if averaged by a
+    group of 1,000,000 (a key holder that wants newcomers and lagging workers to take its params);
+    it trains, averages and fetches states as ``inner`` does."""
+
+    RANK = StateRank(1_000_000, 0.999)
+
+    def __init__(self, inner: StateExchange):
+        self.inner = inner
+
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
+        def poisoned(use):
+            return state(lambda live: use({**live, "global_params": [p + 1.0 for p in live["global_params"]]}))
+
+        self.inner.publish_state(round_index, self.RANK, poisoned)
+
+    def fetch_state(self, round_index: int, **kwargs) -> PeerState | None:
+        return self.inner.fetch_state(round_index, **kwargs)
+
+    def sole_state_source(self) -> bool:
+        return self.inner.sole_state_source()
+
+
 class BadPayloadCodec(Codec):
     """``inner``, except that what it compresses arrives broken in the way ``mode`` names."""
 
@@ -143,7 +167,8 @@ def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
 
 
 def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> CommBackend:
-    """``backend`` with its averaging broken as ``faults.*`` say, if they apply to this worker."""
+    """``backend`` with its averaging (and its state offers) broken as ``faults.*`` say, if they apply
+    to this worker."""
     if not applies_to(cfg, worker_index):
         return backend
     averaging = backend.averaging
@@ -153,7 +178,10 @@ def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> Co
         averaging = ClaimedWeightAveraging(averaging, cfg.weight_scale)
     if cfg.skip_round:
         averaging = SkipRoundAveraging(averaging, cfg.skip_round)
-    return backend if averaging is backend.averaging else backend.with_parts(averaging=averaging)
+    states = PoisonedStateOffers(backend.states) if cfg.poison_state else backend.states
+    if averaging is backend.averaging and states is backend.states:
+        return backend
+    return backend.with_parts(averaging=averaging, states=states)
 
 
 def slow_down(cfg: FaultConfig, worker_index: int) -> None:

@@ -54,6 +54,7 @@ from diloco.comm.base import (
     CommConfig,
     Membership,
     PeerState,
+    StateCheck,
     StateExchange,
     StateRank,
     StateReader,
@@ -209,11 +210,19 @@ class SiteStates(StateExchange):
             self.inner.publish_state(round_index, rank, state)
 
     def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+        self,
+        round_index: int,
+        *,
+        better_than: StateRank,
+        timeout_s: float,
+        newer: bool = False,
+        check: StateCheck | None = None,
     ) -> PeerState | None:
         found = None
         if self.site.leader:
-            found = self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
+            found = self.inner.fetch_state(
+                round_index, better_than=better_than, timeout_s=timeout_s, newer=newer, check=check
+            )
         return self.site.share(found)
 
     def sole_state_source(self) -> bool:
@@ -314,8 +323,15 @@ class ShardedSiteStates(StateExchange):
         self.inner.publish_state(round_index, self.site_rank(rank), state)
 
     def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+        self,
+        round_index: int,
+        *,
+        better_than: StateRank,
+        timeout_s: float,
+        newer: bool = False,
+        check: StateCheck | None = None,
     ) -> PeerState | None:
+        # a shard's params are not the declared ones (a sharded site declares none): nothing to check
         better_than = self.site_rank(better_than)
         found = self.inner.fetch_state(round_index, better_than=better_than, timeout_s=timeout_s, newer=newer)
         # every shard must have taken the state of one site: one round, one site rank (its fingerprint)

@@ -1,6 +1,8 @@
-"""A key holder attacking a run of real hivemind peers (``diloco local``): one worker of four sends
-minus 9 x its pseudo-gradient, inside the norm bound; with ``comm.min_cosine`` every reducer leaves
-it out of the parts it averages, and every peer ends on the same params."""
+"""Key holders attacking a run of real hivemind peers: one worker of four sends minus 9 x its
+pseudo-gradient, inside the norm bound (``diloco local``), and every reducer leaves it out of the
+parts it averages (``comm.min_cosine``); one offers a poisoned state under a huge claimed rank, and
+the worker that looks for a state refuses it and takes an honest one. Every peer ends on the same
+params."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 
 import pytest
 
+from diloco.bench.faults import Cluster
 from tests.conftest import TINY, log_tails, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -46,3 +49,23 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
     assert all(r["peers"] <= 3 or not r["ok"] for r in rounds), rounds
     assert any(r["ok"] and r["peers"] == 3 for r in rounds), rounds
     assert read_records(run_dir, 0)[-1]["val_loss"] < 3.2  # learned; minus 9 x would have thrown it off
+
+
+def test_a_poisoned_state_offer_is_refused_by_the_worker_that_looks_for_a_state_and_an_honest_one_taken(tmp_path):
+    # worker 2 offers its state with other params, ranked as if a million workers averaged it; worker 1
+    # sits out round 2, so it looks for the others' state: the poisoned offer comes first
+    run_dir = tmp_path / "run"
+    settings = [*TINY, "inner.steps=40", "outer.sync_every=10", "worker.count=3", "comm.run_id=poison"]
+    with Cluster([*settings, "checkpoint.every_rounds=0"], run_dir, slots=3) as cluster:
+        cluster.start(0)
+        cluster.start(1, ["faults.worker=1", "faults.skip_round=2"])
+        cluster.start(2, ["faults.worker=2", "faults.poison_state=true"])
+        codes = cluster.wait_all(240)
+    assert codes == {0: 0, 1: 0, 2: 0}, log_tails(run_dir, 3)
+    logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(3)]
+    poisoner = re.search(r"worker 2 is up; join this run with: .*?/p2p/(\w+)", logs[2]).group(1)
+    refused = re.findall(r"refused the state of peer (\w+) after round (\d+): its params \(digest", logs[1])
+    assert refused and {peer for peer, _ in refused} == {poisoner}, log_tails(run_dir, 3)
+    assert "took the state of a peer" in logs[1], log_tails(run_dir, 3)
+    ends = [[r for r in read_records(run_dir, w) if r["event"] == "end"][0] for w in range(3)]
+    assert len({end["param_sha256"] for end in ends}) == 1, ends  # nobody holds the poisoned params

@@ -56,6 +56,7 @@ from diloco.comm.base import StateReader
 from diloco.comm.hivemind import gathered, gloo_plane
 from diloco.comm.hivemind.reducer import ScreeningReducer, reducer_for
 from diloco.comm.hivemind.run_key import keyed_schema_hash
+from diloco.comm.hivemind.state_download import StateDownload
 from diloco.comm.robust import (
     NO_SCREENING,
     Screening,
@@ -475,7 +476,7 @@ def aligned_part_size_bytes(codec: Codec, total_values: int = 0) -> int:
     return 4 * values
 
 
-class ExactAverager(DecentralizedAverager):
+class ExactAverager(StateDownload, DecentralizedAverager):
     """A ``DecentralizedAverager`` whose rounds leave every peer with identical tensors.
 
     It runs in its own process (as hivemind's does); the byte counts and the share of the vector

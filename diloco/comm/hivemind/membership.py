@@ -43,6 +43,16 @@ class HivemindMembership(Membership):
             logger.warning("reading the run's roster: %s", error)
             return {}
 
+    def declared_params(self) -> dict[int, tuple[int, str]]:
+        found = {}
+        for index, entry in self.live_workers().items():
+            if index == self.roster.worker_index:  # what we hold is not evidence of what the run holds
+                continue
+            digest, rounds_done = entry.stats.get("params"), entry.stats.get("params_round")
+            if isinstance(digest, str) and digest and isinstance(rounds_done, int):
+                found[index] = (rounds_done, digest)
+        return found
+
     def leave(self) -> None:
         self.roster.leave()
 

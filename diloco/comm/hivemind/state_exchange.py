@@ -17,11 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import PeerState, StateExchange, StateRank, StateReader
+from diloco.comm.base import PeerState, StateCheck, StateExchange, StateRank, StateReader, StateVerdict
 from diloco.comm.hivemind.roster import live_counts
+from diloco.comm.hivemind.state_download import SERVED_BY
 from diloco.comm.hivemind.state_offers import Offer, StateOffers, priority, same_offer
 
 logger = logging.getLogger(__name__)
+
+_CHECK_AGAIN_S = 2.0  # a state that cannot be checked yet is downloaded again after this: the others declare theirs
 
 
 @dataclass
@@ -82,9 +85,16 @@ class HivemindStateExchange(StateExchange):
         )
 
     def fetch_state(
-        self, round_index: int, *, better_than: StateRank, timeout_s: float, newer: bool = False
+        self,
+        round_index: int,
+        *,
+        better_than: StateRank,
+        timeout_s: float,
+        newer: bool = False,
+        check: StateCheck | None = None,
     ) -> PeerState | None:
         deadline = time.monotonic() + timeout_s
+        refused: set[str] = set()  # peers whose state ``check`` refused: not asked again in this search
         # a live peer that has not offered by half the time is a straggler (stuck in a sync of its
         # own), not one finishing its outer step: the offers there are then everyone's, and it
         # takes the winner's state itself when it comes
@@ -96,7 +106,7 @@ class HivemindStateExchange(StateExchange):
                 return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
             if reading.any_wanted:
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
-                found = self._download(reading, max(1.0, deadline - time.monotonic()))
+                found = self._download(reading, max(1.0, deadline - time.monotonic()), check, refused)
                 if found is not None:
                     return found
                 download_failed = True
@@ -130,10 +140,13 @@ class HivemindStateExchange(StateExchange):
         workers = max(self.num_workers, 0 if live is None else live[1])  # who can be in a group
         return OfferReading(round_index, offers, others, workers, ours, everyone_offered, newer)
 
-    def _download(self, reading: OfferReading, timeout_s: float) -> PeerState | None:
-        """The best state offered, if it is still one ``reading`` wants once downloaded."""
+    def _download(
+        self, reading: OfferReading, timeout_s: float, check: StateCheck | None, refused: set[str]
+    ) -> PeerState | None:
+        """The best state offered by a peer not in ``refused``, if it is still one ``reading`` wants
+        once downloaded and ``check`` does not refuse it (its peer then joins ``refused``)."""
         started = time.monotonic()
-        found = self._download_best(timeout_s)
+        found = self._download_best(timeout_s, refused)
         if found is None:
             return None
         metadata, tensors = found
@@ -148,12 +161,23 @@ class HivemindStateExchange(StateExchange):
             time.monotonic() - started,
         )
         state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
-        return PeerState(offered_round, rank, state)
+        found = PeerState(offered_round, rank, state)
+        verdict = check(found) if check is not None else StateVerdict()
+        peer = metadata.get(SERVED_BY, "?")
+        if verdict.refuse:
+            logger.warning("refused the state of peer %s after round %d: %s", peer, offered_round + 1, verdict.refuse)
+            refused.add(peer)
+        elif verdict.wait:
+            logger.info("the state of peer %s after round %d cannot be checked yet: %s", peer, offered_round + 1,
+                        verdict.wait)  # fmt: skip
+            time.sleep(min(_CHECK_AGAIN_S, max(0.0, timeout_s - (time.monotonic() - started))))
+        return found if verdict.take else None
 
-    def _download_best(self, timeout_s: float):
-        """hivemind's download of the best state offered, or None when it did not end within ``timeout_s``."""
+    def _download_best(self, timeout_s: float, refused: set[str]):
+        """The download of the best state offered by a peer not in ``refused`` (state_download.py),
+        or None when it did not end within ``timeout_s``."""
         try:
-            return self._server.load_state_from_peers(timeout=timeout_s)
+            return self._server.load_state_from_peers(timeout=timeout_s, exclude=sorted(refused))
         except TimeoutError:  # concurrent.futures.TimeoutError is TimeoutError
             logger.warning("downloading a peer's state: no answer within %.0f s", timeout_s)
             return None

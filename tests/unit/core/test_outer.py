@@ -115,7 +115,7 @@ class _FailingTransport(Averaging, StateExchange):
     def publish_state(self, round_index, rank, state):
         self.published.append((round_index, rank.peers))
 
-    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False, check=None):
         self.asked.append((round_index, better_than.peers))
         if self.peer_state is None:
             return None

@@ -102,7 +102,7 @@ class ScriptedWithStates(ScriptedAverages, StateExchange):
     def publish_state(self, round_index, rank, state):
         self.published.append((round_index, rank.peers))
 
-    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False, check=None):
         self.asked.append((round_index, better_than.peers, newer))
         return None if self.peer_state is None else PeerState(round_index, StateRank(2), self.peer_state)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from diloco.comm.base import Membership, PeerState, StateExchange, StateRank, SyncResult, fingerprint_of
+from diloco.comm.base import Membership, PeerState, StateExchange, StateRank, StateVerdict, SyncResult, fingerprint_of
 from diloco.core.recovery import Recovery, RoundOutcome, Standing
 
 FAILED = SyncResult(ok=False, peers=1, total_weight=1.0, error="nobody came")
@@ -26,6 +26,10 @@ class _Params:
     def offered_state(self):
         return lambda use: use({"value": self.value})
 
+    @staticmethod
+    def params_digest(state: dict) -> str:
+        return hashlib.sha256(repr(state["value"]).encode()).hexdigest()
+
     def load_state_dict(self, state: dict) -> None:
         self.value = state["value"]
 
@@ -36,20 +40,30 @@ class _Peers(StateExchange, Membership):
     (None: as planned); ``sole``: every other live worker is a client. Records what is published
     ((round, peers)) and asked for ((round, peers ranked above, later rounds too))."""
 
-    def __init__(self, served: float | None = None, *, served_round: int | None = None, live=None, sole=False):
+    def __init__(
+        self, served: float | None = None, *, served_round: int | None = None, live=None, sole=False, declared=None
+    ):
         self.served, self.served_round, self.live, self.sole = served, served_round, live, sole
+        self.declared = declared or {}  # worker -> (rounds done, params digest) it declared
+        self.verdicts: list[StateVerdict] = []
         self.published: list[tuple[int, int]] = []
         self.asked: list[tuple[int, int, bool]] = []
 
     def publish_state(self, round_index, rank, state):
         self.published.append((round_index, rank.peers))
 
-    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False, check=None):
         self.asked.append((round_index, better_than.peers, newer))
         if self.served is None:
             return None
         taken = round_index if self.served_round is None else self.served_round
-        return PeerState(taken, StateRank(better_than.peers + 1), {"value": self.served})
+        found = PeerState(taken, StateRank(better_than.peers + 1), {"value": self.served})
+        verdict = check(found) if check is not None else StateVerdict()
+        self.verdicts.append(verdict)
+        return found if verdict.take else None
+
+    def declared_params(self):
+        return self.declared
 
     def sole_state_source(self):
         return self.sole
@@ -276,3 +290,47 @@ def test_a_group_that_held_two_models_ranks_each_side_by_its_own_workers_and_the
     recovery, peers = Recovery(_Params(1.0)), _Peers()
     assert _after_round(recovery, peers, tie, 9, expected=4) is None  # the other side ranks lower: none better
     assert peers.asked == [(9, 2, True)] and recovery.standing is Standing.SYNCED
+
+
+def _digest(value: float) -> str:
+    return _Params.params_digest({"value": value})[:16]
+
+
+def _after_failed_round_4(served: float, declared: dict) -> tuple[Recovery, _Peers, int | None]:
+    """A worker whose round 4 failed looks for a state; a peer serves ``served``; the others
+    declared ``declared`` ({worker: (rounds done, digest)})."""
+    peers = _Peers(served, declared=declared)
+    recovery = Recovery(_Params(0.0))
+    taken = _after_round(recovery, peers, SyncResult(ok=False, peers=1, total_weight=1.0), 3, expected=4)
+    return recovery, peers, taken
+
+
+def test_a_state_whose_params_a_majority_of_the_declarations_contradict_is_refused_and_others_are_taken():
+    honest, poisoned = 1.0, 666.0
+    declared = {1: (4, _digest(honest)), 2: (4, _digest(honest)), 3: (4, _digest(poisoned))}
+    recovery, peers, taken = _after_failed_round_4(poisoned, declared)
+    assert taken is None and recovery.state.value == 0.0
+    assert peers.verdicts == [
+        StateVerdict(
+            refuse=f"its params (digest {_digest(poisoned)}) are not those 2 of the 3 live workers declared "
+            f"after round 4 ({_digest(honest)})"
+        )
+    ]
+    _, peers, taken = _after_failed_round_4(honest, declared)
+    assert taken == 3 and peers.verdicts == [StateVerdict()]
+
+
+def test_a_state_that_nothing_can_tell_is_taken_and_one_the_others_have_yet_to_declare_is_waited_for():
+    honest, poisoned = 1.0, 666.0
+    # nobody declares (overlapped runs, sites), or a split run's two sides at the round: taken unverified
+    for declared in ({}, {1: (4, _digest(honest)), 2: (4, _digest(poisoned))}):
+        _, peers, taken = _after_failed_round_4(poisoned, declared)
+        assert taken == 3 and peers.verdicts == [StateVerdict()], declared
+    # the others have not all declared round 4 yet: it cannot be told yet
+    _, peers, taken = _after_failed_round_4(honest, {1: (4, _digest(honest)), 2: (3, "0" * 16), 3: (3, "0" * 16)})
+    assert taken is None and peers.verdicts == [StateVerdict(wait="2 of the 3 live workers have not declared round 4")]
+    # a round beyond the next one anybody declared: refused at once
+    _, peers, taken = _after_failed_round_4(poisoned, {1: (2, _digest(honest)), 2: (2, _digest(honest))})
+    assert taken is None and peers.verdicts == [
+        StateVerdict(refuse="it claims round 4, and no live worker has declared past 2")
+    ]

@@ -32,7 +32,7 @@ class _Transport(StateExchange, Membership):
     def live_workers(self) -> dict:
         return self.others
 
-    def fetch_state(self, after_round, *, better_than, timeout_s, newer):
+    def fetch_state(self, after_round, *, better_than, timeout_s, newer, check=None):
         return PeerState(round=self.served, rank=StateRank(2), state={"round": self.served})
 
     def report_progress(self, round_index: int, step: int, stats=None) -> None:

@@ -41,7 +41,7 @@ class _Transport:
     def __init__(self, found):
         self.found = found
 
-    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False):
+    def fetch_state(self, round_index, *, better_than, timeout_s, newer=False, check=None):
         return self.found
 
 

@@ -71,7 +71,7 @@ def test_a_round_stops_looking_for_a_group_once_every_other_worker_has_left():
 
 
 def test_a_state_download_that_never_ends_gives_up_at_the_timeout():
-    def load_state_from_peers(timeout):
+    def load_state_from_peers(timeout, exclude=()):
         threading.Event().wait(timeout)  # hivemind's MPFuture.result(timeout) past its time
         raise concurrent.futures.TimeoutError
 

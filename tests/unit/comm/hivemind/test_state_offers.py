@@ -24,7 +24,7 @@ class _Averager:
         torch.save(state, buffer)
         self.served = ({"round": round_index, "peers": rank.peers, "fingerprint": rank.fingerprint}, buffer)
 
-    def load_state_from_peers(self, timeout):
+    def load_state_from_peers(self, timeout, exclude=()):
         metadata, buffer = self.served
         return metadata, [torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)]
 
@@ -80,7 +80,7 @@ def _serving_the_best(
     offers = _Offers(offers_over_time)
 
     class _ServesTheBest:
-        def load_state_from_peers(self, timeout):
+        def load_state_from_peers(self, timeout, exclude=()):
             round_index, rank = max(offers.latest)
             served = _Averager({"global_params": [torch.full((1,), rank.fingerprint)]}, round_index, rank)
             return served.load_state_from_peers(timeout)
@@ -238,7 +238,7 @@ def test_a_live_peer_that_never_offers_is_waited_for_half_the_time_then_taken_fo
 
 
 def test_stale_offers_of_peers_gone_are_given_up_after_one_failed_download():
-    gone = SimpleNamespace(load_state_from_peers=lambda timeout: None)  # the offer's peer is gone
+    gone = SimpleNamespace(load_state_from_peers=lambda timeout, exclude=(): None)  # the offer's peer is gone
     states = _exchange([[(3, StateRank(2, 0.5))]], live=1, server=gone)  # nobody else live; an offer left on the DHT
     started = time.monotonic()
     assert states.fetch_state(3, better_than=StateRank(0, 0.1), timeout_s=10.0) is None
