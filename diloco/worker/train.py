@@ -86,7 +86,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             )
             if sync.declares_params and placement.ranks == 1:  # a site's ranks hold shards of their own
                 log.declare_params(round_index, param_hash)
-
+                backend.membership.report_progress(round_index, step, log.live)  # now: a peer may check a state
             every = cfg.checkpoint.every_rounds
             if every and (round_index % every == 0 or not clock.running(step, round_index)):
                 worker.save_checkpoint(step, round_index)
