@@ -12,11 +12,12 @@ project's fault knobs; every arm but those named ``-off`` screens with the run's
     free-rider     zeros (it sends nothing of value and claims its samples)
     weight-1000x   its real pseudo-gradient, claiming 1,000 x its samples as its weight
     clean-off, minus-9x-off   the same with every screen off: what the screening buys and costs
-    honest-3       the three honest workers alone (global batch 36): the best a screening that
-                   leaves the attacker out can do, since its data is lost with it
+    without-3      worker 3 sends zeros, and comm.min_cosine=0.1 leaves them out every round: the
+                   run of the three others on their quarters of the data, the best a screening
+                   that leaves the attacker out can do (its quarter of the data is lost with it)
 
 Per arm: the final val loss over the clean (screened) run's of the same seed, and over
-``honest-3``'s, and the rounds in which a contribution was left out (of worker 3, the attacker; of
+``without-3``'s, and the rounds in which a contribution was left out (of worker 3, the attacker; of
 any other worker in ``clean``, which must be none). ``clean`` over ``clean-off`` is the
 screening's cost on an honest run.
 
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench import seeds
-from diloco.bench.arms import GLOBAL_BATCH, Arm, default_data, loss_ratio, rows_by_arm, run_arms
+from diloco.bench.arms import Arm, default_data, loss_ratio, rows_by_arm, run_arms
 from diloco.errors import UsageError
 
 WORKERS, SYNC_EVERY, ATTACKER = 4, 50, 3
@@ -48,7 +49,7 @@ ATTACKS: dict[str, tuple[str, ...]] = {
     "weight-1000x": ("faults.weight_scale=1000",),
 }
 UNSCREENED_ARMS = ("clean", "minus-9x")  # run again with every screen off
-HONEST = "honest-3"  # the honest workers alone
+WITHOUT = "without-3"  # worker 3 left out of every round
 TARGET = 1.02  # an attacked run's loss over the clean run's
 COST_TARGET = 1.005  # the screened clean run's loss over the unscreened one's
 
@@ -60,8 +61,8 @@ def _arms() -> list[Arm]:
         arms.append(Arm(name, WORKERS, SYNC_EVERY, (*OUTER, *SCREENED, *faults)))
         if name in UNSCREENED_ARMS:
             arms.append(Arm(f"{name}-off", WORKERS, SYNC_EVERY, (*OUTER, *UNSCREENED, *faults)))
-    per_worker = f"inner.batch_size={GLOBAL_BATCH // WORKERS}"  # the others' batch: a quarter less data
-    arms.append(Arm(HONEST, WORKERS - 1, SYNC_EVERY, (*OUTER, *SCREENED, per_worker)))
+    zeros_left_out = (*ATTACKS["free-rider"], "comm.min_cosine=0.1")  # cosine 0: below 0.1
+    arms.append(Arm(WITHOUT, WORKERS, SYNC_EVERY, (*OUTER, *SCREENED, f"faults.worker={ATTACKER}", *zeros_left_out)))
     return arms
 
 
@@ -83,19 +84,19 @@ def _collect(runs: list[dict]) -> dict:
     for name, row in by_arm.items():
         row["rounds_with_drops"] = [r["rounds_with_drops"] for r in sorted(runs, key=lambda r: r["seed"])
                                     if r["arm"] == name]  # fmt: skip
-        base, honest = by_arm.get("clean-off" if name == "clean" else "clean"), by_arm.get(HONEST)
-        if name in ("clean-off", HONEST):
+        base, without = by_arm.get("clean-off" if name == "clean" else "clean"), by_arm.get(WITHOUT)
+        if name in ("clean-off", WITHOUT):
             continue
         if base is not None:
             row["ratio_to_clean"] = loss_ratio(row, base)
-        if honest is not None and name != "clean":
-            row["ratio_to_honest"] = loss_ratio(row, honest)
+        if without is not None and name != "clean":
+            row["ratio_to_without"] = loss_ratio(row, without)
     return {"arms": by_arm, "runs": runs, "target": TARGET, "cost_target": COST_TARGET}
 
 
 def table(results: dict) -> str:
     lines = [
-        "| arm | final val loss per seed | mean | / clean | / honest-3 | rounds with a contribution left out "
+        "| arm | final val loss per seed | mean | / clean | / without-3 | rounds with a contribution left out "
         "| target |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -104,16 +105,16 @@ def table(results: dict) -> str:
         if row is None:
             continue
         losses = row["final_val_loss"]
-        ratio, to_honest = row.get("ratio_to_clean"), row.get("ratio_to_honest")
+        ratio, to_without = row.get("ratio_to_clean"), row.get("ratio_to_without")
         if arm.name == "clean":
             target, versus = f"<= {COST_TARGET} x clean-off, no drop", " (/ clean-off)"
-        elif arm.name.endswith("-off") or arm.name == HONEST:
+        elif arm.name.endswith("-off") or arm.name == WITHOUT:
             target, versus = "-", ""
         else:
             target, versus = f"<= {TARGET}", ""
         lines.append(
             f"| {arm.name} | {', '.join(f'{v:.4f}' for v in losses)} | {statistics.mean(losses):.4f} | "
-            f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {f'{to_honest:.4f}' if to_honest else '-'} | "
+            f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {f'{to_without:.4f}' if to_without else '-'} | "
             f"{', '.join(map(str, row['rounds_with_drops']))} | {target} |"
         )
     return "\n".join(lines)
@@ -128,7 +129,7 @@ def select_arms(names: Sequence[str]) -> list[Arm]:
     unknown = [name for name in names if name not in known]
     if unknown:
         raise UsageError(f"--arms: {unknown[0]!r} is not one of {', '.join(known)}")
-    wanted = {*names, "clean", "clean-off", HONEST}
+    wanted = {*names, "clean", "clean-off", WITHOUT}
     return [arm for arm in ARMS if arm.name in wanted]
 
 

@@ -1,5 +1,5 @@
-"""``diloco bench attacks``: its arms (the attacker, the screens on and off, the honest workers
-alone), the ratios it reports and its table, on a tiny run of one arm."""
+"""``diloco bench attacks``: its arms (the attacker, the screens on and off, the run without the
+attacker's contributions), the ratios it reports and its table, on a tiny run of one arm."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import json
 import pytest
 
 from diloco.bench.arms import Job, _run_one
-from diloco.bench.attacks import ARMS, HONEST, _collect, rounds_with_drops, select_arms, table
+from diloco.bench.attacks import ARMS, WITHOUT, _collect, rounds_with_drops, select_arms, table
 from diloco.cli import UsageError
 
 SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes=100000", "logging.eval_batches=2"]
 
 
-def test_every_attack_is_worker_three_screened_and_the_honest_arm_is_three_workers_at_their_batch():
+def test_every_attack_is_worker_three_screened_and_the_reference_leaves_worker_three_out():
     by_name = {arm.name: arm for arm in ARMS}
     assert "comm.min_cosine=0" in by_name["minus-9x"].extra and "faults.payload_scale=-9" in by_name["minus-9x"].extra
     assert "faults.worker=3" in by_name["weight-1000x"].extra and "comm.min_cosine=-1" in by_name["minus-9x-off"].extra
-    honest = by_name[HONEST]
-    assert honest.workers == 3 and honest.overrides[-1] == "inner.batch_size=12"  # the last word wins
-    assert [arm.name for arm in select_arms(["9x"])] == ["clean", "clean-off", "9x", HONEST]
+    without = by_name[WITHOUT]
+    assert without.workers == 4 and without.overrides[-2:] == ["faults.payload_scale=0", "comm.min_cosine=0.1"]
+    assert [arm.name for arm in select_arms(["9x"])] == ["clean", "clean-off", "9x", WITHOUT]
     with pytest.raises(UsageError, match="'10x' is not one of"):
         select_arms(["10x"])
 
@@ -45,15 +45,15 @@ def test_the_ratios_are_to_the_clean_run_and_the_honest_workers_and_drops_are_co
     runs = [
         _run("clean", 0, 2.0, 4, tmp_path / "none"),
         _run("clean-off", 0, 1.99, 4, tmp_path / "none"),
-        _run(HONEST, 0, 2.05, 3, dropped),
+        _run(WITHOUT, 0, 2.05, 4, tmp_path / "none"),
         _run("minus-9x", 0, 2.1, 4, dropped),
     ]
     results = _collect(runs)
     arms = results["arms"]
-    assert arms["clean"]["ratio_to_clean"] == pytest.approx(2.0 / 1.99) and "ratio_to_honest" not in arms["clean"]
+    assert arms["clean"]["ratio_to_clean"] == pytest.approx(2.0 / 1.99) and "ratio_to_without" not in arms["clean"]
     assert arms["minus-9x"]["ratio_to_clean"] == pytest.approx(1.05)
-    assert arms["minus-9x"]["ratio_to_honest"] == pytest.approx(2.1 / 2.05)
-    assert arms["minus-9x"]["rounds_with_drops"] == [2] and arms[HONEST]["rounds_with_drops"] == [0]
+    assert arms["minus-9x"]["ratio_to_without"] == pytest.approx(2.1 / 2.05)
+    assert arms["minus-9x"]["rounds_with_drops"] == [2]
     text = table(results)
     assert "| minus-9x | 2.1000 | 2.1000 | 1.0500 | 1.0244 | 2 | <= 1.02 |" in text
     assert "| clean | 2.0000 | 2.0000 | 1.0050 (/ clean-off) | - | 0 |" in text
