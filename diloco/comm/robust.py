@@ -135,7 +135,9 @@ def against_the_others(vectors: Sequence[Sequence[torch.Tensor]], min_cosine: fl
         cosine = dot / math.sqrt(square * median_squares) if square > 0 else 0.0
         logger.debug("contribution %d: cosine %.4f to the median", i, cosine)
         if not cosine >= min_cosine:
-            dropped[i] = f"it points against the others (cosine {cosine:.3f} to their median, below {min_cosine:g})"
+            dropped[i] = (
+                f"it does not point the others' way (cosine {cosine:.3f} to their median, below {min_cosine:g})"
+            )
     # the median speaks for a majority: when half or more point away from it, it tells nothing
     return dropped if 2 * len(dropped) < len(vectors) else {}
 
