@@ -3,7 +3,7 @@
 The reference workload on the simulator (``arms.py``: tinyshakespeare, model "baby", M = 4, global
 batch 48, H = 50, Nesterov lr 1.0 momentum 0.8), 600 inner steps. Worker 3 attacks with the
 project's fault knobs; every arm but those named ``-off`` screens with the run's defaults
-(``comm.min_cosine``, ``comm.clip_to_median``, ``comm.max_norm_ratio``, ``comm.max_weight_ratio``):
+(``comm.min_cosine``, ``comm.max_norm_ratio``, ``comm.max_weight_ratio``) and ``comm.clip_to_median=true``:
 
     clean          no attack
     sign-flip      worker 3 sends minus its pseudo-gradient (the same norm)

@@ -48,7 +48,9 @@ class CommConfig:
     data_plane: str = "hivemind"  # hivemind; gloo: fp32 rounds among dialable peers through a gloo all-reduce
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
-    max_weight_ratio: float = 4.0  # a contribution's weight counts for at most this x the round's median; 0 = off
+    max_weight_ratio: float = (
+        4.0  # a weight counts for at most this x the round's median (more for sites of many ranks); 0 = off
+    )
     min_cosine: float = 0.0  # drop a contribution whose cosine to the others' median is below this; -1 = off
 
 
@@ -119,11 +121,23 @@ class StateVerdict:
 
 @dataclass
 class PeerState:
-    """A state downloaded from a peer: after which round, how it ranked, and the state itself."""
+    """A state downloaded from a peer: after which round, how it ranked, the state itself, and
+    the peer that served it (its transport's id; "" where not known)."""
 
     round: int
     rank: StateRank
     state: dict
+    served_by: str = ""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a live worker last declared of its params (blocking rounds declare them each round)."""
+
+    rounds_done: int  # the round its digest is of
+    digest: str  # the first 16 hex digits of its params' digest
+    progress: int  # rounds it has completed: one more than ``rounds_done`` while it hashes, say
+    peer: str = ""  # its peer's id (``PeerState.served_by``), to tell a state's server apart
 
 
 class Averaging(abc.ABC):
@@ -216,9 +230,8 @@ class Membership:
         """The live workers' roster entries by index (transports that track who is alive)."""
         return {}
 
-    def declared_params(self) -> dict[int, tuple[int, str]]:
-        """What each other live worker last declared of its params (blocking rounds declare them):
-        by worker index, (rounds done, the first 16 hex digits of their digest); {} where not known."""
+    def declared_params(self) -> dict[int, Declared]:
+        """What each other live worker last declared of its params, by worker index; {} where not known."""
         return {}
 
     def leave(self) -> None:  # noqa: B027 - optional

@@ -159,15 +159,14 @@ def norm_of(tensors: Sequence[torch.Tensor]) -> float:
 def declared_norm(gathered: object) -> float:
     """The norm a hivemind peer declared in its gathered data (``{"weight": ..., "norm": ...}``);
     nan when it declared none or something that is not a number (such a peer is dropped)."""
-    norm = gathered.get("norm") if isinstance(gathered, dict) else None
-    return float(norm) if isinstance(norm, int | float) and not isinstance(norm, bool) else math.nan
+    return _declared_number(gathered, "norm")
 
 
 def declared_weights(gathered: Mapping[Hashable, object]) -> dict:
     """The weight each hivemind peer declared in its gathered data (nan where it declared none)."""
-    weights = {}
-    for peer, data in gathered.items():
-        weight = data.get("weight") if isinstance(data, dict) else None
-        usable = isinstance(weight, int | float) and not isinstance(weight, bool)
-        weights[peer] = float(weight) if usable else math.nan
-    return weights
+    return {peer: _declared_number(data, "weight") for peer, data in gathered.items()}
+
+
+def _declared_number(gathered: object, key: str) -> float:
+    value = gathered.get(key) if isinstance(gathered, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan

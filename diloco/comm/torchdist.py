@@ -16,11 +16,9 @@ computes the same mean from the same bytes; a ring all-gather sends (n-1) payloa
 Either way every rank screens the same norms alike (``robust.screen``; for fp32 the ranks first
 all-gather their norm and weight, two numbers each): a rank whose norm is not finite or far
 above the median is left out of the mean (with ``comm.clip_to_median``, one above it is scaled
-down). The fp32 all-reduce checks nothing else: with ``comm.min_cosine`` on (the default) and
-three ranks or more, the ranks gather their fp32 contributions instead, so that each can screen
-them by direction (``robust.against_the_others``); ranks that trust each other set
-``comm.min_cosine=-1`` for the plain all-reduce. Unlike hivemind, a dead peer fails the whole
-group: this transport is for reliable links.
+down). The fp32 all-reduce checks nothing else, and the ranks (one operator's processes) are
+not screened by direction (``comm.min_cosine`` applies to hivemind and the simulator). Unlike
+hivemind, a dead peer fails the whole group: this transport is for reliable links.
 """
 
 from __future__ import annotations
@@ -29,13 +27,14 @@ import datetime
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
-from diloco.comm.robust import MIN_FOR_DIRECTION, ScreeningRules, screen
+from diloco.comm.robust import ScreeningRules, screen
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -70,15 +69,15 @@ class TorchDistAveraging(Averaging):
 
     def __init__(self, cfg: CommConfig, *, num_workers: int, device: torch.device, codec: Codec):
         self.device, self.codec, self.num_workers = device, codec, num_workers
-        self.rules = ScreeningRules.of(cfg)
+        # one operator's processes under torchrun: screened by norm and weight, not by direction
+        # (that needs every contribution whole, where the plain all-reduce sums them)
+        self.rules = replace(ScreeningRules.of(cfg), min_cosine=-1.0)
 
     @torch.no_grad()
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        # a sum cannot be screened by direction: the contributions are gathered instead
-        screens_direction = self.rules.by_direction and self.num_workers >= MIN_FOR_DIRECTION
-        if not self.codec.lossless or screens_direction:
+        if not self.codec.lossless:
             return self._all_gather_compressed(tensors, weight, round_index)
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])
         norm = torch.linalg.vector_norm(flat, dtype=torch.float64)

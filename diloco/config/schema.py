@@ -72,7 +72,7 @@ class FaultConfig:
     payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
     step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
     weight_scale: float = 1.0  # this worker claims this x the samples it trained on as its contribution's weight
-    poison_state: bool = False  # this worker offers peers its state with other params, claiming a group of 1,000,000
+    poison_state: bool = False  # this worker offers peers its state with other params, claiming a group of 999
 
 
 @dataclass

@@ -247,37 +247,45 @@ class Recovery:
         return None
 
     def check(self, found: PeerState) -> StateVerdict:
-        """What to make of ``found`` before taking it, from what the live workers declared of their
-        params (each its last round's digest). Its params must be those a majority of them declared
-        after its round: other params are refused. While no digest of its round has a majority and
-        some worker has yet to declare that round, it cannot be told yet. Taken unverified only
-        where nothing can tell: nobody declares (overlapped runs, sites), or every worker is past
-        the round without a majority (a split run's sides meeting again)."""
-        declared = self.membership.declared_params()
+        """What to make of ``found`` before taking it, from what the other live workers declared of
+        their params (``Membership.declared_params``; the peer that served it does not vote).
+
+        The voters are the workers that have completed its round. Its params must be those a
+        majority of them declared after it: other params, or none, are refused. While a voter has
+        yet to declare that round (it is hashing), it cannot be told yet. A state of a round beyond
+        the next one any worker completed is refused. It is taken unverified where nothing can
+        tell: nobody declares (overlapped runs, sites), nobody but its server completed the round
+        (every other worker is looking for a state), or no digest has a majority (a split run's
+        sides meeting again)."""
+        declared = {
+            i: d for i, d in self.membership.declared_params().items() if not d.peer or d.peer != found.served_by
+        }
         if not declared:
             return StateVerdict()
         rounds_done = found.round + 1
+        newest = max(d.progress for d in declared.values())
+        if rounds_done > newest + 1:
+            return StateVerdict(refuse=f"it claims round {rounds_done}, and no live worker has completed past {newest}")
+        voters = [d for d in declared.values() if d.progress >= rounds_done]
+        if not voters:
+            return StateVerdict()
         votes: dict[str, int] = {}
-        for done, digest in declared.values():
-            if done == rounds_done:
-                votes[digest] = votes.get(digest, 0) + 1
+        for d in voters:
+            if d.rounds_done == rounds_done:
+                votes[d.digest] = votes.get(d.digest, 0) + 1
         digest, count = max(votes.items(), key=lambda item: (item[1], item[0]), default=("", 0))
-        if 2 * count > len(declared):
+        if 2 * count > len(voters):
             offered = self.state.params_digest(found.state)
-            if not offered or offered.startswith(digest):
+            if offered.startswith(digest) and offered:
                 return StateVerdict()
             return StateVerdict(
-                refuse=f"its params (digest {offered[:16]}) are not those {count} of the {len(declared)} live workers "
-                f"declared after round {rounds_done} ({digest})"
+                refuse=f"its params (digest {offered[:16] or 'none'}) are not those {count} of the {len(voters)} "
+                f"live workers that completed round {rounds_done} declared ({digest})"
             )
-        newest = max(done for done, _ in declared.values())
-        if rounds_done > newest + 1:
-            return StateVerdict(refuse=f"it claims round {rounds_done}, and no live worker has declared past {newest}")
-        behind = sum(done < rounds_done for done, _ in declared.values())
-        if behind:
-            return StateVerdict(
-                wait=f"{behind} of the {len(declared)} live workers have not declared round {rounds_done}"
-            )
+        pending = sum(d.rounds_done < rounds_done for d in voters)
+        if pending:
+            return StateVerdict(wait=f"{pending} of the {len(voters)} live workers that completed round "
+                                     f"{rounds_done} have not declared their params yet")  # fmt: skip
         return StateVerdict()
 
     def _load(self, found: PeerState) -> None:

@@ -96,10 +96,10 @@ class ClaimedWeightAveraging(FaultyAveraging):
 
 class PoisonedStateOffers(StateExchange):
     """Offers ``inner``'s state with every global param shifted by 1, ranked as if averaged by a
-    group of 1,000,000 (a key holder that wants newcomers and lagging workers to take its params);
-    it trains, averages and fetches states as ``inner`` does."""
+    group of 999 (the most an offer can claim; a key holder that wants newcomers and lagging
+    workers to take its params); it trains, averages and fetches states as ``inner`` does."""
 
-    RANK = StateRank(1_000_000, 0.999)
+    RANK = StateRank(999, 0.999)
 
     def __init__(self, inner: StateExchange):
         self.inner = inner

@@ -71,6 +71,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             clock.start_round()
             with watchdog.phase("hashing"):
                 param_hash = tensors_digest(sync.synced_params)
+            if sync.declares_params and placement.ranks == 1:  # a site's ranks hold shards of their own
+                log.declare_params(round_index, param_hash)  # before evaluating: a peer may be checking a state
+                backend.membership.report_progress(round_index, step, log.live)
             params_key = (param_hash, worker.held_out_hash) if sync.model_is_synced else None
             with watchdog.phase("evaluating"):
                 val_loss = placement.evaluate(model, held_out, params_key)
@@ -84,9 +87,6 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
                 param_hash=param_hash,
                 phases_s=watchdog.take_spent(),  # the previous round's checkpoint is in it
             )
-            if sync.declares_params and placement.ranks == 1:  # a site's ranks hold shards of their own
-                log.declare_params(round_index, param_hash)
-                backend.membership.report_progress(round_index, step, log.live)  # now: a peer may check a state
             every = cfg.checkpoint.every_rounds
             if every and (round_index % every == 0 or not clock.running(step, round_index)):
                 worker.save_checkpoint(step, round_index)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from diloco.comm.base import Membership
+from diloco.comm.base import Declared, Membership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, RosterEntry
 
@@ -43,14 +43,14 @@ class HivemindMembership(Membership):
             logger.warning("reading the run's roster: %s", error)
             return {}
 
-    def declared_params(self) -> dict[int, tuple[int, str]]:
+    def declared_params(self) -> dict[int, Declared]:
         found = {}
         for index, entry in self.live_workers().items():
             if index == self.roster.worker_index:  # what we hold is not evidence of what the run holds
                 continue
             digest, rounds_done = entry.stats.get("params"), entry.stats.get("params_round")
             if isinstance(digest, str) and digest and isinstance(rounds_done, int):
-                found[index] = (rounds_done, digest)
+                found[index] = Declared(rounds_done, digest, entry.round, peer_of(entry.addresses))
         return found
 
     def leave(self) -> None:
@@ -59,3 +59,11 @@ class HivemindMembership(Membership):
     @property
     def addresses(self) -> list[str]:
         return self._peer.addresses
+
+
+def peer_of(addresses) -> str:
+    """The peer id in a worker's announced multiaddrs (``.../p2p/<id>``); "" when it announced none."""
+    for address in addresses:
+        if "/p2p/" in address:
+            return address.rsplit("/p2p/", 1)[1].split("/", 1)[0]
+    return ""

@@ -74,6 +74,8 @@ class ScreeningReducer(SenderlessEndingReducer):
                 raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
         if self.sender_failed_after[sender_index] != float("inf"):
             raise BannedException(f"sender {sender_index} was banned in background")
+        if part_index != self.current_part_index:  # an old part again: it would be held as the current one
+            raise AllreduceException(f"sender {sender_index} sent part {part_index} again")
         current_part_future = self.current_part_future
         if part_index < self.sender_failed_after[sender_index]:
             self._held[sender_index] = (tensor_part, weight)

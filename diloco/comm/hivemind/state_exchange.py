@@ -101,7 +101,7 @@ class HivemindStateExchange(StateExchange):
         patient_until = time.monotonic() + timeout_s / 2
         download_failed = False
         while time.monotonic() < deadline:
-            reading = self._read(round_index, better_than, newer, patient_until=patient_until)
+            reading = self._read(round_index, better_than, newer, patient_until=patient_until, refused=refused)
             if reading.others == 0 and (not reading.offers or download_failed):
                 return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
             if reading.any_wanted:
@@ -118,8 +118,10 @@ class HivemindStateExchange(StateExchange):
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return None
 
-    def _read(self, round_index: int, better_than: StateRank, newer: bool, *, patient_until: float) -> OfferReading:
-        offers = self._offers.read()
+    def _read(
+        self, round_index: int, better_than: StateRank, newer: bool, *, patient_until: float, refused: set[str]
+    ) -> OfferReading:
+        offers = self._offers.read(exclude=refused)  # a refused peer's offer is wanted no more
         live = live_counts(self._roster)
         others = None if live is None else live[0]
         # every live peer that serves state has offered this round (one still in its outer step
@@ -161,9 +163,9 @@ class HivemindStateExchange(StateExchange):
             time.monotonic() - started,
         )
         state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
-        found = PeerState(offered_round, rank, state)
+        peer = metadata.get(SERVED_BY, "")
+        found = PeerState(offered_round, rank, state, served_by=peer)
         verdict = check(found) if check is not None else StateVerdict()
-        peer = metadata.get(SERVED_BY, "?")
         if verdict.refuse:
             logger.warning("refused the state of peer %s after round %d: %s", peer, offered_round + 1, verdict.refuse)
             refused.add(peer)

@@ -4,7 +4,9 @@ the one float hivemind declares as a download priority (it serves the highest fi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+from hivemind.p2p import PeerID
 
 from diloco.comm.base import StateRank
 
@@ -38,8 +40,9 @@ class StateOffers:
     def __init__(self, call: Callable, key: str, own_id: bytes):
         self._call, self._key, self._own_id = call, key, own_id
 
-    def read(self) -> list[Offer]:
-        """(round, rank) of the state each other live peer offers; empty when the DHT did not answer."""
+    def read(self, exclude: Collection[str] = ()) -> list[Offer]:
+        """(round, rank) of the state each other live peer offers, but those of the peers in
+        ``exclude`` (ids in base58); empty when the DHT did not answer."""
         try:
             entry = self._call(lambda dht: dht.get(self._key, latest=True, return_future=True))
         except TimeoutError as error:  # no offers seen this time; the callers ask again or give up at their bound
@@ -49,7 +52,7 @@ class StateOffers:
             return []
         offers = []
         for subkey, declared in entry.value.items():
-            if subkey == self._own_id:
+            if subkey == self._own_id or (exclude and _base58(subkey) in exclude):
                 continue
             value = getattr(declared, "value", None)
             if isinstance(value, int | float) and value > 0:
@@ -59,3 +62,11 @@ class StateOffers:
     def averaged_in_a_group(self, round_index: int) -> bool:
         """Whether a peer offers its state after this round, averaged in a group."""
         return any(r == round_index and rank.peers > 1 for r, rank in self.read())
+
+
+def _base58(subkey: object) -> str:
+    """A declaration's subkey (a peer id's bytes) as the peer's id in base58; "" if it is not one."""
+    try:
+        return PeerID(subkey).to_base58()
+    except Exception:  # whatever a peer put there, it is no peer id
+        return ""

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import hashlib
 
-from diloco.comm.base import Membership, PeerState, StateExchange, StateRank, StateVerdict, SyncResult, fingerprint_of
+from diloco.comm.base import (
+    Declared,
+    Membership,
+    PeerState,
+    StateExchange,
+    StateRank,
+    StateVerdict,
+    SyncResult,
+    fingerprint_of,
+)
 from diloco.core.recovery import Recovery, RoundOutcome, Standing
 
 FAILED = SyncResult(ok=False, peers=1, total_weight=1.0, error="nobody came")
@@ -57,7 +66,7 @@ class _Peers(StateExchange, Membership):
         if self.served is None:
             return None
         taken = round_index if self.served_round is None else self.served_round
-        found = PeerState(taken, StateRank(better_than.peers + 1), {"value": self.served})
+        found = PeerState(taken, StateRank(better_than.peers + 1), {"value": self.served}, served_by="S")
         verdict = check(found) if check is not None else StateVerdict()
         self.verdicts.append(verdict)
         return found if verdict.take else None
@@ -297,23 +306,29 @@ def _digest(value: float) -> str:
 
 
 def _after_failed_round_4(served: float, declared: dict) -> tuple[Recovery, _Peers, int | None]:
-    """A worker whose round 4 failed looks for a state; a peer serves ``served``; the others
-    declared ``declared`` ({worker: (rounds done, digest)})."""
+    """A worker whose round 4 failed looks for a state; peer "S" serves ``served``; the others
+    declared ``declared`` ({worker: Declared})."""
     peers = _Peers(served, declared=declared)
     recovery = Recovery(_Params(0.0))
     taken = _after_round(recovery, peers, SyncResult(ok=False, peers=1, total_weight=1.0), 3, expected=4)
     return recovery, peers, taken
 
 
+def _done(value: float, rounds: int = 4, *, progress: int | None = None, peer: str = "") -> Declared:
+    """A worker that completed ``progress`` rounds (default ``rounds``) and declared ``value`` after ``rounds``."""
+    return Declared(rounds, _digest(value), rounds if progress is None else progress, peer)
+
+
 def test_a_state_whose_params_a_majority_of_the_declarations_contradict_is_refused_and_others_are_taken():
     honest, poisoned = 1.0, 666.0
-    declared = {1: (4, _digest(honest)), 2: (4, _digest(honest)), 3: (4, _digest(poisoned))}
+    # the server's own declaration does not vote: two of three others hold the honest params
+    declared = {1: _done(honest), 2: _done(honest), 3: _done(poisoned), 4: _done(poisoned, peer="S")}
     recovery, peers, taken = _after_failed_round_4(poisoned, declared)
     assert taken is None and recovery.state.value == 0.0
     assert peers.verdicts == [
         StateVerdict(
-            refuse=f"its params (digest {_digest(poisoned)}) are not those 2 of the 3 live workers declared "
-            f"after round 4 ({_digest(honest)})"
+            refuse=f"its params (digest {_digest(poisoned)}) are not those 2 of the 3 live workers that "
+            f"completed round 4 declared ({_digest(honest)})"
         )
     ]
     _, peers, taken = _after_failed_round_4(honest, declared)
@@ -322,15 +337,21 @@ def test_a_state_whose_params_a_majority_of_the_declarations_contradict_is_refus
 
 def test_a_state_that_nothing_can_tell_is_taken_and_one_the_others_have_yet_to_declare_is_waited_for():
     honest, poisoned = 1.0, 666.0
-    # nobody declares (overlapped runs, sites), or a split run's two sides at the round: taken unverified
-    for declared in ({}, {1: (4, _digest(honest)), 2: (4, _digest(poisoned))}):
+    # nobody declares (overlapped runs, sites); a split run's two sides at the round; nobody but
+    # the server completed the round (the others are looking for a state too): taken unverified
+    for declared in (
+        {},
+        {1: _done(honest), 2: _done(poisoned)},
+        {1: _done(honest, 3), 2: _done(honest, 3), 3: _done(poisoned, peer="S")},
+    ):
         _, peers, taken = _after_failed_round_4(poisoned, declared)
         assert taken == 3 and peers.verdicts == [StateVerdict()], declared
-    # the others have not all declared round 4 yet: it cannot be told yet
-    _, peers, taken = _after_failed_round_4(honest, {1: (4, _digest(honest)), 2: (3, "0" * 16), 3: (3, "0" * 16)})
-    assert taken is None and peers.verdicts == [StateVerdict(wait="2 of the 3 live workers have not declared round 4")]
-    # a round beyond the next one anybody declared: refused at once
-    _, peers, taken = _after_failed_round_4(poisoned, {1: (2, _digest(honest)), 2: (2, _digest(honest))})
+    # two completed round 4 but one of them is still hashing: it cannot be told yet
+    _, peers, taken = _after_failed_round_4(honest, {1: _done(honest), 2: _done(honest, 3, progress=4)})
+    expected = "1 of the 2 live workers that completed round 4 have not declared their params yet"
+    assert taken is None and peers.verdicts == [StateVerdict(wait=expected)]
+    # a round beyond the next one anybody completed: refused at once
+    _, peers, taken = _after_failed_round_4(poisoned, {1: _done(honest, 2), 2: _done(honest, 2)})
     assert taken is None and peers.verdicts == [
-        StateVerdict(refuse="it claims round 4, and no live worker has declared past 2")
+        StateVerdict(refuse="it claims round 4, and no live worker has completed past 2")
     ]

@@ -82,7 +82,7 @@ def test_a_state_download_that_never_ends_gives_up_at_the_timeout():
             return {0: RosterEntry(0, 3, 60), 1: RosterEntry(1, 3, 60)}
 
     class _Offers:
-        def read(self):
+        def read(self, exclude=()):
             return [(3, StateRank(2))]  # a peer offers round 3, averaged by 2
 
     states = HivemindStateExchange(

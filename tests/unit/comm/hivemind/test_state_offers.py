@@ -56,7 +56,7 @@ class _Offers:
     def __init__(self, readings: list[list[tuple[int, StateRank]]]):
         self._readings, self.latest = iter(readings), readings[-1] if readings else []
 
-    def read(self):
+    def read(self, exclude=()):
         self.latest = next(self._readings, self.latest)
         return list(self.latest)
 
