@@ -51,7 +51,7 @@ class CommConfig:
     max_weight_ratio: float = (
         4.0  # a weight counts for at most this x the round's median (more for sites of many ranks); 0 = off
     )
-    min_cosine: float = 0.0  # drop a contribution whose cosine to the others' median is below this; -1 = off
+    min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this (0); -1 = off
 
 
 @dataclass

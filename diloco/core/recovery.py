@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,6 +57,8 @@ from diloco.comm.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+RECORDS_LAG_S = 8.0  # a worker's record shows what it did within a heartbeat or two (comm/hivemind/roster.py: 3 s)
 
 
 class Standing(enum.Enum):
@@ -113,8 +116,11 @@ class RecoverableState(Protocol):
 class Recovery:
     """The recovery protocol of one worker's global ``state`` (see the module's docstring)."""
 
-    def __init__(self, state: RecoverableState):
+    def __init__(self, state: RecoverableState, *, records_lag_s: float = RECORDS_LAG_S):
         self.state = state
+        # how long the others' records may lag what they did, before a state nobody else vouches for is taken
+        self.records_lag_s = records_lag_s
+        self._unvoted: dict[tuple[int, str], float] = {}  # the state without voters being waited on: since when
         # what it uses of the transport, once the worker has one (``connect``); until then, or on a
         # transport that exchanges no states, there is never a state to take
         self.states, self.membership = StateExchange(), Membership()
@@ -254,9 +260,9 @@ class Recovery:
         majority of them declared after it: other params, or none, are refused. While a voter has
         yet to declare that round (it is hashing), it cannot be told yet. A state of a round beyond
         the next one any worker completed is refused. It is taken unverified where nothing can
-        tell: nobody declares (overlapped runs, sites), nobody but its server completed the round
-        (every other worker is looking for a state), or no digest has a majority (a split run's
-        sides meeting again)."""
+        tell: nobody declares (overlapped runs, sites), nobody but its server has completed the
+        round after ``records_lag_s`` (every other worker is looking for a state), or no digest has
+        a majority (a split run's sides meeting again)."""
         declared = {
             i: d for i, d in self.membership.declared_params().items() if not d.peer or d.peer != found.served_by
         }
@@ -267,7 +273,13 @@ class Recovery:
         if rounds_done > newest + 1:
             return StateVerdict(refuse=f"it claims round {rounds_done}, and no live worker has completed past {newest}")
         voters = [d for d in declared.values() if d.progress >= rounds_done]
-        if not voters:
+        if not voters:  # the others' records may lag what they did: give them time to show it
+            first_seen = self._unvoted.get((found.round, found.served_by))
+            if first_seen is None:
+                self._unvoted = {(found.round, found.served_by): time.monotonic()}
+                first_seen = self._unvoted[(found.round, found.served_by)]
+            if time.monotonic() - first_seen < self.records_lag_s:
+                return StateVerdict(wait=f"no other live worker's record shows round {rounds_done} completed yet")
             return StateVerdict()
         votes: dict[str, int] = {}
         for d in voters:

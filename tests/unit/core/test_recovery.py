@@ -305,11 +305,13 @@ def _digest(value: float) -> str:
     return _Params.params_digest({"value": value})[:16]
 
 
-def _after_failed_round_4(served: float, declared: dict) -> tuple[Recovery, _Peers, int | None]:
+def _after_failed_round_4(
+    served: float, declared: dict, records_lag_s: float = 0.0
+) -> tuple[Recovery, _Peers, int | None]:
     """A worker whose round 4 failed looks for a state; peer "S" serves ``served``; the others
     declared ``declared`` ({worker: Declared})."""
     peers = _Peers(served, declared=declared)
-    recovery = Recovery(_Params(0.0))
+    recovery = Recovery(_Params(0.0), records_lag_s=records_lag_s)
     taken = _after_round(recovery, peers, SyncResult(ok=False, peers=1, total_weight=1.0), 3, expected=4)
     return recovery, peers, taken
 
@@ -349,6 +351,10 @@ def test_a_state_that_nothing_can_tell_is_taken_and_one_the_others_have_yet_to_d
     # two completed round 4 but one of them is still hashing: it cannot be told yet
     _, peers, taken = _after_failed_round_4(honest, {1: _done(honest), 2: _done(honest, 3, progress=4)})
     expected = "1 of the 2 live workers that completed round 4 have not declared their params yet"
+    assert taken is None and peers.verdicts == [StateVerdict(wait=expected)]
+    # nobody but the server completed the round: the others' records are given time to show it first
+    _, peers, taken = _after_failed_round_4(honest, {1: _done(honest, 3)}, records_lag_s=60.0)
+    expected = "no other live worker's record shows round 4 completed yet"
     assert taken is None and peers.verdicts == [StateVerdict(wait=expected)]
     # a round beyond the next one anybody completed: refused at once
     _, peers, taken = _after_failed_round_4(poisoned, {1: _done(honest, 2), 2: _done(honest, 2)})
