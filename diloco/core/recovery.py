@@ -59,6 +59,7 @@ from diloco.comm.base import (
 logger = logging.getLogger(__name__)
 
 RECORDS_LAG_S = 8.0  # a worker's record shows what it did within a heartbeat or two (comm/hivemind/roster.py: 3 s)
+FAR_AHEAD_ROUNDS = 10  # a state this many rounds past every record is refused: records lag, not by that much
 
 
 class Standing(enum.Enum):
@@ -120,7 +121,7 @@ class Recovery:
         self.state = state
         # how long the others' records may lag what they did, before a state nobody else vouches for is taken
         self.records_lag_s = records_lag_s
-        self._unvoted: dict[tuple[int, str], float] = {}  # the state without voters being waited on: since when
+        self._unvoted: dict[str, float] = {}  # servers of states nobody else vouched for: since when
         # what it uses of the transport, once the worker has one (``connect``); until then, or on a
         # transport that exchanges no states, there is never a state to take
         self.states, self.membership = StateExchange(), Membership()
@@ -258,11 +259,12 @@ class Recovery:
 
         The voters are the workers that have completed its round. Its params must be those a
         majority of them declared after it: other params, or none, are refused. While a voter has
-        yet to declare that round (it is hashing), it cannot be told yet. A state of a round beyond
-        the next one any worker completed is refused. It is taken unverified where nothing can
-        tell: nobody declares (overlapped runs, sites), nobody but its server has completed the
-        round after ``records_lag_s`` (every other worker is looking for a state), or no digest has
-        a majority (a split run's sides meeting again)."""
+        yet to declare that round (it is hashing), it cannot be told yet. A state of a round far
+        beyond what any worker's record shows (``FAR_AHEAD_ROUNDS``) is refused. It is taken
+        unverified where nothing can tell: nobody declares (overlapped runs, sites), no record but
+        its server's shows the round completed after ``records_lag_s`` (every other worker is
+        looking for a state, or the rounds are quicker than the records), or no digest has a
+        majority (a split run's sides meeting again)."""
         declared = {
             i: d for i, d in self.membership.declared_params().items() if not d.peer or d.peer != found.served_by
         }
@@ -270,14 +272,11 @@ class Recovery:
             return StateVerdict()
         rounds_done = found.round + 1
         newest = max(d.progress for d in declared.values())
-        if rounds_done > newest + 1:
+        if rounds_done > newest + FAR_AHEAD_ROUNDS:
             return StateVerdict(refuse=f"it claims round {rounds_done}, and no live worker has completed past {newest}")
         voters = [d for d in declared.values() if d.progress >= rounds_done]
-        if not voters:  # the others' records may lag what they did: give them time to show it
-            first_seen = self._unvoted.get((found.round, found.served_by))
-            if first_seen is None:
-                self._unvoted = {(found.round, found.served_by): time.monotonic()}
-                first_seen = self._unvoted[(found.round, found.served_by)]
+        if not voters:  # the others' records may lag what they did (rounds can be quicker than a heartbeat)
+            first_seen = self._unvoted.setdefault(found.served_by, time.monotonic())
             if time.monotonic() - first_seen < self.records_lag_s:
                 return StateVerdict(wait=f"no other live worker's record shows round {rounds_done} completed yet")
             return StateVerdict()

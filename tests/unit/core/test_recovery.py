@@ -356,8 +356,9 @@ def test_a_state_that_nothing_can_tell_is_taken_and_one_the_others_have_yet_to_d
     _, peers, taken = _after_failed_round_4(honest, {1: _done(honest, 3)}, records_lag_s=60.0)
     expected = "no other live worker's record shows round 4 completed yet"
     assert taken is None and peers.verdicts == [StateVerdict(wait=expected)]
-    # a round beyond the next one anybody completed: refused at once
-    _, peers, taken = _after_failed_round_4(poisoned, {1: _done(honest, 2), 2: _done(honest, 2)})
+    # a round far beyond every record: refused at once (records lag a round or two, not ten)
+    far = {1: Declared(1, _digest(honest), -7), 2: Declared(1, _digest(honest), -7)}
+    _, peers, taken = _after_failed_round_4(poisoned, far)
     assert taken is None and peers.verdicts == [
-        StateVerdict(refuse="it claims round 4, and no live worker has completed past 2")
+        StateVerdict(refuse="it claims round 4, and no live worker has completed past -7")
     ]
