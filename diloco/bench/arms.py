@@ -47,6 +47,18 @@ class Arm:
         return [f"inner.batch_size={GLOBAL_BATCH // self.workers}", f"outer.sync_every={self.sync_every}", *self.extra]
 
 
+def add_arm_flags(parser, *, steps: int, out: str) -> None:
+    """The flags of a benchmark of arms x seeds (each adds its own ``--arms``)."""
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
+    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
+    parser.add_argument("--steps", type=int, default=steps, help=f"inner steps per worker (default {steps})")
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    parser.add_argument("--out", default=out, help="output folder")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
+
+
 def default_data(data: str | None) -> str:
     """The text file to train on: the one given, else the project's data/tinyshakespeare.txt, else "" (embedded)."""
     return data if data is not None else (str(SHAKESPEARE) if SHAKESPEARE.exists() else "")

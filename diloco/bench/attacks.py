@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench import seeds
-from diloco.bench.arms import Arm, default_data, loss_ratio, rows_by_arm, run_arms
+from diloco.bench.arms import Arm, add_arm_flags, default_data, loss_ratio, rows_by_arm, run_arms
 from diloco.errors import UsageError
 
 WORKERS, SYNC_EVERY, ATTACKER = 4, 50, 3
@@ -135,14 +135,7 @@ def select_arms(names: Sequence[str]) -> list[Arm]:
 
 def add_arguments(parser) -> None:
     """``diloco bench attacks``'s flags."""
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    parser.add_argument("--steps", type=int, default=600, help="inner steps per worker (default 600)")
-    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--out", default="runs/bench-attacks", help="output folder")
-    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    add_arm_flags(parser, steps=600, out="runs/bench-attacks")
     parser.add_argument("--arms", default="", help="comma-separated arms (default all; each brings the clean ones)")
 
 

@@ -29,7 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.bench import seeds
-from diloco.bench.arms import COMMON, Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
+from diloco.bench.arms import (
+    COMMON,
+    Arm,
+    add_arm_flags,
+    default_data,
+    loss_ratio,
+    plot_first_seed,
+    rows_by_arm,
+    run_arms,
+)
 from diloco.compression import CODECS
 from diloco.errors import UsageError
 
@@ -204,14 +213,7 @@ def select_arms(names: Sequence[str]) -> list[CodecArm]:
 
 def add_arguments(parser) -> None:
     """``diloco bench compression``'s flags."""
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
-    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--out", default="runs/bench-compression", help="output folder")
-    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
+    add_arm_flags(parser, steps=2000, out="runs/bench-compression")
     parser.add_argument("--arms", default="", help="comma-separated arms (default all; each brings its dense arm)")
     parser.add_argument(
         "--speed-values", type=int, default=10_000_000, help="values in the codec speed test (default 10M)"

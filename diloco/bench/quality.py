@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diloco.bench import seeds
-from diloco.bench.arms import Arm, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
+from diloco.bench.arms import Arm, add_arm_flags, default_data, loss_ratio, plot_first_seed, rows_by_arm, run_arms
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
 LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured (docs/benchmarks.md)
@@ -124,15 +124,8 @@ def run_quality_benchmark(
 
 def add_arguments(parser) -> None:
     """``diloco bench quality``'s flags."""
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="applied to every arm")
-    parser.add_argument("--data", help="text file (default data/tinyshakespeare.txt)")
-    parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker (default 2000)")
-    parser.add_argument("--seeds", type=int, default=3, help="how many seeds (default 3)")
-    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
+    add_arm_flags(parser, steps=2000, out="runs/bench-quality")
     parser.add_argument("--arms", help="comma-separated arm names (default: all)")
-    parser.add_argument("--out", default="runs/bench-quality", help="output folder")
-    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
-    parser.add_argument("--device", default="auto", help="cpu / cuda / auto")
 
 
 def main(args) -> int:
