@@ -80,7 +80,6 @@ SMOKE = TrainPlan(
         "logging.log_every=5",
         "logging.eval_batches=2",
         "comm.data_plane=gloo",
-        "comm.min_cosine=-1",  # the plane sums: its peers trust each other
         "outer.global_device=model",
         "inner.warmup_steps=5",
     ),

@@ -180,7 +180,6 @@ def run_training(
     overrides = [
         *training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir, checkpoints=checkpoints),
         f"comm.data_plane={data_plane}",
-        *(["comm.min_cosine=-1"] if data_plane == "gloo" else []),  # the plane sums: its peers trust each other
     ]
     cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
     with stdout_to(run_dir / "launcher.log"), FirstStepClock(run_dir, WORKERS) as clock:

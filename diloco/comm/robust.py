@@ -54,10 +54,6 @@ class ScreeningRules:
         """The rules a run's ``comm`` config section sets."""
         return cls(comm.max_norm_ratio, comm.clip_to_median, comm.max_weight_ratio, comm.min_cosine)
 
-    @property
-    def by_direction(self) -> bool:
-        return self.min_cosine > -1.0
-
 
 NO_SCREENING = ScreeningRules()
 

@@ -38,8 +38,7 @@ def test_two_workers_behind_nat_average_with_a_public_one_and_agree_after_a_roun
     before = set(leftovers())
     done = diloco_cli(
         "testbed", "--workers", "3", "--nat", "1,2", "--rate", "20", "--run-dir", str(run_dir),
-        *FAST, "inner.steps=40", "outer.sync_every=10", "comm.data_plane=gloo", "comm.min_cosine=-1",
-        "faults.skip_round=1",
+        *FAST, "inner.steps=40", "outer.sync_every=10", "comm.data_plane=gloo", "faults.skip_round=1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(3)]

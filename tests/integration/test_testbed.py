@@ -68,7 +68,7 @@ def test_the_gloo_data_plane_averages_across_namespaces(diloco_cli, tmp_path):
     run_dir = tmp_path / "run"
     done = diloco_cli(
         "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(run_dir),
-        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.data_plane=gloo", "comm.min_cosine=-1",
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.data_plane=gloo",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     records = [read_records(run_dir, worker) for worker in range(2)]
