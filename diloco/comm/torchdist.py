@@ -16,8 +16,8 @@ computes the same mean from the same bytes; a ring all-gather sends (n-1) payloa
 Either way every rank screens the same norms alike (``robust.screen``; for fp32 the ranks first
 all-gather their norm and weight, two numbers each): a rank whose norm is not finite or far
 above the median is left out of the mean (with ``comm.clip_to_median``, one above it is scaled
-down). The fp32 all-reduce checks nothing else, and the ranks (one operator's processes) are
-not screened by direction (``comm.min_cosine`` applies to hivemind and the simulator). Unlike
+down). The fp32 all-reduce checks nothing else; a run that asks for the screening by direction
+(``comm.min_cosine``, which needs every contribution whole) is refused by the config check. Unlike
 hivemind, a dead peer fails the whole group: this transport is for reliable links.
 """
 
@@ -27,7 +27,6 @@ import datetime
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -69,9 +68,7 @@ class TorchDistAveraging(Averaging):
 
     def __init__(self, cfg: CommConfig, *, num_workers: int, device: torch.device, codec: Codec):
         self.device, self.codec, self.num_workers = device, codec, num_workers
-        # one operator's processes under torchrun: screened by norm and weight, not by direction
-        # (that needs every contribution whole, where the plain all-reduce sums them)
-        self.rules = replace(ScreeningRules.of(cfg), min_cosine=-1.0)
+        self.rules = ScreeningRules.of(cfg)  # by norm and weight (a run that screens by direction is refused)
 
     @torch.no_grad()
     def all_reduce_mean(

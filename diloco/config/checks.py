@@ -145,6 +145,16 @@ def _check_screening(cfg: Config) -> None:
         f"comm.min_cosine={cfg.comm.min_cosine} must be in [-1, 1) (-1 = off)",
     )
     require(
+        cfg.comm.min_cosine == -1 or cfg.comm.backend != "torchdist",
+        "comm.min_cosine screens whole contributions, and comm.backend=torchdist sums them in one all-reduce: "
+        "set comm.min_cosine=-1 with it (ranks of one torchrun trust each other)",
+    )
+    require(
+        cfg.comm.min_cosine == -1 or cfg.outer.sync_every != 0,
+        "comm.min_cosine screens pseudo-gradients; outer.sync_every=0 (the data-parallel baseline) averages "
+        "one step's gradients, too noisy to judge: set comm.min_cosine=-1 with it",
+    )
+    require(
         cfg.comm.min_cosine == -1 or cfg.comm.data_plane != "gloo",
         "comm.min_cosine screens what a reducer receives, and comm.data_plane=gloo sums vectors nobody "
         "sees: set comm.min_cosine=-1 with it (between sites that trust each other)",

@@ -238,8 +238,6 @@ def _transport_opener(cfg: Config, trained: _Trained, device: torch.device) -> C
     outer, codec = trained.outer, trained.error_feedback.codec
 
     def open_transport(comm: CommConfig) -> CommBackend:
-        if cfg.outer.sync_every == 0:  # the data-parallel baseline averages gradients: noisy, not screened by direction
-            comm = replace(comm, min_cosine=-1.0)
         transport = build_backend(
             comm,
             templates=outer.global_params,

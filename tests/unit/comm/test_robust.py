@@ -227,5 +227,9 @@ def test_config_checks_the_screening_settings():
         ConfigError, match="comm.data_plane=gloo sums vectors nobody sees: set comm.min_cosine=-1 with it"
     ):
         load_config(None, ["comm.min_cosine=0", "comm.data_plane=gloo"])
+    with pytest.raises(ConfigError, match="comm.backend=torchdist sums them in one all-reduce"):
+        load_config(None, ["comm.min_cosine=0", "comm.backend=torchdist"])
+    with pytest.raises(ConfigError, match="outer.sync_every=0 .the data-parallel baseline. averages"):
+        load_config(None, ["comm.min_cosine=0", "outer.sync_every=0"])
     with pytest.raises(ConfigError, match="faults.weight_scale=0.0 must be a positive number"):
         load_config(None, ["faults.weight_scale=0"])
