@@ -10,11 +10,15 @@ project's fault knobs; every arm but those named ``-off`` screens with the run's
     minus-9x       minus 9 x it (inside comm.max_norm_ratio=10)
     9x             9 x it
     free-rider     zeros (it sends nothing of value and claims its samples)
+    noise          Gaussian noise of its pseudo-gradient's norm, new each round
+    replay         its pseudo-gradient of the round before, passed off as this round's
     weight-1000x   its real pseudo-gradient, claiming 1,000 x its samples as its weight
     clean-off, minus-9x-off   the same with every screen off: what the screening buys and costs
     without-3      worker 3 sends zeros, and comm.min_cosine=0.1 leaves them out every round: the
                    run of the three others on their quarters of the data, the best a screening
                    that leaves the attacker out can do (its quarter of the data is lost with it)
+    clean-8, sign-flip-2-of-8, minus-9x-2-of-8   M = 8 (the same global batch): workers 6 and 7
+                   attack together, compared with clean-8
 
 Per arm: the final val loss over the clean (screened) run's of the same seed, and over
 ``without-3``'s, and the rounds in which a contribution was left out (of worker 3, the attacker; of
@@ -47,7 +51,11 @@ ATTACKS: dict[str, tuple[str, ...]] = {
     "9x": ("faults.bad_payload=scaled", "faults.payload_scale=9"),
     "free-rider": ("faults.bad_payload=scaled", "faults.payload_scale=0"),
     "weight-1000x": ("faults.weight_scale=1000",),
+    "noise": ("faults.bad_payload=noise",),
+    "replay": ("faults.bad_payload=replay",),
 }
+# two attackers of eight, in league: (arm, attack), compared with CLEAN_8
+LEAGUE, CLEAN_8 = {"sign-flip-2-of-8": "sign-flip", "minus-9x-2-of-8": "minus-9x"}, "clean-8"
 UNSCREENED_ARMS = ("clean", "minus-9x")  # run again with every screen off
 WITHOUT = "without-3"  # worker 3 left out of every round
 TARGET = 1.02  # an attacked run's loss over the clean run's
@@ -63,7 +71,22 @@ def _arms() -> list[Arm]:
             arms.append(Arm(f"{name}-off", WORKERS, SYNC_EVERY, (*OUTER, *UNSCREENED, *faults)))
     zeros_left_out = (*ATTACKS["free-rider"], "comm.min_cosine=0.1")  # cosine 0: below 0.1
     arms.append(Arm(WITHOUT, WORKERS, SYNC_EVERY, (*OUTER, *SCREENED, f"faults.worker={ATTACKER}", *zeros_left_out)))
+    arms.append(Arm(CLEAN_8, 8, SYNC_EVERY, (*OUTER, *SCREENED)))
+    for name, attack in LEAGUE.items():
+        arms.append(
+            Arm(name, 8, SYNC_EVERY, (*OUTER, *SCREENED, "faults.worker=6", "faults.count=2", *ATTACKS[attack]))
+        )
     return arms
+
+
+def _base(name: str) -> str | None:
+    """The arm whose loss ``name``'s is divided by: the clean run of as many workers (the clean
+    run's own: the one with every screen off)."""
+    if name in ("clean-off", WITHOUT, CLEAN_8):
+        return None
+    if name == "clean":
+        return "clean-off"
+    return CLEAN_8 if name in LEAGUE else "clean"
 
 
 ARMS = _arms()
@@ -84,12 +107,10 @@ def _collect(runs: list[dict]) -> dict:
     for name, row in by_arm.items():
         row["rounds_with_drops"] = [r["rounds_with_drops"] for r in sorted(runs, key=lambda r: r["seed"])
                                     if r["arm"] == name]  # fmt: skip
-        base, without = by_arm.get("clean-off" if name == "clean" else "clean"), by_arm.get(WITHOUT)
-        if name in ("clean-off", WITHOUT):
-            continue
+        base, without = by_arm.get(_base(name) or ""), by_arm.get(WITHOUT)
         if base is not None:
             row["ratio_to_clean"] = loss_ratio(row, base)
-        if without is not None and name != "clean":
+        if without is not None and _base(name) == "clean":  # an attack by worker 3 of 4
             row["ratio_to_without"] = loss_ratio(row, without)
     return {"arms": by_arm, "runs": runs, "target": TARGET, "cost_target": COST_TARGET}
 
@@ -108,10 +129,10 @@ def table(results: dict) -> str:
         ratio, to_without = row.get("ratio_to_clean"), row.get("ratio_to_without")
         if arm.name == "clean":
             target, versus = f"<= {COST_TARGET} x clean-off, no drop", " (/ clean-off)"
-        elif arm.name.endswith("-off") or arm.name == WITHOUT:
+        elif _base(arm.name) is None or arm.name.endswith("-off"):
             target, versus = "-", ""
         else:
-            target, versus = f"<= {TARGET}", ""
+            target, versus = f"<= {TARGET}", "" if _base(arm.name) == "clean" else f" (/ {CLEAN_8})"
         lines.append(
             f"| {arm.name} | {', '.join(f'{v:.4f}' for v in losses)} | {statistics.mean(losses):.4f} | "
             f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {f'{to_without:.4f}' if to_without else '-'} | "
@@ -129,7 +150,7 @@ def select_arms(names: Sequence[str]) -> list[Arm]:
     unknown = [name for name in names if name not in known]
     if unknown:
         raise UsageError(f"--arms: {unknown[0]!r} is not one of {', '.join(known)}")
-    wanted = {*names, "clean", "clean-off", WITHOUT}
+    wanted = {*names, "clean", "clean-off", WITHOUT, *([CLEAN_8] if set(names) & set(LEAGUE) else [])}
     return [arm for arm in ARMS if arm.name in wanted]
 
 

@@ -9,7 +9,7 @@ import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
 from diloco.compression import ADAPTIVE, validate_compression_config
-from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, SITE_SHARDINGS, WANDB_MODES, Config
+from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, FORGED_PAYLOADS, SITE_SHARDINGS, WANDB_MODES, Config
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
 from diloco.core.overlap import validate_overlap_config
@@ -117,13 +117,14 @@ def _check_faults(cfg: Config) -> None:
     )
     require(
         not (
-            cfg.faults.bad_payload not in ("", "scaled")
+            cfg.faults.bad_payload not in ("", *FORGED_PAYLOADS)
             and cfg.comm.backend == "torchdist"
             and cfg.compression.name == "none"
         ),
         "faults.bad_payload with comm.backend=torchdist needs a codec (compression.name): "
         "fp32 goes through a plain all-reduce there, with no payload to break",
     )
+    require(cfg.faults.count >= 1, f"faults.count={cfg.faults.count} must be at least 1")
     require(
         math.isfinite(cfg.faults.payload_scale),
         f"faults.payload_scale={cfg.faults.payload_scale} must be a finite number",

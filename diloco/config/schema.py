@@ -19,7 +19,8 @@ from diloco.models.gpt import ModelConfig
 SITE_SHARDINGS = ("ddp", "fsdp")
 CLIENT_MODES = ("auto", "true", "false")
 WANDB_MODES = ("disabled", "offline", "online")
-BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", "scaled")
+FORGED_PAYLOADS = ("scaled", "noise", "replay")  # faults.bad_payload values that are well-formed payloads
+BAD_PAYLOADS = ("", "nan", "truncated", "wrong_size", *FORGED_PAYLOADS)
 
 
 @dataclass
@@ -66,9 +67,10 @@ class CheckpointConfig:
 @dataclass
 class FaultConfig:
     worker: int = -1  # the worker the faults apply to; -1 = every worker
+    count: int = 1  # with faults.worker=N: workers N to N + count - 1 alike (attackers in league)
     skip_round: int = 0  # this worker does not take part in round N's averaging (1-based); 0 = off
     stop_after_round: int = 0  # exit (code 3) right after round N's checkpoint, as if killed; 0 = off
-    bad_payload: str = ""  # every payload this worker sends is: nan / truncated / wrong_size / scaled; "" = off
+    bad_payload: str = ""  # what this worker sends: nan / truncated / wrong_size / scaled / noise / replay; "" = off
     payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
     step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
     weight_scale: float = 1.0  # this worker claims this x the samples it trained on as its contribution's weight

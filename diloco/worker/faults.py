@@ -6,6 +6,9 @@
     diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
     diloco local ... faults.worker=1 faults.step_delay_s=0.2  # worker 1 computes like a slower machine
     diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
+    diloco local ... faults.worker=1 faults.bad_payload=noise  # worker 1 sends noise of its pseudo-gradient's norm
+    diloco local ... faults.worker=1 faults.bad_payload=replay  # worker 1 sends its last round's one again
+    diloco local ... faults.worker=6 faults.count=2 ...  # workers 6 and 7 alike
     diloco local ... faults.worker=1 faults.weight_scale=1000  # worker 1 claims 1000 x its samples
     diloco train ... faults.poison_state=true  # offers its state with other params, claiming a huge group
 
@@ -15,13 +18,17 @@ Faults wrap the real parts; nothing else in the code knows about them.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from diloco.comm.base import Averaging, CommBackend, PeerState, StateExchange, StateRank, StateReader, SyncResult
 from diloco.compression import Codec
 from diloco.config import FaultConfig
+from diloco.config.schema import FORGED_PAYLOADS
+
+# what a forging worker sends instead of its contribution: (tensors, round index, fragment) -> tensors
+Forgery = Callable[[Sequence[torch.Tensor], int, int], list[torch.Tensor]]
 
 
 class StopRequested(Exception):
@@ -54,28 +61,59 @@ class SkipRoundAveraging(FaultyAveraging):
         )
 
 
-class ScaledPayloadAveraging(FaultyAveraging):
-    """Averages through ``inner`` with every contribution multiplied by ``scale`` first: well-formed
-    payloads of a worker whose vector is ``scale`` x too big (a diverged worker, or a poisoner).
-    The scaling comes before the transport sees the tensors, so all it derives from them (the norm
-    hivemind declares, the payloads) is of the scaled vector, as for a worker that really has it.
-    A failed round leaves ``tensors`` as they were, unscaled."""
+class ForgedPayloadAveraging(FaultyAveraging):
+    """Averages through ``inner`` what ``forge`` makes of this worker's contribution instead of the
+    contribution itself: well-formed payloads of a worker whose vector is wrong (a diverged worker,
+    or a poisoner). The forgery comes before the transport sees the tensors, so all it derives from
+    them (the norm hivemind declares, the payloads) is of the forged vector, as for a worker that
+    really has it. A failed round leaves ``tensors`` as they were."""
 
-    def __init__(self, inner: Averaging, scale: float):
+    def __init__(self, inner: Averaging, forge: Forgery):
         super().__init__(inner)
-        self.scale = scale
+        self.forge = forge
 
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        scaled = [t * self.scale for t in tensors]
+        forged = self.forge(tensors, round_index, fragment)
         result = self.inner.all_reduce_mean(
-            scaled, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+            forged, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
         if result.averaged:
-            for tensor, mean in zip(tensors, scaled):
+            for tensor, mean in zip(tensors, forged):
                 tensor.copy_(mean)
         return result
+
+
+def scaled(scale: float) -> Forgery:
+    """``faults.bad_payload=scaled``: ``scale`` x the contribution (0: a free rider's zeros)."""
+    return lambda tensors, round_index, fragment: [t * scale for t in tensors]
+
+
+def noise(seed: int) -> Forgery:
+    """``faults.bad_payload=noise``: Gaussian noise of the contribution's own norm, new each round."""
+
+    def forge(tensors: Sequence[torch.Tensor], round_index: int, fragment: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + round_index * 1_009 + fragment)
+        draws = [torch.randn(t.shape, generator=generator, dtype=torch.float32).to(t) for t in tensors]
+        norm = torch.sqrt(sum(t.double().square().sum() for t in tensors))
+        noise_norm = torch.sqrt(sum(d.double().square().sum() for d in draws))
+        return [d * float(norm / noise_norm.clamp_min(1e-30)) for d in draws]
+
+    return forge
+
+
+def replayed() -> Forgery:
+    """``faults.bad_payload=replay``: the contribution this worker sent the round before (its real
+    one in its first round): work it did not do this round, passed off as new."""
+    sent: dict[int, list[torch.Tensor]] = {}  # fragment -> what was sent last
+
+    def forge(tensors: Sequence[torch.Tensor], round_index: int, fragment: int) -> list[torch.Tensor]:
+        last = sent.get(fragment)
+        sent[fragment] = [t.detach().clone() for t in tensors]
+        return [t.clone() for t in last] if last is not None else [t.clone() for t in tensors]
+
+    return forge
 
 
 class ClaimedWeightAveraging(FaultyAveraging):
@@ -157,13 +195,24 @@ class BadPayloadCodec(Codec):
 
 def with_bad_payloads(codec: Codec, cfg: FaultConfig, worker_index: int) -> Codec:
     """The codec this worker's transport uses: broken as ``faults.bad_payload`` says, if it applies
-    (``scaled`` payloads are well-formed: ``with_faults`` makes them)."""
-    broken = cfg.bad_payload not in ("", "scaled") and applies_to(cfg, worker_index)
+    (forged payloads are well-formed: ``with_faults`` makes them)."""
+    broken = cfg.bad_payload not in ("", *FORGED_PAYLOADS) and applies_to(cfg, worker_index)
     return BadPayloadCodec(codec, cfg.bad_payload) if broken else codec
 
 
 def applies_to(cfg: FaultConfig, worker_index: int) -> bool:
-    return cfg.worker in (-1, worker_index)
+    """Whether the faults are this worker's: ``faults.worker`` and the ``faults.count - 1`` after it."""
+    return cfg.worker == -1 or cfg.worker <= worker_index < cfg.worker + cfg.count
+
+
+def _forgery(cfg: FaultConfig, worker_index: int) -> Forgery | None:
+    if cfg.bad_payload == "scaled":
+        return scaled(cfg.payload_scale)
+    if cfg.bad_payload == "noise":
+        return noise(worker_index)
+    if cfg.bad_payload == "replay":
+        return replayed()
+    return None
 
 
 def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> CommBackend:
@@ -172,8 +221,8 @@ def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> Co
     if not applies_to(cfg, worker_index):
         return backend
     averaging = backend.averaging
-    if cfg.bad_payload == "scaled":
-        averaging = ScaledPayloadAveraging(averaging, cfg.payload_scale)
+    if (forge := _forgery(cfg, worker_index)) is not None:
+        averaging = ForgedPayloadAveraging(averaging, forge)
     if cfg.weight_scale != 1.0:
         averaging = ClaimedWeightAveraging(averaging, cfg.weight_scale)
     if cfg.skip_round:

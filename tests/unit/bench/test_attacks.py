@@ -8,7 +8,7 @@ import json
 import pytest
 
 from diloco.bench.arms import Job, _run_one
-from diloco.bench.attacks import ARMS, WITHOUT, _collect, rounds_with_drops, select_arms, table
+from diloco.bench.attacks import ARMS, CLEAN_8, WITHOUT, _collect, rounds_with_drops, select_arms, table
 from diloco.cli import UsageError
 
 SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes=100000", "logging.eval_batches=2"]
@@ -23,6 +23,27 @@ def test_every_attack_is_worker_three_screened_and_the_reference_leaves_worker_t
     assert [arm.name for arm in select_arms(["9x"])] == ["clean", "clean-off", "9x", WITHOUT]
     with pytest.raises(UsageError, match="'10x' is not one of"):
         select_arms(["10x"])
+
+
+def test_two_attackers_of_eight_are_workers_six_and_seven_and_compared_with_the_clean_run_of_eight(tmp_path):
+    league = next(arm for arm in ARMS if arm.name == "minus-9x-2-of-8")
+    assert league.workers == 8 and {"faults.worker=6", "faults.count=2", "faults.payload_scale=-9"} <= set(league.extra)
+    assert [arm.name for arm in select_arms(["minus-9x-2-of-8"])] == [
+        "clean",
+        "clean-off",
+        WITHOUT,
+        CLEAN_8,
+        league.name,
+    ]
+    runs = [
+        _run(CLEAN_8, 0, 2.0, 8, tmp_path),
+        _run("clean", 0, 1.0, 4, tmp_path),
+        _run(league.name, 0, 2.02, 8, tmp_path),
+    ]
+    arms = _collect(runs)["arms"]
+    assert arms[league.name]["ratio_to_clean"] == pytest.approx(1.01) and "ratio_to_without" not in arms[league.name]
+    assert "ratio_to_clean" not in arms[CLEAN_8]
+    assert f"| {league.name} | 2.0200 | 2.0200 | 1.0100 (/ {CLEAN_8}) | - | 0 | <= 1.02 |" in table(_collect(runs))
 
 
 def _run(name: str, seed: int, loss: float, workers: int, run_dir) -> dict:

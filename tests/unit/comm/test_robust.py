@@ -16,7 +16,7 @@ from diloco.comm.robust import ScreeningRules, against_the_others, norm_of, scre
 from diloco.compression import CompressionConfig, NoCompression, build_codec
 from diloco.config import ConfigError, FaultConfig, load_config
 from diloco.tools.launcher import simulate
-from diloco.worker.faults import ScaledPayloadAveraging, with_bad_payloads, with_faults
+from diloco.worker.faults import ForgedPayloadAveraging, with_bad_payloads, with_faults
 from tests.conftest import TINY
 
 
@@ -119,7 +119,7 @@ class _Echo(Averaging):
 @pytest.mark.parametrize("ok", [True, False])
 def test_the_scaled_fault_sends_scale_times_the_tensors_and_a_failed_round_leaves_them_unscaled(ok):
     cfg = FaultConfig(worker=1, bad_payload="scaled", payload_scale=100.0)
-    assert isinstance(with_faults(CommBackend(_Echo(ok)), cfg, 1).averaging, ScaledPayloadAveraging)
+    assert isinstance(with_faults(CommBackend(_Echo(ok)), cfg, 1).averaging, ForgedPayloadAveraging)
     assert isinstance(with_faults(CommBackend(_Echo(ok)), cfg, 0).averaging, _Echo)  # another worker: no fault
     assert with_bad_payloads(NoCompression(), cfg, 1).__class__ is NoCompression  # the payloads are well-formed
     inner = _Echo(ok)
@@ -127,6 +127,50 @@ def test_the_scaled_fault_sends_scale_times_the_tensors_and_a_failed_round_leave
     with_faults(CommBackend(inner), cfg, 1).averaging.all_reduce_mean(tensors, 1.0, round_index=0, deadline_s=1)
     torch.testing.assert_close(inner.seen[0], torch.full((3,), 100.0))
     torch.testing.assert_close(tensors[0], torch.full((3,), 100.0 if ok else 1.0))
+
+
+def _sent(cfg: FaultConfig, rounds: list[list[torch.Tensor]], worker: int = 1) -> list[list[torch.Tensor]]:
+    """What a worker with ``cfg``'s faults sends in each round, its contributions being ``rounds``."""
+    inner = _Echo(True)
+    averaging = with_faults(CommBackend(inner), cfg, worker).averaging
+    sent = []
+    for round_index, tensors in enumerate(rounds):
+        averaging.all_reduce_mean([t.clone() for t in tensors], 1.0, round_index=round_index, deadline_s=1)
+        sent.append(inner.seen)
+    return sent
+
+
+def test_the_noise_fault_sends_gaussian_noise_of_the_contributions_norm_new_each_round():
+    rounds = [[torch.full((300,), 2.0), torch.ones(2, 50)] for _ in range(2)]
+    first, second = _sent(FaultConfig(worker=1, bad_payload="noise"), rounds)
+    norm = torch.cat([t.reshape(-1) for t in rounds[0]]).norm()
+    for sent in (first, second):
+        flat = torch.cat([t.reshape(-1) for t in sent])
+        torch.testing.assert_close(flat.norm(), norm)
+        assert (
+            abs(float(torch.nn.functional.cosine_similarity(flat, torch.cat([t.reshape(-1) for t in rounds[0]]), 0)))
+            < 0.2
+        )
+    assert not torch.equal(first[0], second[0])  # new noise each round
+    assert [t.shape for t in first] == [t.shape for t in rounds[0]]
+
+
+def test_the_replay_fault_sends_the_contribution_of_the_round_before():
+    rounds = [[torch.full((3,), float(r))] for r in (1, 2, 3)]
+    sent = _sent(FaultConfig(worker=1, bad_payload="replay"), rounds)
+    assert [float(s[0][0]) for s in sent] == [1.0, 1.0, 2.0]  # its real one first, then each a round late
+
+
+def test_faults_count_makes_that_many_workers_from_faults_worker_attack_alike():
+    cfg = FaultConfig(worker=6, count=2, bad_payload="scaled", payload_scale=-9.0)
+    attacking = [
+        isinstance(with_faults(CommBackend(_Echo(True)), cfg, w).averaging, ForgedPayloadAveraging) for w in range(8)
+    ]
+    assert attacking == [False] * 6 + [True, True]
+    with pytest.raises(ConfigError, match="faults.count=0 must be at least 1"):
+        load_config(None, ["faults.count=0"])
+    with pytest.raises(ConfigError, match="noise, replay"):
+        load_config(None, ["faults.bad_payload=bogus"])
 
 
 def _simulated_loss(tmp_path, name: str, *overrides: str) -> tuple[dict, float]:
