@@ -52,6 +52,7 @@ class CommConfig:
         4.0  # a weight counts for at most this x the round's median (more for sites of many ranks); 0 = off
     )
     min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this (0); -1 = off
+    exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of every later one; 0 = never
 
 
 @dataclass
@@ -84,6 +85,8 @@ class SyncResult:
     missing: tuple[int, ...] = ()
     # the group the round waited for: the live workers the roster expected (0 = not known)
     expected: int = 0
+    # workers excluded from the run's means so far (comm.exclude_after, comm/scores.py), by index
+    excluded: tuple[int, ...] = ()
 
     @property
     def averaged(self) -> bool:

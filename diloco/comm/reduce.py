@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,15 @@ from diloco.comm.robust import NO_SCREENING, ScreeningRules, against_the_others,
 from diloco.compression import Codec, PayloadError, all_finite
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Verdicts:
+    """Who a round left out (and why) and whose contribution it scaled down: the tally of
+    ``comm/scores.py``. Filled in by ``average_payloads`` when one is handed to it."""
+
+    left_out: dict[str, str] = field(default_factory=dict)  # sender -> reason
+    clipped: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -34,6 +43,7 @@ def average_payloads(
     *,
     round_index: int,
     rules: ScreeningRules = NO_SCREENING,
+    verdicts: Verdicts | None = None,
 ) -> tuple[list[torch.Tensor], list[Contribution]]:
     """The rule every transport follows to average compressed tensors (``codec`` decodes them).
 
@@ -43,14 +53,15 @@ def average_payloads(
     ``clip_to_median`` those above it are scaled down to it, a weight counts for at most
     ``max_weight_ratio`` x the median), then by direction (``robust.against_the_others``: one
     that points against the others' median is dropped); the weighted mean is taken in fp32, in
-    the order given;
-    and the result is what ``codec`` restores from the compressed mean. That last step is what a
-    reducer sends back, so a reducer that uses it for itself ends identical to the peers it serves
-    (a codec that ``gathers`` is not compressed again: its ``gathered_mean``, checked to be finite).
-    Returns the flat averaged tensors and the contributions that were used (none when nothing, or
-    no usable average, came of them). hivemind's reducers follow the same rule part by part (their
-    sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
+    the order given; and the result is what ``codec`` restores from the compressed mean. That
+    last step is what a reducer sends back, so a reducer that uses it for itself ends identical to
+    the peers it serves (a codec that ``gathers`` is not compressed again: its ``gathered_mean``,
+    checked to be finite). Returns the flat averaged tensors and the contributions that were used
+    (none when nothing, or no usable average, came of them); ``verdicts``, if given, is told who was
+    left out and why, and who was clipped. hivemind's reducers follow the same rule part by part
+    (their sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
     """
+    verdicts = verdicts if verdicts is not None else Verdicts()
     decoded, used = [], []
     for contribution in contributions:
         try:
@@ -61,12 +72,13 @@ def average_payloads(
             decoded.append([codec.decompress(p, n) for p, n in zip(contribution.payloads, numels)])
             used.append(contribution)
         except PayloadError as error:
-            logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, contribution.worker, error)
+            _left_out(verdicts, round_index, contribution, str(error))
     screening = screen(
         {i: norm_of(values) for i, values in enumerate(decoded)}, rules, {i: c.weight for i, c in enumerate(used)}
     )
     for i, reason in screening.dropped.items():
-        logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
+        _left_out(verdicts, round_index, used[i], reason)
+    verdicts.clipped.update(used[i].worker for i, scale in screening.scales.items() if scale != 1.0)
     decoded = [
         [v * screening.scales[i] for v in values] if screening.scales[i] != 1.0 else values
         for i, values in enumerate(decoded)
@@ -75,7 +87,7 @@ def average_payloads(
     used = [_counted(c, screening.weight(c.weight)) for i, c in enumerate(used) if i in screening.scales]
     against = {} if codec.gathers else against_the_others(decoded, rules.min_cosine)
     for i, reason in against.items():
-        logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, used[i].worker, reason)
+        _left_out(verdicts, round_index, used[i], reason)
     decoded = [values for i, values in enumerate(decoded) if i not in against]
     used = [c for i, c in enumerate(used) if i not in against]
     if not used:
@@ -96,6 +108,11 @@ def average_payloads(
             logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
             return [], []
     return means, used
+
+
+def _left_out(verdicts: Verdicts, round_index: int, contribution: Contribution, reason: str) -> None:
+    logger.warning("round %d: dropped the contribution of %s: %s", round_index + 1, contribution.worker, reason)
+    verdicts.left_out[contribution.worker] = reason
 
 
 def _counted(contribution: Contribution, weight: float) -> Contribution:

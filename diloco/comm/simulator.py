@@ -32,8 +32,9 @@ from collections.abc import Sequence
 import torch
 
 from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
-from diloco.comm.reduce import Contribution, average_payloads
+from diloco.comm.reduce import Contribution, Verdicts, average_payloads
 from diloco.comm.robust import NO_SCREENING, ScreeningRules
+from diloco.comm.scores import Scores
 from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
 
@@ -69,6 +70,8 @@ class SimulatedGroup:
         self._round_done = 0  # rounds averaged so far
         self._last: tuple[list[torch.Tensor], list[Contribution]] = ([], [])  # (means, contributions used)
         self._reducer: tuple[Codec, list[int], ScreeningRules] | None = None  # (codec, numel of each tensor, rules)
+        self.scores: Scores | None = None  # each worker's standing across rounds (made with the first rules)
+        self._index: dict[str, int] = {}  # a contribution's sender (as the log names it) -> its worker index
 
     def wait_turn(self, worker: int) -> None:
         with self._cond:
@@ -117,9 +120,21 @@ class SimulatedGroup:
         return True
 
     def _average(self) -> tuple[list[torch.Tensor], list[Contribution]]:
+        """The round's mean of the contributions of the workers not excluded, in worker order (the
+        same sum on every run); the round's verdicts counted in ``scores``."""
         codec, numels, rules = self._reducer
-        in_order = [self._arrived[w] for w in sorted(self._arrived)]  # a fixed order: the same sum on every run
-        return average_payloads(codec, in_order, numels, round_index=self._round_done, rules=rules)
+        self.scores = self.scores or Scores(rules.exclude_after)
+        taken = [c for _, c in sorted(self._arrived.items()) if not self.scores.is_excluded(c.worker)]
+        self._index.update({c.worker: w for w, c in self._arrived.items()})
+        verdicts = Verdicts()
+        averaged = average_payloads(codec, taken, numels, round_index=self._round_done, rules=rules, verdicts=verdicts)
+        self.scores.record_round(self._round_done, [c.worker for c in taken], verdicts.left_out, verdicts.clipped)
+        return averaged
+
+    def excluded(self) -> tuple[int, ...]:
+        """The workers excluded from the means so far."""
+        with self._cond:
+            return tuple(sorted(self._index[who] for who in self.scores.excluded())) if self.scores else ()
 
     def finish(self, worker: int) -> None:
         """A worker is done (or failed): nobody waits for it any more. Safe to call twice."""
@@ -180,7 +195,15 @@ class SimulatedAveraging(Averaging):
         seconds = round_time_s(
             payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms, gathers=gathers
         )
-        return SyncResult(True, peers, total, bytes_sent=volume, bytes_recv=volume, simulated_s=seconds)
+        return SyncResult(
+            True,
+            peers,
+            total,
+            bytes_sent=volume,
+            bytes_recv=volume,
+            simulated_s=seconds,
+            excluded=self.group.excluded(),
+        )
 
 
 class SimulatedBackend(CommBackend):

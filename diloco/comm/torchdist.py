@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
-from diloco.comm.reduce import Contribution, average_payloads
+from diloco.comm.reduce import Contribution, Verdicts, average_payloads
 from diloco.comm.robust import ScreeningRules, screen
+from diloco.comm.scores import Scores
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class TorchDistAveraging(Averaging):
     def __init__(self, cfg: CommConfig, *, num_workers: int, device: torch.device, codec: Codec):
         self.device, self.codec, self.num_workers = device, codec, num_workers
         self.rules = ScreeningRules.of(cfg)  # by norm and weight (a run that screens by direction is refused)
+        self.scores = Scores(self.rules.exclude_after)  # by rank: every rank sees the same, and decides alike
 
     @torch.no_grad()
     def all_reduce_mean(
@@ -85,9 +87,16 @@ class TorchDistAveraging(Averaging):
         except RuntimeError as error:  # a peer died or timed out: the group is unusable
             return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
         norms, weights = zip(*(s.tolist() for s in stats))
-        screening = screen(dict(enumerate(norms)), self.rules, dict(enumerate(weights)))
+        taken = [rank for rank in range(self.num_workers) if not self.scores.is_excluded(f"rank {rank}")]
+        screening = screen({r: norms[r] for r in taken}, self.rules, {r: weights[r] for r in taken})
         for rank, reason in sorted(screening.dropped.items()):
             logger.warning("round %d: dropped the contribution of rank %d: %s", round_index + 1, rank, reason)
+        self.scores.record_round(
+            round_index,
+            [f"rank {r}" for r in taken],
+            {f"rank {r}": reason for r, reason in screening.dropped.items()},
+            [f"rank {r}" for r, scale in screening.scales.items() if scale != 1.0],
+        )
         kept = sorted(screening.scales)
         total = sum(screening.weight(weights[rank]) for rank in kept)
         if not kept or not (math.isfinite(total) and total > 0):  # every rank sees the same and gives up alike
@@ -109,7 +118,7 @@ class TorchDistAveraging(Averaging):
             offset += n
         payload = flat.numel() * 4
         volume = int(2 * (self.num_workers - 1) / self.num_workers * payload)
-        return SyncResult(True, len(kept), total, bytes_sent=volume, bytes_recv=volume)
+        return SyncResult(True, len(kept), total, bytes_sent=volume, bytes_recv=volume, excluded=self._excluded())
 
     def _all_gather_compressed(self, tensors: Sequence[torch.Tensor], weight: float, round_index: int) -> SyncResult:
         numels = [t.numel() for t in tensors]
@@ -132,20 +141,29 @@ class TorchDistAveraging(Averaging):
                 weights[rank].item(),
             )
             for rank in range(self.num_workers)
+            if not self.scores.is_excluded(f"rank {rank}")
         ]
+        verdicts = Verdicts()
         means, used = average_payloads(
-            self.codec,
-            contributions,
-            numels,
-            round_index=round_index,
-            rules=self.rules,
+            self.codec, contributions, numels, round_index=round_index, rules=self.rules, verdicts=verdicts
         )
+        self.scores.record_round(round_index, [c.worker for c in contributions], verdicts.left_out, verdicts.clipped)
         if not used:
             return SyncResult(False, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
         volume = (self.num_workers - 1) * mine.numel()
-        return SyncResult(True, len(used), sum(c.weight for c in used), bytes_sent=volume, bytes_recv=volume)
+        return SyncResult(
+            True,
+            len(used),
+            sum(c.weight for c in used),
+            bytes_sent=volume,
+            bytes_recv=volume,
+            excluded=self._excluded(),
+        )
+
+    def _excluded(self) -> tuple[int, ...]:
+        return tuple(sorted(int(who.split()[1]) for who in self.scores.excluded()))
 
 
 def _split(data: bytes, codec: Codec, numels: Sequence[int]) -> list[bytes]:

@@ -155,6 +155,8 @@ class WorkerLog:
             record["missing"] = list(result.missing)
         if result.sides:  # the group held several models (a split run met again): workers of each, ours first
             record["sides"] = list(result.sides)
+        if result.excluded:  # workers left out of every mean now (comm.exclude_after)
+            record["excluded"] = list(result.excluded)
         self._emit(record, step)
         self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
         logger.info(

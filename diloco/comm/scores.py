@@ -1,0 +1,85 @@
+"""Each worker's standing across rounds, and who is excluded from the run's means.
+
+The screening (``robust.py``) decides round by round: a contribution far above the median norm,
+pointing against the others, or unreadable is left out of that round. ``Scores`` keeps the tally
+across rounds: how often each worker's contribution was kept, clipped or left out. A worker whose
+contribution was left out of ``comm.exclude_after`` rounds in a row is excluded: from then on its
+contributions are left out before any screening, with one log line naming it and the reason, and
+the round records list it (``excluded``). An honest worker is left out of a round now and then at
+most (a slow one only weighs less; nothing about speed counts against it): a streak resets with
+every round in which its contribution is kept.
+
+The tally is made by whoever reduces: the simulator's group for the whole vector, the same
+decision for every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Standing:
+    """One worker's tally: rounds its contribution was kept (``clipped`` of them scaled down), left
+    out, left out in a row up to now; and why it was excluded ("" while it is not)."""
+
+    kept: int = 0
+    clipped: int = 0
+    left_out: int = 0
+    in_a_row: int = 0
+    excluded: str = ""
+
+
+class Scores:
+    """The standings of the workers seen, keyed as the reducer names them (see the module's docstring)."""
+
+    def __init__(self, exclude_after: int):
+        self.exclude_after = exclude_after  # 0 = never exclude
+        self.standings: dict[Hashable, Standing] = {}
+
+    def excluded(self) -> dict[Hashable, str]:
+        """The excluded workers and why."""
+        return {who: s.excluded for who, s in self.standings.items() if s.excluded}
+
+    def is_excluded(self, who: Hashable) -> bool:
+        standing = self.standings.get(who)
+        return standing is not None and bool(standing.excluded)
+
+    def record_round(
+        self,
+        round_index: int,
+        sent: Iterable[Hashable],
+        left_out: Mapping[Hashable, str],
+        clipped: Iterable[Hashable] = (),
+    ) -> list[Hashable]:
+        """Count a round: ``sent`` contributed, ``left_out`` were left out of it (and why),
+        ``clipped`` kept but scaled down. Returns who is excluded from now on."""
+        newly, clipped = [], set(clipped)
+        for who in sent:
+            standing = self.standings.setdefault(who, Standing())
+            if standing.excluded:
+                continue
+            if who not in left_out:
+                standing.kept += 1
+                standing.clipped += who in clipped
+                standing.in_a_row = 0
+                continue
+            standing.left_out += 1
+            standing.in_a_row += 1
+            if self.exclude_after and standing.in_a_row >= self.exclude_after:
+                standing.excluded = f"left out of {standing.in_a_row} rounds in a row, the last: {left_out[who]}"
+                logger.warning(
+                    "round %d: excluded %s from the run's means: %s", round_index + 1, who, standing.excluded
+                )
+                newly.append(who)
+        return newly
+
+    def state_dict(self) -> dict:
+        return {"exclude_after": self.exclude_after, "standings": {who: asdict(s) for who, s in self.standings.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.standings = {who: Standing(**fields) for who, fields in state.get("standings", {}).items()}
