@@ -3,7 +3,7 @@
     diloco local configs/tiny.yaml --workers 4              # M workers on this machine, then a summary
     diloco testbed configs/tiny.yaml --workers 4 --rate 20  # the same on shaped links (root)
     diloco train configs/tiny.yaml [KEY=VALUE ...]          # one worker (start a run, or join one
-                                                            #   with comm.initial_peers=[...])
+                                                            #   with comm.hivemind.initial_peers=[...])
     diloco join configs/tiny.yaml --peers ADDR [KEY=VALUE]  # a volunteer joins a live run in a free slot
     diloco join --peers ADDR [KEY=VALUE]                    # the same, the run's config taken from a peer
     diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
@@ -144,7 +144,7 @@ def _cmd_train(args, *, join: bool = False) -> int:
         if addresses:
             peers = ",".join(f"'{a}'" for a in addresses)
             print(
-                f"worker {cfg.worker.index} is up; join this run with: comm.initial_peers=[{peers}]",
+                f"worker {cfg.worker.index} is up; join this run with: comm.hivemind.initial_peers=[{peers}]",
                 flush=True,
             )
 
@@ -184,11 +184,11 @@ def _cmd_join(args) -> int:
 
 
 def _peer_overrides(overrides: list[str], peers_option: str) -> list[str]:
-    """The overrides with ``--peers A,B`` as ``comm.initial_peers``."""
+    """The overrides with ``--peers A,B`` as ``comm.hivemind.initial_peers``."""
     peers = [peer.strip() for peer in peers_option.split(",") if peer.strip()]
     if not peers:
         raise UsageError("--peers needs at least one multiaddr of a live peer")
-    return [*overrides, "comm.initial_peers=[" + ",".join(f"'{p}'" for p in peers) + "]"]
+    return [*overrides, "comm.hivemind.initial_peers=[" + ",".join(f"'{p}'" for p in peers) + "]"]
 
 
 def _cmd_status(args) -> int:
@@ -199,7 +199,7 @@ def _cmd_status(args) -> int:
     overrides = _peer_overrides(overrides, args.peers)
     if args.run_id:
         overrides.append(f"comm.run_id={args.run_id}")
-    cfg = load_config(config_path, [*overrides, "comm.port=0", "comm.client_mode=true"])
+    cfg = load_config(config_path, [*overrides, "comm.hivemind.port=0", "comm.hivemind.client_mode=true"])
     return show_status(cfg.comm, watch=args.watch, timeout_s=args.timeout)
 
 

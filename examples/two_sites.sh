@@ -34,7 +34,7 @@ PEER=$(grep -o "/ip4/[^']*" "$RUN_DIR/bootstrap.log" | head -1)
 echo "   $PEER"
 
 echo "== site A: worker 0 (output in $RUN_DIR/site-a.log)"
-$DILOCO train "$CONFIG" worker.count=2 run.dir="$RUN_DIR/site-a" comm.initial_peers="['$PEER']" "$@" \
+$DILOCO train "$CONFIG" worker.count=2 run.dir="$RUN_DIR/site-a" comm.hivemind.initial_peers="['$PEER']" "$@" \
   > "$RUN_DIR/site-a.log" 2>&1 &
 pids+=($!)
 

@@ -22,4 +22,4 @@ THREADS=${THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
 PEERS=${PEERS:?set PEERS to the multiaddr of the run bootstrap peer (diloco bootstrap prints it)}
 exec .venv/bin/torchrun --standalone --nproc-per-node "$NPROC" -m diloco.cli train "$CONFIG" \
   worker.site=true worker.site_sharding="$SHARDING" worker.index="$SITE" worker.count="$SITES" run.dir="$RUN_DIR" worker.threads="$THREADS" \
-  comm.host=0.0.0.0 comm.initial_peers="['$PEERS']" "$@"
+  comm.hivemind.host=0.0.0.0 comm.hivemind.initial_peers="['$PEERS']" "$@"

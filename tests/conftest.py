@@ -34,8 +34,8 @@ TINY = [
     "data.max_bytes=400000",
     "logging.eval_batches=4",
     "logging.log_every=5",
-    "comm.matchmaking_s=20",
-    # comm.request_timeout_s stays at its default, 3 s: at 2 s, 3 of 14 four-worker runs beside a busy
+    "comm.hivemind.matchmaking_s=20",
+    # comm.hivemind.request_timeout_s stays at its default, 3 s: at 2 s, 3 of 14 four-worker runs beside a busy
     # core had a round not averaged by all four (once a follower that gave up on a leader that then
     # counted it in its group: 68 s lost; twice a part of the results lost), 0 of 14 at 3 s
     "comm.deadline_s=90",

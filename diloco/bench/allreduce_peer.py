@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from diloco.comm.base import CommConfig
+from diloco.comm.base import CommConfig, HivemindConfig
 from diloco.comm.hivemind.backend import HivemindBackend
 from diloco.compression import NoCompression
 
@@ -38,12 +38,14 @@ def main() -> None:
     values = int(args.payload_mb * 1e6 / 4)
     cfg = CommConfig(
         run_id="allreduce_efficiency",
-        initial_peers=[args.peers],
-        host=args.host,
         deadline_s=args.deadline_s,
-        matchmaking_s=60.0,  # a round starts as soon as all --count peers are in
-        request_timeout_s=5.0,
-        startup_timeout_s=120.0,
+        hivemind=HivemindConfig(
+            initial_peers=[args.peers],
+            host=args.host,
+            matchmaking_s=60.0,  # a round starts as soon as all --count peers are in
+            request_timeout_s=5.0,
+            startup_timeout_s=120.0,
+        ),
     )
     tensor = torch.randn(values)
     backend = HivemindBackend(cfg, templates=[tensor], num_workers=args.count, codec=NoCompression())

@@ -148,7 +148,7 @@ def finished_summary(cfg) -> dict | None:
     wanted = to_dict(cfg)
     for config in (saved, wanted):  # what launchers set per worker: index, count, threads, address, peers
         config.pop("worker")
-        config["comm"].pop("host"), config["comm"].pop("initial_peers")
+        config["comm"]["hivemind"].pop("host"), config["comm"]["hivemind"].pop("initial_peers")
         config["comm"].pop("run_id"), config["run"].pop("name"), config["run"].pop("dir")  # labels
     finished = summary.get("inner_steps") == cfg.inner.steps and summary.get("final_val_loss") is not None
     return summary if finished and saved == wanted else None

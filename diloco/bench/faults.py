@@ -102,7 +102,7 @@ class Cluster:
         from diloco.lifetime import terminate_with_parent
 
         if self.testbed is not None:
-            argv = self.testbed.command(slot, [*argv, f"comm.host={self.testbed.address(slot)}"])
+            argv = self.testbed.command(slot, [*argv, f"comm.hivemind.host={self.testbed.address(slot)}"])
         log = (self.run_dir / log_name).open("ab")
         self._logs.append(log)
         return subprocess.Popen(
@@ -115,7 +115,12 @@ class Cluster:
 
     def _common(self, threads: int) -> list[str]:
         peers = "[" + ",".join(f"'{p}'" for p in self.peers) + "]"
-        return [*self.overrides, f"run.dir={self.run_dir}", f"worker.threads={threads}", f"comm.initial_peers={peers}"]
+        return [
+            *self.overrides,
+            f"run.dir={self.run_dir}",
+            f"worker.threads={threads}",
+            f"comm.hivemind.initial_peers={peers}",
+        ]
 
     def start(self, index: int, extra: Sequence[str] = (), *, threads: int = 1) -> subprocess.Popen:
         argv = [sys.executable, "-m", "diloco.cli", "train", *self._common(threads), f"worker.index={index}", *extra]
@@ -564,7 +569,7 @@ def default_plan(data: str | None, overrides: Sequence[str], **settings) -> Faul
             "logging.eval_batches=8",
             "logging.log_every=10",
             "comm.deadline_s=60",
-            "comm.matchmaking_s=15",
+            "comm.hivemind.matchmaking_s=15",
             *overrides,
         ],
         **settings,

@@ -79,7 +79,7 @@ SMOKE = TrainPlan(
         "data.max_bytes=400000",
         "logging.log_every=5",
         "logging.eval_batches=2",
-        "comm.data_plane=gloo",
+        "comm.hivemind.data_plane=gloo",
         "outer.global_device=model",
         "inner.warmup_steps=5",
     ),

@@ -41,7 +41,7 @@ def _overrides(steps: int, behind_nat: int, run_dir: Path) -> list[str]:
         "logging.log_every=50",
         "checkpoint.every_rounds=0",
         "comm.deadline_s=60",
-        "comm.matchmaking_s=15",
+        "comm.hivemind.matchmaking_s=15",
         f"comm.run_id=nat_{behind_nat}",
         f"run.dir={run_dir}",
         f"run.name=nat-{behind_nat}",

@@ -81,7 +81,7 @@ def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path,
         "inner.warmup_steps=1",
         f"checkpoint.every_rounds={int(checkpoints)}",
         "comm.deadline_s=900",
-        "comm.matchmaking_s=30",
+        "comm.hivemind.matchmaking_s=30",
         "logging.eval_batches=2",
         "logging.log_every=1",  # a step record from the first step on: the start-up's end
         "worker.threads=1",
@@ -179,7 +179,7 @@ def run_training(
     run_dir.mkdir(parents=True)
     overrides = [
         *training_overrides(size, steps=steps, sync_every=sync_every, run_dir=run_dir, checkpoints=checkpoints),
-        f"comm.data_plane={data_plane}",
+        f"comm.hivemind.data_plane={data_plane}",
     ]
     cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
     with stdout_to(run_dir / "launcher.log"), FirstStepClock(run_dir, WORKERS) as clock:
@@ -220,7 +220,9 @@ def run_join(size: str, *, steps: int, sync_every: int, out: Path, timeout_s: fl
         while time.monotonic() < deadline and not (records.exists() and '"event": "round"' in records.read_text()):
             time.sleep(0.5)  # polling files another process writes
         found = (
-            re.search(r"join this run with: comm.initial_peers=\['([^']+)'", log.read_text()) if log.exists() else None
+            re.search(r"join this run with: comm.hivemind.initial_peers=\['([^']+)'", log.read_text())
+            if log.exists()
+            else None
         )
         if found is None:
             result["error"] = "no round, or no address of worker 0, to join"

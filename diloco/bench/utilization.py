@@ -61,7 +61,7 @@ def _training_overrides(
         "logging.log_every=50",
         "checkpoint.every_rounds=0",
         "comm.deadline_s=180",
-        "comm.matchmaking_s=30",
+        "comm.hivemind.matchmaking_s=30",
         f"comm.run_id=util_{tag}",
         f"run.dir={run_dir}",
         f"run.name={tag}",

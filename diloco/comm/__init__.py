@@ -1,7 +1,8 @@
 """Transports for the outer sync. ``build_backend`` picks one from ``comm.backend``.
 
 - ``base.py``            the interfaces: ``Averaging``, ``StateExchange``, ``Membership``, and
-                         ``CommBackend``, a transport as those parts; ``SyncResult``, ``CommConfig``
+                         ``CommBackend``, a transport as those parts; ``SyncResult``, ``CommConfig`` and
+                         its ``HivemindConfig``
 - ``reduce.py``          the reduce rule every transport follows (``average_payloads``)
 - ``hivemind/``          P2P over a DHT, the production path: its peer, a round's averaging, the
                          state exchange, the roster, the bit-identical averager, the gloo data
@@ -20,13 +21,13 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, SyncResult
+from diloco.comm.base import CommBackend, CommConfig, HivemindConfig, SyncResult
 from diloco.compression import Codec, NoCompression
 
 BACKENDS = ("hivemind", "simulator", "torchdist")
-DATA_PLANES = ("hivemind", "gloo")  # comm.data_plane (hivemind/gloo_plane.py)
+DATA_PLANES = ("hivemind", "gloo")  # comm.hivemind.data_plane (hivemind/gloo_plane.py)
 
-__all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
+__all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "HivemindConfig", "SyncResult", "build_backend"]
 
 
 def build_backend(

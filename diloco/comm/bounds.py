@@ -12,10 +12,11 @@ a round: matchmaking + all-reduce      ``round_limit_s``: 2 x ``comm.deadline_s`
                                        deadline to find a group, one for the all-reduce; the
                                        margin is the deadline itself when that is shorter)
 an overlapped round's pending average  the same, counted from when the worker waits for it
-the averager's tensors, its commands   ``control_limit_s``: ``comm.request_timeout_s`` x 3, >= 10 s
+the averager's tensors, its commands   ``control_limit_s``: ``comm.hivemind.request_timeout_s``
+                                       x 3, >= 10 s
 one DHT read or write (roster, offers) ``control_limit_s``
 a state download (catch-up, joining)   ``comm.deadline_s``
-the end-of-run linger (``finish``)     ``comm.matchmaking_s``
+the end-of-run linger (``finish``)     ``comm.hivemind.matchmaking_s``
 a site's collectives (torchrun)        ``site_limit_s``: a round, a state download and 30 s
 shutdown of the averagers and the DHT  5 s each, then killed
 =====================================  ==========================================================

@@ -156,14 +156,15 @@ def _check_screening(cfg: Config) -> None:
         "one step's gradients, too noisy to judge: set comm.min_cosine=-1 with it",
     )
     require(
-        cfg.comm.min_cosine == -1 or cfg.comm.data_plane != "gloo",
-        "comm.min_cosine screens what a reducer receives, and comm.data_plane=gloo sums vectors nobody "
+        cfg.comm.min_cosine == -1 or cfg.comm.hivemind.data_plane != "gloo",
+        "comm.min_cosine screens what a reducer receives, and comm.hivemind.data_plane=gloo sums vectors nobody "
         "sees: set comm.min_cosine=-1 with it (between sites that trust each other)",
     )
 
 
 def _check_comm(cfg: Config) -> None:
-    """The ``comm.*`` settings: the transport, its peers and the bounds of its waits."""
+    """The ``comm.*`` settings: the transport, the screening of contributions, a round's deadline;
+    then ``comm.hivemind.*``."""
     require(cfg.comm.bandwidth_mbps >= 0, f"comm.bandwidth_mbps={cfg.comm.bandwidth_mbps} must be >= 0 (0 = infinite)")
     require(cfg.comm.latency_ms >= 0, f"comm.latency_ms={cfg.comm.latency_ms} must be >= 0")
     require(
@@ -173,31 +174,37 @@ def _check_comm(cfg: Config) -> None:
     _check_screening(cfg)
     require(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     require(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")
-    bad_peers = [peer for peer in cfg.comm.initial_peers if not peer.startswith("/")]
+    require(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
+    _check_hivemind(cfg)
+
+
+def _check_hivemind(cfg: Config) -> None:
+    """The ``comm.hivemind.*`` settings: its peers, how it listens and the bounds of its waits."""
+    hm = cfg.comm.hivemind
+    bad_peers = [peer for peer in hm.initial_peers if not peer.startswith("/")]
     require(
         not bad_peers,
-        f"comm.initial_peers: {bad_peers[0] if bad_peers else ''!r} is not a multiaddr "
+        f"comm.hivemind.initial_peers: {bad_peers[0] if bad_peers else ''!r} is not a multiaddr "
         "(like /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...)",
     )
-    cfg.comm.client_mode = str(cfg.comm.client_mode).lower()  # yaml's true/false arrive as booleans
+    hm.client_mode = str(hm.client_mode).lower()  # yaml's true/false arrive as booleans
     require(
-        cfg.comm.client_mode in CLIENT_MODES,
-        f"comm.client_mode={cfg.comm.client_mode!r} is not one of {', '.join(CLIENT_MODES)}",
+        hm.client_mode in CLIENT_MODES,
+        f"comm.hivemind.client_mode={hm.client_mode!r} is not one of {', '.join(CLIENT_MODES)}",
     )
     require(
-        cfg.comm.data_plane in DATA_PLANES,
-        f"comm.data_plane={cfg.comm.data_plane!r} is not one of {', '.join(DATA_PLANES)}",
+        hm.data_plane in DATA_PLANES,
+        f"comm.hivemind.data_plane={hm.data_plane!r} is not one of {', '.join(DATA_PLANES)}",
     )
-    require(cfg.comm.deadline_s > 0, f"comm.deadline_s={cfg.comm.deadline_s} must be positive")
-    require(0 <= cfg.comm.port < 65536, f"comm.port={cfg.comm.port} must be in [0, 65535]")
+    require(0 <= hm.port < 65536, f"comm.hivemind.port={hm.port} must be in [0, 65535]")
     require(
-        0 < cfg.comm.request_timeout_s < cfg.comm.matchmaking_s,
-        f"comm.request_timeout_s={cfg.comm.request_timeout_s} must be positive and below "
-        f"comm.matchmaking_s={cfg.comm.matchmaking_s} (hivemind can deadlock otherwise)",
+        0 < hm.request_timeout_s < hm.matchmaking_s,
+        f"comm.hivemind.request_timeout_s={hm.request_timeout_s} must be positive and below "
+        f"comm.hivemind.matchmaking_s={hm.matchmaking_s} (hivemind can deadlock otherwise)",
     )
     require(
-        cfg.comm.matchmaking_s < cfg.comm.deadline_s,
-        f"comm.matchmaking_s={cfg.comm.matchmaking_s} must be below comm.deadline_s={cfg.comm.deadline_s}",
+        hm.matchmaking_s < cfg.comm.deadline_s,
+        f"comm.hivemind.matchmaking_s={hm.matchmaking_s} must be below comm.deadline_s={cfg.comm.deadline_s}",
     )
 
 

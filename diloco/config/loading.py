@@ -1,6 +1,7 @@
 """``load_config``: the dataclass defaults <- an outer rule's defaults (rules.py) <- a YAML file
-<- ``KEY=VALUE`` overrides, with omegaconf's struct mode on so a typo is an error, then checked
-(checks.py); and the config written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``)."""
+<- ``KEY=VALUE`` overrides, with omegaconf's struct mode on so a typo is an error (a key that
+moved, ``MOVED_KEYS``, an error that names its new place), then checked (checks.py); and the
+config written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``)."""
 
 from __future__ import annotations
 
@@ -86,11 +87,32 @@ def _read_yaml(path: Path):
     return loaded
 
 
+# keys that moved to a section of their own: the old key -> the new one
+MOVED_KEYS = {
+    f"comm.{name}": f"comm.hivemind.{name}"
+    for name in (
+        "initial_peers",
+        "host",
+        "port",
+        "announce_host",
+        "client_mode",
+        "use_relay",
+        "use_auto_relay",
+        "matchmaking_s",
+        "request_timeout_s",
+        "startup_timeout_s",
+        "data_plane",
+    )
+}
+
+
 def _describe(error: OmegaConfBaseException) -> str:
     """One line from omegaconf's multi-line messages: the key, then what went wrong."""
     key = getattr(error, "full_key", None) or ""
     message = str(error).strip().splitlines()[0]
     if "Key" in message and "not in" in message or "Could not override" in message:
+        if key in MOVED_KEYS:
+            return f"{key} is now {MOVED_KEYS[key]} (the settings only hivemind reads have a section of their own)"
         return f"unknown config key {key!r} (`diloco config` prints every key)"
     if "Value" in message and ("could not be converted" in message or "is not a" in message):
         expected = getattr(error, "msg", message)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from diloco.comm.base import CommConfig
+from diloco.comm.base import HivemindConfig
 from diloco.comm.hivemind import reachability
 from diloco.comm.hivemind.peer import bounded_dht_call, start_dht, visible_addresses
 
@@ -17,10 +17,10 @@ logger = logging.getLogger(__name__)
 
 def run_bootstrap(*, host: str, port: int) -> int:
     """Serve as the run's bootstrap peer on ``host:port`` until interrupted; the exit code."""
-    dht = start_dht(CommConfig(host=host, port=port), initial_peers=[])
+    dht = start_dht(HivemindConfig(host=host, port=port), initial_peers=[])
     try:
         for address in visible_addresses(dht):
-            print(f"bootstrap peer up: comm.initial_peers=['{address}']", flush=True)
+            print(f"bootstrap peer up: comm.hivemind.initial_peers=['{address}']", flush=True)
         dht_call, answered, never = bounded_dht_call(dht, threading.Lock(), timeout_s=10.0), {}, threading.Event()
         while not never.wait(1.0):
             try:

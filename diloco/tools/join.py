@@ -38,9 +38,10 @@ class Place:
 def choose_slot(cfg: Config) -> Place:
     """A free slot of the live run ``cfg.comm`` names; ``JoinError`` when nobody answers,
     ``UsageError`` when every shard is held."""
-    entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=cfg.comm.matchmaking_s).items() if not e.leaving}
+    hm = cfg.comm.hivemind
+    entries = {i: e for i, e in probe_roster(cfg.comm, timeout_s=hm.matchmaking_s).items() if not e.leaving}
     if not entries:
-        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers, cfg.comm.matchmaking_s))
+        raise JoinError(nobody_answered(cfg.comm.run_id, hm.initial_peers, hm.matchmaking_s))
     # the run's plan and slots are the run's, whatever the joiner's own file says
     planned = max((e.planned for e in entries.values()), default=0) or cfg.worker.count
     slots = max((e.slots for e in entries.values()), default=0) or cfg.worker.shards

@@ -66,7 +66,7 @@ def _worker_command(
         f"worker.index={index}",
         f"worker.count={count}",
         f"run.dir={run_dir}",
-        f"comm.initial_peers={peer_list}",
+        f"comm.hivemind.initial_peers={peer_list}",
         f"worker.threads={threads}",
     ]
 
@@ -147,7 +147,9 @@ def run_local(
     children: list[subprocess.Popen] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
-    bootstrap, peers = start_bootstrap(host=host, timeout_s=cfg.comm.startup_timeout_s, run_key=cfg.comm.run_key)
+    bootstrap, peers = start_bootstrap(
+        host=host, timeout_s=cfg.comm.hivemind.startup_timeout_s, run_key=cfg.comm.run_key
+    )
     try:
         print(f"bootstrap peer: {peers[0]}")
         where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
@@ -158,7 +160,7 @@ def run_local(
             logs.append(log)
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
             if testbed:
-                command = testbed.command(i, [*command, f"comm.host={testbed.address(i)}"])
+                command = testbed.command(i, [*command, f"comm.hivemind.host={testbed.address(i)}"])
             children.append(
                 subprocess.Popen(
                     command,
@@ -282,7 +284,7 @@ def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[
             if "initial_peers=" in line:
                 return process, [line.split("['", 1)[1].split("']", 1)[0]]
     stop_all([process])
-    raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.startup_timeout_s)")
+    raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.hivemind.startup_timeout_s)")
 
 
 def _state(child: subprocess.Popen) -> str:

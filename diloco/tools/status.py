@@ -100,7 +100,7 @@ def show_status(cfg: CommConfig, *, watch: bool, timeout_s: float, out: TextIO =
     with roster_reader(cfg) as read:
         entries = first_entries(read, timeout_s)
         if not entries and not watch:
-            raise CommError(nobody_answered(cfg.run_id, cfg.initial_peers, timeout_s))
+            raise CommError(nobody_answered(cfg.run_id, cfg.hivemind.initial_peers, timeout_s))
         shown = ""
         try:
             while True:

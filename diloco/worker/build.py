@@ -150,7 +150,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
         log = _worker_log(cfg, placement, run_dir, wall_s_before=totals.wall_s)
         undo.callback(log.close)
         watchdog = Watchdog(
-            phase_bounds(cfg.comm.deadline_s, cfg.comm.matchmaking_s),
+            phase_bounds(cfg.comm.deadline_s, cfg.comm.hivemind.matchmaking_s),
             stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
             on_phase=backend.membership.report_phase,
         )

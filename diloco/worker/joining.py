@@ -43,13 +43,13 @@ LOCAL_KEYS = (
     "worker.threads",
     "worker.device",
     "worker.compile",
-    "comm.host",
-    "comm.port",
-    "comm.announce_host",
-    "comm.initial_peers",
-    "comm.client_mode",
+    "comm.hivemind.host",
+    "comm.hivemind.port",
+    "comm.hivemind.announce_host",
+    "comm.hivemind.initial_peers",
+    "comm.hivemind.client_mode",
     "comm.run_key",  # a secret: never published (each holder passes it itself)
-    "comm.startup_timeout_s",
+    "comm.hivemind.startup_timeout_s",
 )
 
 
@@ -58,8 +58,11 @@ def shared_config(cfg: Config) -> dict:
     who joins with only an address runs with."""
     tree = to_dict(cfg)
     for key in LOCAL_KEYS:
-        section, name = key.split(".")
-        tree[section].pop(name, None)
+        *sections, name = key.split(".")
+        section = tree
+        for part in sections:
+            section = section[part]
+        section.pop(name, None)
     return tree
 
 
@@ -128,7 +131,7 @@ def catch_up_with_run(
     sync_every = cfg.outer.sync_every
     others = {i: e for i, e in membership.live_workers().items() if i != cfg.worker.index and not e.leaving}
     if required and not others:
-        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.initial_peers))
+        raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.hivemind.initial_peers))
     check_same_run(cfg, others)  # before any download: a state of other shapes cannot be loaded
     if not any(e.round > round_index for e in others.values()):
         return step, round_index

@@ -172,10 +172,9 @@ def local_shards(state):
 def shard_comm(cfg: CommConfig, site: Site) -> CommConfig:
     """The transport settings of this rank's shard: a run id of its own (so that only the ranks
     holding the same shard in other sites group together; the site's size is in it, so sites of
-    other sizes never meet), and with a fixed ``comm.port`` the rank's own port beside it."""
-    return replace(
-        cfg, run_id=f"{cfg.run_id}_shard{site.rank}of{site.size}", port=cfg.port + site.rank if cfg.port else 0
-    )
+    other sizes never meet), and with a fixed ``comm.hivemind.port`` the rank's own port beside it."""
+    port = cfg.hivemind.port + site.rank if cfg.hivemind.port else 0
+    return replace(cfg, run_id=f"{cfg.run_id}_shard{site.rank}of{site.size}", hivemind=replace(cfg.hivemind, port=port))
 
 
 class SiteAveraging(Averaging):

@@ -2,7 +2,7 @@
 
     diloco train configs/tiny.yaml                                   # first worker of a new run
     diloco train configs/tiny.yaml worker.index=1 worker.count=2 \\
-        comm.initial_peers="['/ip4/10.0.0.1/tcp/31337/p2p/12D3Koo...']"  # join it
+        comm.hivemind.initial_peers="['/ip4/10.0.0.1/tcp/31337/p2p/12D3Koo...']"  # join it
 
 Every ``outer.sync_every`` inner steps the worker averages its pseudo-gradient with the others
 and takes an outer step (``OuterStep.sync`` in core/outer.py); overlapped and data-parallel

@@ -12,7 +12,7 @@ import queue
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig
+from diloco.comm.base import CommConfig, HivemindConfig
 from diloco.compression import CompressionConfig, build_codec
 from tests.conftest import TINY, read_records
 
@@ -45,9 +45,8 @@ def _peer(
         codec = _codec(name)
         if bad:
             codec = BadPayloadCodec(codec, bad)
-        cfg = CommConfig(
-            run_id=f"wire_{name}", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, deadline_s=40
-        )
+        hivemind = HivemindConfig(initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3)
+        cfg = CommConfig(run_id=f"wire_{name}", deadline_s=40, hivemind=hivemind)
         backend = HivemindBackend(cfg, templates=_tensors(0), num_workers=count, codec=codec)
         if prefer is not None and backend.averaging.codecs.meter is not None:
             backend.averaging.codecs.meter.preferred = lambda **_: prefer  # a scripted measure of the link
@@ -69,7 +68,7 @@ def _run_peers(
 ) -> dict:
     from diloco.comm.hivemind.peer import start_dht, visible_addresses
 
-    bootstrap = start_dht(CommConfig())
+    bootstrap = start_dht(HivemindConfig())
     context = mp.get_context("spawn")
     results = context.Queue()
     peers = [

@@ -14,7 +14,7 @@ import signal
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig
+from diloco.comm.base import CommConfig, HivemindConfig
 from diloco.comm.hivemind.gloo_plane import ring_bytes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -33,9 +33,8 @@ def _peer(index: int, count: int, bootstrap: list[str], plane: str, bad: str, re
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
     from diloco.comm.hivemind.backend import HivemindBackend
 
-    cfg = CommConfig(
-        run_id="plane", initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, deadline_s=30, data_plane=plane
-    )
+    hivemind = HivemindConfig(initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, data_plane=plane)
+    cfg = CommConfig(run_id="plane", deadline_s=30, hivemind=hivemind)
     backend = HivemindBackend(cfg, templates=_tensors(0), num_workers=count, codec=_codec())
     try:
         tensors = _tensors(index)
@@ -67,7 +66,7 @@ def _run_peers(count: int, planes: list[str], bad: dict[int, str] | None = None,
     from diloco.comm.hivemind.peer import start_dht, visible_addresses
 
     bad = bad or {}
-    bootstrap = start_dht(CommConfig())
+    bootstrap = start_dht(HivemindConfig())
     context = mp.get_context("spawn")
     results = context.Queue()
     peers = [

@@ -138,7 +138,7 @@ def test_a_process_killed_with_sigkill_leaves_no_child_behind_and_its_port_free(
     # the OOM killer's way: kill -9 of the main process alone, not of its process group
     port = _free_port()
     if command == "train":
-        argv = ["train", *TINY, "inner.steps=100000", f"comm.port={port}", f"run.dir={tmp_path}"]
+        argv = ["train", *TINY, "inner.steps=100000", f"comm.hivemind.port={port}", f"run.dir={tmp_path}"]
         marker = "is up; join this run with"
     else:
         argv, marker = ["bootstrap", "--host", "127.0.0.1", "--port", str(port)], "bootstrap peer up"
@@ -173,9 +173,9 @@ def test_port_in_use_is_one_clear_line(tmp_path, diloco_cli):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = diloco_cli("train", *TINY, "inner.steps=5", f"comm.port={port}", f"run.dir={tmp_path}")
+        done = diloco_cli("train", *TINY, "inner.steps=5", f"comm.hivemind.port={port}", f"run.dir={tmp_path}")
     assert done.returncode == 2 and "Traceback" not in done.stdout
-    assert f"diloco: error: comm.port={port} is already in use" in done.stdout
+    assert f"diloco: error: comm.hivemind.port={port} is already in use" in done.stdout
 
 
 def test_unreachable_peer_is_one_clear_line(tmp_path, diloco_cli):
@@ -184,10 +184,15 @@ def test_unreachable_peer_is_one_clear_line(tmp_path, diloco_cli):
         port = closed.getsockname()[1]
     peer = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWCUrnkWAe24z2tswiyaWgkW98KV6g5XGKv1z2Ht2kzJ6H"
     done = diloco_cli(
-        "train", *TINY, "inner.steps=5", "worker.count=2", f"comm.initial_peers=['{peer}']", f"run.dir={tmp_path}"
+        "train",
+        *TINY,
+        "inner.steps=5",
+        "worker.count=2",
+        f"comm.hivemind.initial_peers=['{peer}']",
+        f"run.dir={tmp_path}",
     )
     assert done.returncode == 2 and "Traceback" not in done.stdout
-    assert "diloco: error: could not reach any of comm.initial_peers" in done.stdout
+    assert "diloco: error: could not reach any of comm.hivemind.initial_peers" in done.stdout
 
 
 _WRITE_THEN_HANG = """

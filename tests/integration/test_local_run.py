@@ -93,7 +93,7 @@ def test_rerunning_a_stopped_run_resumes_from_its_checkpoint(tmp_path, diloco_cl
     [
         ["outer.overlap=delayed"],
         ["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2"],
-        ["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2", "comm.data_plane=gloo"],
+        ["outer.overlap=streaming", "outer.fragments=2", "outer.delay_steps=2", "comm.hivemind.data_plane=gloo"],
     ],
     ids=["delayed", "streaming", "streaming-over-the-gloo-data-plane"],
 )

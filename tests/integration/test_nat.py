@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 CLIENT = "not reachable from outside at 192.168."
-FAST = [*TINY, "comm.matchmaking_s=8", "comm.deadline_s=20"]
+FAST = [*TINY, "comm.hivemind.matchmaking_s=8", "comm.deadline_s=20"]
 
 
 def _rounds(run_dir, worker: int) -> list[dict]:
@@ -38,20 +38,22 @@ def test_two_workers_behind_nat_average_with_a_public_one_and_agree_after_a_roun
     before = set(leftovers())
     done = diloco_cli(
         "testbed", "--workers", "3", "--nat", "1,2", "--rate", "20", "--run-dir", str(run_dir),
-        *FAST, "inner.steps=40", "outer.sync_every=10", "comm.data_plane=gloo", "faults.skip_round=1",
+        *FAST, "inner.steps=40", "outer.sync_every=10", "comm.hivemind.data_plane=gloo", "faults.skip_round=1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(3)]
     assert "reachable at 10.231." in logs[0] and CLIENT not in logs[0], logs[0][-2000:]
     for log in logs[1:]:
         assert CLIENT in log and "joining as a client" in log, log[-2000:]
-        assert "join this run with: comm.initial_peers=['/ip4/10.231." in log  # a dialable address, not its own
+        assert (
+            "join this run with: comm.hivemind.initial_peers=['/ip4/10.231." in log
+        )  # a dialable address, not its own
     # a client that starts after the public worker sat out round 1 (at once) joins it after that
     # round instead (joining.py): its records begin at round 2. One that comes a moment after the
     # other two formed round 2's group sees the public worker's offer of that round, stops looking
     # and takes it. Every worker averages a round with both others through the public worker, and
     # ends its last round whole or on a peer's state (on a loaded machine a client can miss the
-    # last round's group by more than comm.matchmaking_s: then it takes the state of the bigger group)
+    # last round's group by more than comm.hivemind.matchmaking_s: then it takes the state of the bigger group)
     for worker in range(3):
         numbers = [r["round"] for r in _rounds(run_dir, worker)]
         assert numbers[0] in ((1,) if worker == 0 else (1, 2)) and numbers[-1] == 4, numbers
@@ -73,7 +75,7 @@ def test_with_client_mode_forced_off_no_worker_calls_a_round_ok_that_lost_parts(
     run_dir = tmp_path / "run"
     done = diloco_cli(
         "testbed", "--workers", "3", "--nat", "1,2", "--run-dir", str(run_dir),
-        *FAST, "inner.steps=10", "outer.sync_every=10", "comm.client_mode=false",
+        *FAST, "inner.steps=10", "outer.sync_every=10", "comm.hivemind.client_mode=false",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     # hivemind's matchmaking puts all three in a round, or two (a NAT'd leader cannot be joined; one
@@ -125,5 +127,5 @@ def test_a_run_no_worker_of_which_can_be_dialled_says_so_and_waits_no_longer_tha
         log = (run_dir / f"worker-{worker}.log").read_text()
         assert CLIENT in log, log[-2000:]
         assert "no worker of the run that can be dialled is live" in log, log[-2000:]
-        assert "forward a port and set comm.announce_host, or start one worker on a public address" in log
+        assert "forward a port and set comm.hivemind.announce_host, or start one worker on a public address" in log
         assert all(r["comm_s"] <= round_limit_s(deadline_s) for r in _rounds(run_dir, worker))

@@ -38,7 +38,7 @@ def _run_sites(run_dir, peer: str, extra: list[str]) -> list[subprocess.Popen]:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "-m", "diloco.cli", "train", *COMMON, "worker.site=true", f"worker.index={index}", "worker.count=2",
-            "worker.threads=1", f"run.dir={run_dir}", f"comm.initial_peers=['{peer}']", *extra,
+            "worker.threads=1", f"run.dir={run_dir}", f"comm.hivemind.initial_peers=['{peer}']", *extra,
         ]  # fmt: skip
         log = (run_dir.parent / f"site-{index}.log").open("wb")
         sites.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

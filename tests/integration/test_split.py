@@ -31,7 +31,7 @@ def _rounds(run_dir, worker: int) -> list[dict]:
 @pytest.mark.parametrize("sides", [((0, 1), (2, 3)), ((0, 1, 2), (3,))], ids=["2-2", "3-1"])
 def test_a_split_run_records_the_split_and_ends_on_one_model_after_the_network_heals(tmp_path, sides):
     plan = FaultRun(
-        overrides=[*TINY, "comm.matchmaking_s=8", "comm.deadline_s=20", "logging.log_every=10"],
+        overrides=[*TINY, "comm.hivemind.matchmaking_s=8", "comm.deadline_s=20", "logging.log_every=10"],
         workers=WORKERS,
         steps=STEPS,
         sync_every=SYNC_EVERY,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from diloco.comm.base import CommConfig
+from diloco.comm.base import HivemindConfig
 from diloco.comm.hivemind.peer import bounded_dht_call, start_dht, visible_addresses
 from diloco.comm.hivemind.roster import Roster
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def live_worker():
     """A DHT peer holding worker 1's roster record of run 'trial' (round 3, step 61, in a round's
     matchmaking for the last 75 s); its address, and when the phase's 75 s were counted from."""
-    dht = start_dht(CommConfig(host="127.0.0.1", port=0), initial_peers=[])
+    dht = start_dht(HivemindConfig(host="127.0.0.1", port=0), initial_peers=[])
     roster = Roster(bounded_dht_call(dht, threading.Lock(), timeout_s=10), run_id="trial", worker_index=1, planned=2)
     roster.progress(3, 61, {"loss": 2.5, "tokens_per_s": 1234.4, "val_loss": 2.61})
     set_at = time.time()

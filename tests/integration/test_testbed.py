@@ -24,7 +24,7 @@ needs_root = pytest.mark.skipif(nets.testbed_unavailable() is not None, reason=s
 # compare the testbeds that exist before and after, and a testbed's build removes dead owners' leftovers
 pytestmark = pytest.mark.xdist_group("testbed")
 
-SMALL = [*TINY, "model.n_layer=1", "model.n_embd=32", "comm.matchmaking_s=8"]
+SMALL = [*TINY, "model.n_layer=1", "model.n_embd=32", "comm.hivemind.matchmaking_s=8"]
 
 
 def _owned_by(pid: int) -> list[str]:
@@ -68,7 +68,7 @@ def test_the_gloo_data_plane_averages_across_namespaces(diloco_cli, tmp_path):
     run_dir = tmp_path / "run"
     done = diloco_cli(
         "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(run_dir),
-        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.data_plane=gloo",
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.hivemind.data_plane=gloo",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     records = [read_records(run_dir, worker) for worker in range(2)]
@@ -87,8 +87,8 @@ def test_a_crashed_worker_leaves_no_namespace_or_link_behind(diloco_cli, tmp_pat
     # worker 0's round 2 waits out comm.deadline_s for worker 1, which stopped after round 1: short
     done = diloco_cli(
         "testbed", "--workers", "2", "--rate", "50", "--run-dir", str(tmp_path / "run"),
-        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.matchmaking_s=3", "comm.deadline_s=5",
-        "comm.request_timeout_s=2",
+        *SMALL, "inner.steps=20", "outer.sync_every=10", "comm.hivemind.matchmaking_s=3", "comm.deadline_s=5",
+        "comm.hivemind.request_timeout_s=2",
         "faults.worker=1", "faults.stop_after_round=1",
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:]

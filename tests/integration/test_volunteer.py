@@ -22,7 +22,7 @@ STEPS, SYNC_EVERY = 200, 20
 
 def _plan(steps: int = STEPS, **settings) -> FaultRun:
     return FaultRun(
-        overrides=[*TINY, "comm.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}", "logging.log_every=10"],
+        overrides=[*TINY, "comm.hivemind.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}", "logging.log_every=10"],
         workers=3,
         steps=steps,
         sync_every=SYNC_EVERY,
@@ -62,10 +62,10 @@ def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
 def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_its_deadlines(tmp_path):
     # a deadline past the test's timeout: a survivor that waited for the dead worker in every round
     # (it used to, comm.deadline_s each) could not finish in time. The waits it does have are
-    # comm.matchmaking_s's: the retry among the peers still there in the round the other died in
+    # comm.hivemind.matchmaking_s's: the retry among the peers still there in the round the other died in
     # (2 x), and at the end the linger for the dead worker's stale state offer: short ones
     overrides = [*TINY, "worker.count=2", "inner.steps=120", "outer.sync_every=20", "comm.deadline_s=600",
-                 "comm.matchmaking_s=5"]  # fmt: skip
+                 "comm.hivemind.matchmaking_s=5"]  # fmt: skip
     run_dir = tmp_path / "shrink"
     with Cluster([*overrides, "comm.run_id=shrink", "logging.log_every=10"], run_dir, slots=2) as cluster:
         for i in range(2):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -13,11 +14,11 @@ from diloco.config import ConfigError, load_config, save_config
 def test_defaults_then_yaml_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("inner:\n  lr: 0.002\n  steps: 40\nouter:\n  sync_every: 10\n")
-    cfg = load_config(path, ["inner.lr=0.003", "comm.initial_peers=['/ip4/1.2.3.4/tcp/5/p2p/abc']"])
+    cfg = load_config(path, ["inner.lr=0.003", "comm.hivemind.initial_peers=['/ip4/1.2.3.4/tcp/5/p2p/abc']"])
     assert cfg.inner.lr == 0.003  # the command line wins over the file
     assert cfg.inner.steps == 40 and cfg.outer.sync_every == 10  # the file wins over the defaults
     assert cfg.model.n_embd == 128 and cfg.outer.optimizer == "nesterov"  # defaults
-    assert cfg.comm.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/abc"]
+    assert cfg.comm.hivemind.initial_peers == ["/ip4/1.2.3.4/tcp/5/p2p/abc"]
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
@@ -38,9 +39,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["logging.wandb=sometimes"], "logging.wandb"),
         (["model.n_head=3"], "model.n_head"),
         (["worker.index=2", "worker.count=2"], "worker.index"),
-        (["comm.request_timeout_s=9", "comm.matchmaking_s=5"], "comm.request_timeout_s"),
+        (["comm.hivemind.request_timeout_s=9", "comm.hivemind.matchmaking_s=5"], "comm.hivemind.request_timeout_s"),
         (["comm.backend=carrier_pigeon"], "comm.backend"),
-        (["comm.initial_peers=[garbage]"], "comm.initial_peers"),
+        (["comm.hivemind.initial_peers=[garbage]"], "comm.hivemind.initial_peers"),
         (["inner.lr"], "KEY=VALUE"),
     ],
 )
@@ -62,6 +63,30 @@ def test_missing_or_malformed_yaml_is_a_config_error(tmp_path):
     unknown.write_text("inner:\n  lrr: 1\n")
     with pytest.raises(ConfigError, match="inner.lrr"):
         load_config(unknown)
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "taken"),
+    [
+        ("initial_peers", "['/ip4/1.2.3.4/tcp/5/p2p/abc']", ["/ip4/1.2.3.4/tcp/5/p2p/abc"]),
+        ("host", "0.0.0.0", "0.0.0.0"),
+        ("matchmaking_s", "8", 8.0),
+        ("data_plane", "gloo", "gloo"),
+    ],
+)
+def test_a_key_that_moved_to_comm_hivemind_is_an_error_that_names_its_new_key(tmp_path, old, value, taken):
+    """On the command line and in a file alike; the same setting under comm.hivemind is taken."""
+    expected = f"comm.{old} is now comm.hivemind.{old}"
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        load_config(None, [f"comm.{old}={value}"])
+    assert "\n" not in str(info.value)
+    path = tmp_path / "old.yaml"
+    path.write_text(f"comm:\n  deadline_s: 30\n  {old}: {value}\n")
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
+    path.write_text(f"comm:\n  deadline_s: 30\n  hivemind:\n    {old}: {value}\n")  # where it is now
+    assert getattr(load_config(path).comm.hivemind, old) == taken
 
 
 @pytest.mark.parametrize(

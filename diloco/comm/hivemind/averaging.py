@@ -3,10 +3,10 @@ among survivors, and the outer step taken alone when nobody else is left.
 
 Each round is matched under its own DHT key (run id + round number), so a worker that is a round
 behind never averages with the others' newer pseudo-gradients. Rounds wait up to
-``comm.matchmaking_s`` for the group the roster expects (``roster.py``: the planned workers minus
-those seen gone, plus those that joined) and start at once when it is full. A round whose group
-broke (a peer crashed inside the all-reduce) is tried once more among the survivors, under a key
-of its own, while its deadline lasts. One attempt is ``group_round.py``.
+``comm.hivemind.matchmaking_s`` for the group the roster expects (``roster.py``: the planned
+workers minus those seen gone, plus those that joined) and start at once when it is full. A round
+whose group broke (a peer crashed inside the all-reduce) is tried once more among the survivors,
+under a key of its own, while its deadline lasts. One attempt is ``group_round.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.comm.base import Averaging, CommConfig, SyncResult
+from diloco.comm.base import Averaging, CommConfig, HivemindConfig, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound
@@ -35,8 +35,9 @@ from diloco.compression import Codec
 logger = logging.getLogger(__name__)
 
 
-def start_plane(cfg: CommConfig, peer: Peer) -> DataPlane | None:
-    """``comm.data_plane=gloo``: this worker's end of the plane, unless nobody can dial it."""
+def start_plane(cfg: HivemindConfig, peer: Peer, *, deadline_s: float) -> DataPlane | None:
+    """``comm.hivemind.data_plane=gloo``: this worker's end of the plane, unless nobody can dial it;
+    its collectives give up after ``deadline_s`` (``comm.deadline_s``)."""
     if cfg.data_plane != "gloo" or peer.client_mode:
         return None
     host = plane_host(cfg.host, cfg.announce_host, peer.visible_addresses)
@@ -45,7 +46,7 @@ def start_plane(cfg: CommConfig, peer: Peer) -> DataPlane | None:
             host,
             start_timeout_s=cfg.startup_timeout_s,
             connect_timeout_s=peer.control_s,
-            timeout_s=cfg.deadline_s,
+            timeout_s=deadline_s,
         )
     except Exception as error:  # no port for its store at that address: hivemind carries every round
         logger.warning("the gloo data plane did not start at %s (%s): averaging through hivemind", host, error)
@@ -72,10 +73,10 @@ def start_averager(
         # a reducer's share of the vector is in proportion to the bandwidth it declares: a slow
         # link then carries little more than its own contribution (None = the group's average)
         bandwidth=cfg.bandwidth_mbps or None,
-        min_matchmaking_time=cfg.matchmaking_s,
-        request_timeout=cfg.request_timeout_s,
+        min_matchmaking_time=cfg.hivemind.matchmaking_s,
+        request_timeout=cfg.hivemind.request_timeout_s,
         allreduce_timeout=cfg.deadline_s,
-        next_chunk_timeout=max(cfg.deadline_s / 4, cfg.request_timeout_s),
+        next_chunk_timeout=max(cfg.deadline_s / 4, cfg.hivemind.request_timeout_s),
         declare_state_period=max(cfg.deadline_s, 10.0),
         shutdown_timeout=5,
     )
@@ -177,7 +178,7 @@ class HivemindAveraging(Averaging):
             self._said_unreachable_run = True  # clients cannot average among themselves
             logger.warning(
                 "no worker of the run that can be dialled is live: clients alone cannot average; "
-                "forward a port and set comm.announce_host, or start one worker on a public address"
+                "forward a port and set comm.hivemind.announce_host, or start one worker on a public address"
             )
         return result
 
@@ -206,15 +207,15 @@ class HivemindAveraging(Averaging):
             and result.bytes_sent
             and self._published()  # the others' state offers tell whether they failed too
             and len(self.averagers) == 1  # not for a fragment's sync: offers are of whole rounds (overlap.py)
-            and remaining > self.cfg.request_timeout_s
+            and remaining > self.cfg.hivemind.request_timeout_s
             and not self._averaged_by_others(round_index)
         ):
             # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
             # survivors hold partial averages that differ; averaging once more among them, under a
             # key of its own, gives them the same result instead. They retry at about the same
-            # time; the retry's leader starts after comm.matchmaking_s with whoever is there.
+            # time; the retry's leader starts after comm.hivemind.matchmaking_s with whoever is there.
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
-            retry_s = min(remaining, 2 * self.cfg.matchmaking_s)
+            retry_s = min(remaining, 2 * self.cfg.hivemind.matchmaking_s)
             retry = self.group_round.run(
                 averager, flat, tensors, weight, Attempt(round_index, 1, expected, retry_s, limit)
             )
@@ -227,7 +228,7 @@ class HivemindAveraging(Averaging):
         """Whether a peer offers a state of this round averaged in a group, within a moment: then the
         group broke only for us (hivemind sometimes loses a reply to one sender), nobody else will
         retry, and the round's catch-up takes that state instead."""
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+        deadline = time.monotonic() + self.cfg.hivemind.request_timeout_s
         while True:
             if self._offers.averaged_in_a_group(round_index):
                 return True

@@ -56,8 +56,8 @@ class HivemindBackend(CommBackend):
         worker_index: int = 0,
         slots: int = 0,
     ):
-        self.peer = peer = Peer(cfg)
-        plane = start_plane(cfg, peer)
+        self.peer = peer = Peer(cfg.hivemind, run_key=cfg.run_key)
+        plane = start_plane(cfg.hivemind, peer, deadline_s=cfg.deadline_s)
         self._roster = roster = Roster(
             peer.call,
             run_id=cfg.run_id,
@@ -68,7 +68,7 @@ class HivemindBackend(CommBackend):
             addresses=[] if peer.client_mode else peer.visible_addresses,
             chores=[] if peer.client_mode else [peer.answer_dialbacks],
         )
-        roster.chores.append(Redial(peer.send, roster, cfg.initial_peers))
+        roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers))
         averagers, flats = [], []
         try:  # should a part not start, what started is stopped again
             for fragment, indices in enumerate(fragments or [range(len(templates))]):
@@ -87,7 +87,7 @@ class HivemindBackend(CommBackend):
                 roster=roster,
                 num_workers=num_workers,
                 client_mode=peer.client_mode,
-                linger_s=cfg.matchmaking_s,
+                linger_s=cfg.hivemind.matchmaking_s,
             )
             averaging = HivemindAveraging(
                 cfg,

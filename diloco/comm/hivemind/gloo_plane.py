@@ -4,8 +4,8 @@ hivemind does what it is good at: it finds the round's group (matchmaking under 
 the run key, the roster) and gathers what every peer declares. It is slow at moving hundreds of
 megabytes, though (every part passes through protobuf messages, the p2p daemon and an asyncio
 executor): at 85M parameters on loopback a round's all-reduce takes seconds where
-``torch.distributed``'s gloo takes a fraction of one. With ``comm.data_plane=gloo`` each worker
-that can be dialled declares an endpoint (``DataPlane.declaration``) in the matchmaking's
+``torch.distributed``'s gloo takes a fraction of one. With ``comm.hivemind.data_plane=gloo`` each
+worker that can be dialled declares an endpoint (``DataPlane.declaration``) in the matchmaking's
 gathered data; when every peer of a group declared one and the codec is lossless
 (``carries``), the averager skips its own all-reduce and the workers average their vectors
 through a gloo process group formed for that group alone (as torchft re-forms its process

@@ -1,8 +1,8 @@
 """A worker's hivemind peer: its DHT process, how it is reached, and bounded calls to it.
 
-``start_dht`` starts a DHT peer as ``comm.*`` says and turns p2pd's one error type into the user's
+``start_dht`` starts a DHT peer as ``comm.hivemind.*`` says and turns p2pd's one error type into the user's
 mistake; ``bounded_dht_call`` makes every DHT request wait a bounded time; ``Peer`` is a worker's
-own peer, which with ``comm.client_mode=auto`` asks the run's peers to dial it back and restarts
+own peer, which with ``comm.hivemind.client_mode=auto`` asks the run's peers to dial it back and restarts
 as a client when they cannot (``reachability.py``). ``roster_reader`` and ``probe_roster`` are the
 short-lived peers that ``diloco status`` and ``diloco join`` read the run's roster with.
 """
@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from diloco.comm.base import CommConfig, CommError
+from diloco.comm.base import CommConfig, CommError, HivemindConfig
 from diloco.comm.bounds import control_limit_s
 from diloco.comm.hivemind import reachability
 from diloco.comm.hivemind.roster import HEARTBEAT_S, Roster, RosterEntry
@@ -26,14 +26,21 @@ from diloco.comm.hivemind.run_key import RunKeyValidator, resolve_run_key
 logger = logging.getLogger(__name__)
 
 
-def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None, client_mode: bool | None = None):
-    """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too); ``client_mode``:
-    dial out only (default: ``comm.client_mode=true``)."""
+def start_dht(
+    cfg: HivemindConfig,
+    *,
+    run_key: str = "",
+    initial_peers: Sequence[str] | None = None,
+    client_mode: bool | None = None,
+):
+    """Start a DHT peer listening as ``cfg`` says (the bootstrap peer uses this too), its records
+    signed with ``run_key`` (``comm.run_key``; "" = ``$DILOCO_RUN_KEY``, if set); ``client_mode``:
+    dial out only (default: ``comm.hivemind.client_mode=true``)."""
     from diloco.comm.hivemind.owned_dht import OwnedDHT
 
     peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
     announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
-    run_key = resolve_run_key(cfg.run_key)
+    run_key = resolve_run_key(run_key)
     try:
         return OwnedDHT(
             initial_peers=peers,
@@ -50,16 +57,19 @@ def start_dht(cfg: CommConfig, *, initial_peers: Sequence[str] | None = None, cl
         raise CommError(_explain_start_failure(str(error), cfg, peers)) from None
 
 
-def _explain_start_failure(message: str, cfg: CommConfig, peers: list[str]) -> str:
+def _explain_start_failure(message: str, cfg: HivemindConfig, peers: list[str]) -> str:
     if "address already in use" in message:
-        return f"comm.port={cfg.port} is already in use on {cfg.host}; pick another, or comm.port=0 for any free port"
+        return (
+            f"comm.hivemind.port={cfg.port} is already in use on {cfg.host}; pick another, or "
+            "comm.hivemind.port=0 for any free port"
+        )
     if "bootstrap peers" in message or "initial" in message:
         return (
-            f"could not reach any of comm.initial_peers ({', '.join(peers)}): check the address, that the "
+            f"could not reach any of comm.hivemind.initial_peers ({', '.join(peers)}): check the address, that the "
             f"peer is running, and that its port is open"
         )
     if "multiaddr" in message.lower() or "invalid" in message.lower():
-        return f"comm.initial_peers or comm.host is not a valid address: {message.splitlines()[0]}"
+        return f"comm.hivemind.initial_peers or comm.hivemind.host is not a valid address: {message.splitlines()[0]}"
     return f"the hivemind peer did not start: {message.strip().splitlines()[-1]}"
 
 
@@ -86,13 +96,13 @@ def visible_addresses(dht) -> list[str]:
 
 @contextlib.contextmanager
 def roster_reader(cfg: CommConfig):
-    """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.initial_peers``:
+    """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.hivemind.initial_peers``:
     yields a function returning the live workers' entries by index (``diloco status`` calls it
     again and again). A peer without the run's key reads nothing. It only reads: a client on any free
     port, which works behind NAT too."""
-    dht = start_dht(dataclasses.replace(cfg, port=0), client_mode=True)
+    dht = start_dht(dataclasses.replace(cfg.hivemind, port=0), run_key=cfg.run_key, client_mode=True)
     try:
-        dht_call = bounded_dht_call(dht, threading.Lock(), timeout_s=control_limit_s(cfg.request_timeout_s))
+        dht_call = bounded_dht_call(dht, threading.Lock(), timeout_s=control_limit_s(cfg.hivemind.request_timeout_s))
         yield Roster(dht_call, run_id=cfg.run_id, worker_index=-1, planned=0).entries
     finally:
         dht.shutdown()
@@ -121,11 +131,11 @@ def first_entries(read: Callable[[], dict[int, RosterEntry]], timeout_s: float) 
 class Peer:
     """A worker's DHT peer. ``dht`` is hivemind's handle (the averagers run on it); ``call(fn)`` is
     a bounded request to it (``bounded_dht_call``); ``client_mode``: it dials out only, so it reduces
-    no part and serves no state. With ``comm.client_mode=auto`` it starts listening and becomes a
-    client when the run's peers cannot dial it back."""
+    no part and serves no state. With ``comm.hivemind.client_mode=auto`` it starts listening and
+    becomes a client when the run's peers cannot dial it back. ``run_key``: ``comm.run_key``."""
 
-    def __init__(self, cfg: CommConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: HivemindConfig, *, run_key: str):
+        self.cfg, self._run_key = cfg, run_key
         self.control_s = control_limit_s(cfg.request_timeout_s)
         self._client_mode = cfg.client_mode == "true"
         self._start()
@@ -135,11 +145,11 @@ class Peer:
 
     @property
     def client_mode(self) -> bool:
-        """Set for good once the peer has started (``comm.client_mode=auto`` decides it then)."""
+        """Set for good once the peer has started (``comm.hivemind.client_mode=auto`` decides it then)."""
         return self._client_mode
 
     def _start(self) -> None:
-        self.dht = start_dht(self.cfg, client_mode=self._client_mode)
+        self.dht = start_dht(self.cfg, run_key=self._run_key, client_mode=self._client_mode)
         self._lock = threading.Lock()
         self.call = bounded_dht_call(self.dht, self._lock, timeout_s=self.control_s)
 
@@ -163,7 +173,7 @@ class Peer:
         return list(self.cfg.initial_peers) if self.client_mode else self.visible_addresses
 
     def _choose_mode(self) -> None:
-        """``comm.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
+        """``comm.hivemind.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
         cannot, restart our peer in client mode. One that listens on loopback only in a run at other
         addresses is a client at once (nobody there can dial it); one that starts a run, or joins a
         run on loopback, is whatever it is: nobody else could tell."""
@@ -171,9 +181,9 @@ class Peer:
         addresses = reachability.dialable_addresses(visible)
         if self.cfg.initial_peers and reachability.listens_where_the_run_cannot_dial(visible, self.cfg.initial_peers):
             logger.warning(
-                "listening on loopback only (comm.host=%s) while the run is at other addresses: joining as a "
-                "client: it sends its contribution, reduces no part, serves no state (set comm.host=0.0.0.0 "
-                "to take a full part)",
+                "listening on loopback only (comm.hivemind.host=%s) while the run is at other addresses: joining as "
+                "a client: it sends its contribution, reduces no part, serves no state (set "
+                "comm.hivemind.host=0.0.0.0 to take a full part)",
                 self.cfg.host,
             )
             self._become_client()
@@ -194,7 +204,7 @@ class Peer:
         else:
             logger.warning(
                 "not reachable from outside at %s: joining as a client: it sends its contribution, reduces no part, "
-                "serves no state (forward a port and set comm.announce_host to take a full part)",
+                "serves no state (forward a port and set comm.hivemind.announce_host to take a full part)",
                 where,
             )
             self._become_client()

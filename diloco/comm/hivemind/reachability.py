@@ -2,9 +2,9 @@
 
 Most volunteers sit behind a home router: they can dial out, nobody can dial in. hivemind's
 butterfly all-reduce then loses the parts two such peers would exchange, unless they join as
-clients (``comm.client_mode``): a client sends its contribution, reduces no part and serves no
-state. With ``comm.client_mode=auto`` (the default) a joining worker finds out which it is, in the
-spirit of libp2p's AutoNAT:
+clients (``comm.hivemind.client_mode``): a client sends its contribution, reduces no part and
+serves no state. With ``comm.hivemind.client_mode=auto`` (the default) a joining worker finds out
+which it is, in the spirit of libp2p's AutoNAT:
 
 1. it starts its peer listening as configured and writes a dial-back request on the DHT (key
    ``diloco_dialback``, one subkey per peer) with the addresses it announces;
@@ -46,7 +46,7 @@ def dialable_addresses(maddrs: list[str]) -> list[tuple[str, int]]:
 
 def listens_where_the_run_cannot_dial(own_maddrs: list[str], initial_peers: list[str]) -> bool:
     """Whether this peer listens on loopback only while the run it joins is reached at other
-    addresses (a volunteer on another machine left ``comm.host`` at its default): nobody there can
+    addresses (a volunteer on another machine left ``comm.hivemind.host`` at its default): nobody there can
     dial it, so it can only take part as a client."""
     return not dialable_addresses(own_maddrs) and bool(dialable_addresses(initial_peers))
 

@@ -268,8 +268,9 @@ def worker_names(indices) -> str:
 def nobody_answered(run_id: str, peers: list[str], timeout_s: float | None = None) -> str:
     """Why no roster was found: the one-line error of ``diloco join``, ``diloco status`` and a joining worker."""
     within = f" within {timeout_s:g} s" if timeout_s is not None else ""
+    through = ", ".join(peers) or "comm.hivemind.initial_peers"
     return (
-        f"no live worker of run {run_id!r} answered through {', '.join(peers) or 'comm.initial_peers'}{within}: "
+        f"no live worker of run {run_id!r} answered through {through}{within}: "
         f"check the address, that the run is still going, its run id (comm.run_id) and its key "
         f"(comm.run_key or $DILOCO_RUN_KEY)"
     )

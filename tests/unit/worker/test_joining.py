@@ -78,19 +78,27 @@ def test_the_published_config_leaves_out_each_machines_own_keys_and_is_taken_bac
 
     from diloco.worker.joining import LOCAL_KEYS, config_from_run, published_run
 
-    cfg = load_config(None, ["model.n_embd=64", "worker.threads=3", "comm.port=4242", "comm.run_key=secret"])
+    cfg = load_config(None, ["model.n_embd=64", "worker.threads=3", "comm.hivemind.port=4242", "comm.run_key=secret"])
     run = published_run(cfg)
     assert run["model.n_embd"] == 64  # the identity a newcomer's own config must match is still there
     for key in LOCAL_KEYS:
-        section, name = key.split(".")
-        assert name not in run["config"][section], key
+        *sections, name = key.split(".")
+        section = run["config"]
+        for part in sections:
+            section = section[part]
+        assert name not in section, key
     entries = {i: RosterEntry(index=i, round=1, step=5, run=run) for i in (0, 1)}
     taken = config_from_run(entries, "r")
     assert taken == run["config"] and taken["model"]["n_embd"] == 64 and "secret" not in str(taken)
     path = tmp_path / "run-config.yaml"  # what diloco join writes, then loads with the volunteer's overrides
     path.write_text(OmegaConf.to_yaml(taken))
     rebuilt = load_config(path, ["worker.threads=2"])
-    assert (rebuilt.model.n_embd, rebuilt.worker.threads, rebuilt.comm.port, rebuilt.comm.run_key) == (64, 2, 0, "")
+    assert (rebuilt.model.n_embd, rebuilt.worker.threads, rebuilt.comm.hivemind.port, rebuilt.comm.run_key) == (
+        64,
+        2,
+        0,
+        "",
+    )
 
 
 def test_a_config_that_does_not_match_its_digest_or_two_different_ones_are_refused_in_one_line():

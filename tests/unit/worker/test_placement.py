@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, CommConfig
+from diloco.comm.base import Averaging, CommBackend, CommConfig, HivemindConfig
 from diloco.config import ConfigError
 from diloco.worker.placement import ReplicatedSite, ShardedSite, SingleProcess
 from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend
@@ -58,9 +58,9 @@ def test_of_a_replicated_site_only_the_leader_opens_a_transport(rank):
 
 def test_every_rank_of_a_sharded_site_opens_its_shards_transport_and_refuses_join_and_resume():
     placement, (opened, open_transport) = ShardedSite(Site(1, 2, CPU)), _opened()
-    backend = placement.connect(CommConfig(run_id="r", port=4000), open_transport)
+    backend = placement.connect(CommConfig(run_id="r", hivemind=HivemindConfig(port=4000)), open_transport)
     assert isinstance(backend, ShardedSiteBackend)
-    assert [(c.run_id, c.port) for c in opened] == [("r_shard1of2", 4001)]
+    assert [(c.run_id, c.hivemind.port) for c in opened] == [("r_shard1of2", 4001)]
     assert placement.site_gradient_hook(torch.nn.Linear(2, 2)) is None  # FSDP reduce-scatters in backward
     with pytest.raises(ConfigError, match="cannot join a live run"):
         placement.check_join()

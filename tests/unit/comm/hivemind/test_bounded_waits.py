@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig, StateRank
+from diloco.comm.base import CommConfig, HivemindConfig, StateRank
 from diloco.comm.hivemind.averager import ask_within, held_within
 from diloco.comm.hivemind.group_round import GroupRound
 from diloco.comm.hivemind.roster import RosterEntry
@@ -42,7 +42,7 @@ class _StuckControl:
 def _group_round(*, others_gone=lambda: False) -> GroupRound:
     """One worker's attempts at a round, with nothing else in the run."""
     return GroupRound(
-        CommConfig(request_timeout_s=0.2, deadline_s=1.0),
+        CommConfig(deadline_s=1.0, hivemind=HivemindConfig(request_timeout_s=0.2)),
         codecs=CodecChoice(NoCompression()),
         own_id="us",
         plane=None,
