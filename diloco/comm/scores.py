@@ -9,17 +9,15 @@ the round records list it (``excluded``). An honest worker is left out of a roun
 most (a slow one only weighs less; nothing about speed counts against it): a streak resets with
 every round in which its contribution is kept.
 
-The tally is made by whoever reduces: the simulator's group for the whole vector, the same
-decision for every worker.
+The tally is made by whoever reduces: the simulator's group and every torch.distributed rank for
+the whole vector, the same decision for every worker; over hivemind every peer from what it saw of
+the round (``hivemind/exclusion.py``).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import asdict, dataclass
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,14 +48,10 @@ class Scores:
         return standing is not None and bool(standing.excluded)
 
     def record_round(
-        self,
-        round_index: int,
-        sent: Iterable[Hashable],
-        left_out: Mapping[Hashable, str],
-        clipped: Iterable[Hashable] = (),
+        self, sent: Iterable[Hashable], left_out: Mapping[Hashable, str], clipped: Iterable[Hashable] = ()
     ) -> list[Hashable]:
         """Count a round: ``sent`` contributed, ``left_out`` were left out of it (and why),
-        ``clipped`` kept but scaled down. Returns who is excluded from now on."""
+        ``clipped`` kept but scaled down. Returns who is excluded from now on (the caller logs it)."""
         newly, clipped = [], set(clipped)
         for who in sent:
             standing = self.standings.setdefault(who, Standing())
@@ -72,9 +66,6 @@ class Scores:
             standing.in_a_row += 1
             if self.exclude_after and standing.in_a_row >= self.exclude_after:
                 standing.excluded = f"left out of {standing.in_a_row} rounds in a row, the last: {left_out[who]}"
-                logger.warning(
-                    "round %d: excluded %s from the run's means: %s", round_index + 1, who, standing.excluded
-                )
                 newly.append(who)
         return newly
 

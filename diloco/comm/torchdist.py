@@ -91,7 +91,7 @@ class TorchDistAveraging(Averaging):
         screening = screen({r: norms[r] for r in taken}, self.rules, {r: weights[r] for r in taken})
         for rank, reason in sorted(screening.dropped.items()):
             logger.warning("round %d: dropped the contribution of rank %d: %s", round_index + 1, rank, reason)
-        self.scores.record_round(
+        self._record(
             round_index,
             [f"rank {r}" for r in taken],
             {f"rank {r}": reason for r, reason in screening.dropped.items()},
@@ -147,7 +147,7 @@ class TorchDistAveraging(Averaging):
         means, used = average_payloads(
             self.codec, contributions, numels, round_index=round_index, rules=self.rules, verdicts=verdicts
         )
-        self.scores.record_round(round_index, [c.worker for c in contributions], verdicts.left_out, verdicts.clipped)
+        self._record(round_index, [c.worker for c in contributions], verdicts.left_out, verdicts.clipped)
         if not used:
             return SyncResult(False, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):
@@ -161,6 +161,11 @@ class TorchDistAveraging(Averaging):
             bytes_recv=volume,
             excluded=self._excluded(),
         )
+
+    def _record(self, round_index: int, sent: list[str], left_out: dict[str, str], clipped) -> None:
+        for who in self.scores.record_round(sent, left_out, clipped):
+            reason = self.scores.excluded()[who]
+            logger.warning("round %d: excluded %s from the run's means: %s", round_index + 1, who, reason)
 
     def _excluded(self) -> tuple[int, ...]:
         return tuple(sorted(int(who.split()[1]) for who in self.scores.excluded()))

@@ -46,7 +46,7 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
             f" {_number(stats.get('loss'), '.4f'):>8} {_number(stats.get('val_loss'), '.4f'):>9}"
             f"  {_phase(entry, now):<26} {seen}" + ("  (leaving)" if entry.leaving else "")
         )
-    return "\n".join(lines + _split_lines(entries, live))
+    return "\n".join(lines + _split_lines(entries, live) + _excluded_lines(live))
 
 
 def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) -> list[str]:
@@ -74,6 +74,20 @@ def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) 
         text = " / ".join(f"{worker_names(workers)} (params {digest[:12]})" for digest, workers in sides)
         lines.append(f"split: {len(held)} models after round {round_index}: {text}")
     return lines
+
+
+def _excluded_lines(live: dict[int, RosterEntry]) -> list[str]:
+    """The workers the live workers exclude from their means (``comm.exclude_after``), and by how many."""
+    by: dict[int, int] = {}
+    for entry in live.values():
+        excluded = entry.stats.get("excluded")
+        for index in excluded if isinstance(excluded, list) else ():
+            if isinstance(index, int):
+                by[index] = by.get(index, 0) + 1
+    return [
+        f"excluded from the run's means: worker {index} (by {count} of the {len(live)} live workers)"
+        for index, count in sorted(by.items())
+    ]
 
 
 def _phase(entry: RosterEntry, now: float) -> str:

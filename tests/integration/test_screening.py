@@ -1,8 +1,8 @@
 """Key holders attacking a run of real hivemind peers: one worker of four sends minus 9 x its
 pseudo-gradient, inside the norm bound (``diloco local``), and every reducer leaves it out of the
-parts it averages (``comm.min_cosine``); one offers a poisoned state under a huge claimed rank, and
-the worker that looks for a state refuses it and takes an honest one. Every peer ends on the same
-params."""
+parts it averages (``comm.min_cosine``), then every peer excludes it (``comm.exclude_after``); one
+offers a poisoned state under a huge claimed rank, and the worker that looks for a state refuses it
+and takes an honest one. Every peer ends on the same params."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
         "--run-dir",
         str(run_dir),
         *TINY,
-        "inner.steps=30",
+        "inner.steps=40",
         "outer.sync_every=10",
         f"faults.worker={ATTACKER}",
         "faults.bad_payload=scaled",
         "faults.payload_scale=-9",
         "comm.min_cosine=0",
+        "comm.exclude_after=2",
     )
     assert done.returncode == 0, done.stdout[-4000:]
     logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(4)]
@@ -50,6 +51,12 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
     assert all(r["peers"] <= 3 or not r["ok"] for r in rounds), rounds
     assert any(r["ok"] and r["peers"] == 3 for r in rounds), rounds
     assert read_records(run_dir, 0)[-1]["val_loss"] < 3.2  # learned; minus 9 x would have thrown it off
+    # left out of rounds 1 and 2 by every reducer: excluded by every honest peer from round 2 on, and
+    # its parts refused from round 3 on
+    for w in range(ATTACKER):
+        assert f"excluded peer {ids[ATTACKER]} from the run's means: left out of 2 rounds in a row" in logs[w]
+        excluded = [r.get("excluded", []) for r in read_records(run_dir, w) if r["event"] == "round"]
+        assert excluded[2:] == [[ATTACKER], [ATTACKER]], excluded
 
 
 def test_a_poisoned_state_offer_is_refused_by_the_worker_that_looks_for_a_state_and_an_honest_one_taken(tmp_path):

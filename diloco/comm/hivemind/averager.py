@@ -54,6 +54,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from diloco.comm.base import StateReader
 from diloco.comm.hivemind import gathered, gloo_plane
+from diloco.comm.hivemind.exclusion import Exclusions
 from diloco.comm.hivemind.reducer import ScreeningReducer, reducer_for
 from diloco.comm.hivemind.run_key import keyed_schema_hash
 from diloco.comm.hivemind.state_download import StateDownload
@@ -496,6 +497,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
         self.rules = rules
+        self.exclusions = Exclusions(rules.exclude_after)  # comm.exclude_after, across this peer's rounds
         self._shared_state: tuple[dict, StateReader] | None = None
         super().__init__(
             averaged_tensors,
@@ -575,9 +577,13 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             # the workers average this group's vectors through the data plane, not through us
             self._running_groups[group_id].set_result(None)
             return
-        norms = {peer: declared_norm(data) for peer, data in declared.items()}
-        screening = screen(norms, self.rules, declared_weights(declared))
+        excluded = self.exclusions.of(declared)
+        taken = {peer: data for peer, data in declared.items() if peer not in excluded}
+        norms = {peer: declared_norm(data) for peer, data in taken.items()}
+        screening = self.exclusions.screened(screen(norms, self.rules, declared_weights(taken)), excluded)
         for peer, reason in screening.dropped.items():
+            if peer in excluded:  # said once, when it was excluded
+                continue
             if peer == self.peer_id:
                 logger.warning("dropped our own contribution: %s", reason)
             else:
@@ -611,6 +617,8 @@ class ExactAverager(StateDownload, DecentralizedAverager):
                 failed_values=runner.tensor_part_container.failed_size, transfer_s=time.monotonic() - started
             )
             _log_left_out(runner)
+            reducer = runner.tensor_part_reducer
+            self.exclusions.record(runner.sender_peer_ids, screening, excluded, reducer)
 
     def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
         """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``

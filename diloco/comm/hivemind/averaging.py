@@ -132,7 +132,7 @@ class HivemindAveraging(Averaging):
     ) -> SyncResult:
         try:
             if self._alone():
-                return self._say_missing(self._average_alone(tensors, weight, round_index=round_index))
+                return self._noted(self._average_alone(tensors, weight, round_index=round_index))
             # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
             # still hold the averager; the round fails at once rather than queue behind it
             busy = self._busy[fragment]
@@ -142,11 +142,17 @@ class HivemindAveraging(Averaging):
                 result = self._average(
                     tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
                 )
-                return self._say_missing(result)
+                return self._noted(result)
             finally:
                 busy.release()
         finally:
             self.codecs.round_ended()  # the time to the next round is compute
+
+    def _noted(self, result: SyncResult) -> SyncResult:
+        """``result`` with the workers our averagers excluded (``exclusion.py``) and those the roster misses."""
+        peers = set().union(*(averager.exclusions.excluded_peers() for averager in self.averagers))
+        excluded = self._roster.workers_of(peers) if peers else ()
+        return self._say_missing(dataclasses.replace(result, excluded=excluded) if excluded else result)
 
     def _say_missing(self, result: SyncResult) -> SyncResult:
         """``result`` with the workers the roster misses (seen, gone without leaving: crashed or cut

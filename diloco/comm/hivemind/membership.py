@@ -8,7 +8,7 @@ import logging
 
 from diloco.comm.base import Declared, Membership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, RosterEntry
+from diloco.comm.hivemind.roster import Roster, RosterEntry, peer_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,3 @@ class HivemindMembership(Membership):
     @property
     def addresses(self) -> list[str]:
         return self._peer.addresses
-
-
-def peer_of(addresses) -> str:
-    """The peer id in a worker's announced multiaddrs (``.../p2p/<id>``); "" when it announced none."""
-    for address in addresses:
-        if "/p2p/" in address:
-            return address.rsplit("/p2p/", 1)[1].split("/", 1)[0]
-    return ""

@@ -56,6 +56,7 @@ class ScreeningReducer(SenderlessEndingReducer):
         self.min_cosine = min_cosine
         self._held: dict[int, tuple[torch.Tensor, float]] = {}  # the current part: sender -> (values, weight)
         self.left_out: dict[int, list[str]] = {}
+        self.kept_parts: dict[int, int] = {}  # sender -> parts of it kept
         super().__init__(part_shapes, num_senders)
 
     async def accumulate_part(
@@ -105,6 +106,7 @@ class ScreeningReducer(SenderlessEndingReducer):
             if i not in against:
                 total.add_(held[sender][0], alpha=held[sender][1])
                 weight += held[sender][1]
+                self.kept_parts[sender] = self.kept_parts.get(sender, 0) + 1
         return total, weight, len(senders) - len(against)
 
 

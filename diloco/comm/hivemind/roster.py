@@ -232,6 +232,10 @@ class Roster:
         """Where worker ``index`` announced its peer when last seen (empty: a client, or never seen)."""
         return self._addresses.get(index, ())
 
+    def workers_of(self, peers: set[str]) -> tuple[int, ...]:
+        """The workers whose last announced addresses are of one of ``peers`` (peer ids)."""
+        return tuple(sorted(i for i, addresses in self._addresses.items() if peer_of(addresses) in peers))
+
     def serves_alone(self) -> bool:
         """Whether this worker is the only one of the run serving its state: every other live one is
         a client, every other that served has left cleanly (one missing without leaving may train
@@ -258,6 +262,14 @@ class Roster:
         self._last_seen.update((i, now) for i in live if i != self.worker_index)
         self._addresses.update((i, entries[i].addresses) for i in live if i in entries and entries[i].addresses)
         return live, leaving
+
+
+def peer_of(addresses) -> str:
+    """The peer id in a worker's announced multiaddrs (``.../p2p/<id>``); "" when it announced none."""
+    for address in addresses:
+        if "/p2p/" in address:
+            return address.rsplit("/p2p/", 1)[1].split("/", 1)[0]
+    return ""
 
 
 def worker_names(indices) -> str:

@@ -17,7 +17,7 @@ WORKERS = ("a", "b", "c", "d")
 
 
 def _play(scores: Scores, rounds: list[dict[str, str]], order=WORKERS) -> list[list[str]]:
-    return [scores.record_round(i, order, left_out) for i, left_out in enumerate(rounds)]
+    return [scores.record_round(order, left_out) for left_out in rounds]
 
 
 def test_a_worker_left_out_of_exclude_after_rounds_in_a_row_is_excluded_once_and_stays_so():
@@ -53,8 +53,8 @@ def test_every_order_of_arrival_gives_the_same_standings_and_off_excludes_nobody
 
 def test_clipped_rounds_count_as_kept_and_the_scores_survive_a_round_trip_through_json():
     scores = Scores(exclude_after=2)
-    scores.record_round(0, WORKERS, {"d": "x"}, clipped={"a"})
-    scores.record_round(1, WORKERS, {"d": "x"})
+    scores.record_round(WORKERS, {"d": "x"}, clipped={"a"})
+    scores.record_round(WORKERS, {"d": "x"})
     assert scores.standings["a"] == Standing(kept=2, clipped=1) and scores.is_excluded("d")
     again = Scores(exclude_after=2)
     again.load_state_dict(json.loads(json.dumps(scores.state_dict())))

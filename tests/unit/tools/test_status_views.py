@@ -47,6 +47,15 @@ def test_status_names_the_planned_workers_it_cannot_see_and_the_models_of_a_spli
     assert "split" not in format_status("r", ahead, now=100.0)
 
 
+def test_status_names_the_workers_the_live_ones_exclude_and_by_how_many():
+    def entry(index: int, excluded: list) -> RosterEntry:
+        return RosterEntry(index, 3, 60, written_at=99.0, stats={"excluded": excluded} if excluded else {})
+
+    text = format_status("r", {0: entry(0, [3]), 1: entry(1, [3]), 2: entry(2, []), 3: entry(3, [3])}, now=100.0)
+    assert text.splitlines()[-1] == "excluded from the run's means: worker 3 (by 3 of the 4 live workers)"
+    assert "excluded" not in format_status("r", {0: entry(0, []), 1: entry(1, [])}, now=100.0)
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -10,7 +10,9 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
+from diloco.comm.hivemind.exclusion import Exclusions
 from diloco.comm.hivemind.reducer import ScreeningReducer, SenderlessEndingReducer, reducer_for
+from diloco.comm.robust import Screening
 
 REDUCERS = [SenderlessEndingReducer, functools.partial(ScreeningReducer, min_cosine=0.0)]
 
@@ -125,3 +127,39 @@ def test_only_a_run_that_screens_by_direction_holds_its_parts():
         ]
 
     assert asyncio.run(types()) == [SenderlessEndingReducer, SenderlessEndingReducer, ScreeningReducer]
+
+
+async def _reduced_round() -> ScreeningReducer:
+    """A screening reducer of two parts after a round of the three honest senders and the flipped one."""
+    reducer = ScreeningReducer([torch.Size([64])] * 2, 4, min_cosine=0.0)
+    contributions = _honest_and_flipped()
+
+    async def send(sender: int) -> None:
+        for part, half in enumerate(contributions[sender].chunk(2)):
+            await reducer.accumulate_part(sender, part, half)
+
+    await asyncio.gather(*(send(s) for s in range(4)))
+    return reducer
+
+
+class _Peer(str):
+    """A peer id as the averager holds it (``str()`` of it is what the standings are keyed by)."""
+
+
+@pytest.mark.timeout(30)
+def test_every_peer_that_reduced_the_flipped_senders_parts_excludes_it_after_exclude_after_rounds():
+    peers = [_Peer(f"peer{i}") for i in range(4)]
+    exclusions = Exclusions(exclude_after=2)
+    screening = Screening(scales=dict.fromkeys(peers, 1.0))
+    for _ in range(2):
+        assert exclusions.of(peers) == set()
+        exclusions.record(peers, screening, set(), asyncio.run(_reduced_round()))
+    assert exclusions.of(peers) == {"peer3"}
+    assert exclusions.excluded_peers() == {"peer3"}  # what the worker's records are told
+    screened = Exclusions.screened(screening, {peers[3]})
+    assert peers[3] in screened.dropped and peers[3] not in screened.scales  # refused up front
+    # a sender dropped by the norm screening counts as left out on every peer alike, a client that
+    # reduces nothing (no reducer of ours) included
+    norms = Exclusions(exclude_after=1)
+    norms.record(peers, Screening(dropped={peers[1]: "far above the median"}), set(), None)
+    assert norms.of(peers) == {"peer1"}
