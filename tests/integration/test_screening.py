@@ -63,7 +63,10 @@ def test_a_poisoned_state_offer_is_refused_by_the_worker_that_looks_for_a_state_
     # worker 2 offers its state with other params, ranked as if a million workers averaged it; worker 1
     # sits out round 2, so it looks for the others' state: the poisoned offer comes first
     run_dir = tmp_path / "run"
-    settings = [*TINY, "inner.steps=40", "outer.sync_every=10", "worker.count=3", "comm.run_id=poison"]
+    # matchmaking 5 s: the others wait that long for worker 1 in round 2, and the poisoner lingers at
+    # the end for as long (its offer outranks every other)
+    settings = [*TINY, "inner.steps=40", "outer.sync_every=10", "worker.count=3", "comm.run_id=poison",
+                "comm.hivemind.matchmaking_s=5"]  # fmt: skip
     with Cluster([*settings, "checkpoint.every_rounds=0"], run_dir, slots=3) as cluster:
         cluster.start(0)
         cluster.start(1, ["faults.worker=1", "faults.skip_round=2"])
