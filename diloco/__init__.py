@@ -30,7 +30,7 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       hivemind (``comm/hivemind/``: its peer, **a round is averaged in**
                       ``averaging.py`` and ``group_round.py``, the state exchange, the roster, the
                       averager, the gloo data plane, the run key), simulated, torchrun; robust
-                      aggregation; the bound of every wait
+                      aggregation and the scores that exclude a worker; the bound of every wait
 - ``compression/``    codecs on the wire (fp16, int8, int4, top-k) and error feedback
 - ``optional_deps.py`` whether an optional dependency (the ``hf`` extra) is installed; the line
                       that says how to get it

@@ -12,6 +12,8 @@
 - ``membership.py``      the worker's roster record and its view of who is live
 - ``averager.py``        hivemind's averager made bit-identical across peers, with byte counts
                          and the robust screening of declared norms
+- ``reducer.py``         the reducer of our share: ends without senders; screens each part by direction
+- ``exclusion.py``       each peer's standing across rounds (``comm.exclude_after``), kept in the averager
 - ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
 - ``gloo_plane.py``      a bulk data plane beside it: fp32 rounds through a gloo all-reduce
 - ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
