@@ -1,5 +1,6 @@
 """What the training benchmarks share: an arm (workers, H, overrides), one run of it on the
-in-process simulator, and the driver that runs arms x seeds, saving results after every run.
+in-process simulator (or, with the override ``comm.backend=hivemind``, over real hivemind peers on
+loopback), and the driver that runs arms x seeds, saving results after every run.
 
 Every arm uses the reference workload: tinyshakespeare (byte-level), model "baby", a
 fixed global batch of 48 sequences split over the workers, AdamW lr 1e-3, warm-up 50, cosine to
@@ -18,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from diloco.errors import UsageError
 
 GLOBAL_BATCH = 48
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"  # shipped with the project
@@ -76,26 +79,27 @@ class Job(NamedTuple):
     threads: int  # torch threads, unless the overrides set worker.threads
     overrides: list[str]  # the user's, applied last
 
+    def words(self) -> list[str]:
+        """The workload, the arm's settings, then the user's overrides, as KEY=VALUE words."""
+        arm, seed = self.arm, self.seed
+        return [
+            *COMMON,
+            *arm.overrides,
+            f"inner.steps={self.steps}",
+            f"seed={seed}",
+            f"data.path={self.data_path}",
+            f"run.dir={self.out / f'{arm.name}-seed{seed}'}",
+            f"run.name={arm.name}",
+            f"worker.device={self.device}",
+            f"comm.run_id=q_{arm.name.replace('-', '_').replace('.', '_')}_{seed}",
+            *self.overrides,
+        ]
+
     def config(self):
-        """The workload, the arm's settings, then the user's overrides."""
+        """The run's config (``words``)."""
         from diloco.config import load_config
 
-        arm, seed = self.arm, self.seed
-        return load_config(
-            None,
-            [
-                *COMMON,
-                *arm.overrides,
-                f"inner.steps={self.steps}",
-                f"seed={seed}",
-                f"data.path={self.data_path}",
-                f"run.dir={self.out / f'{arm.name}-seed{seed}'}",
-                f"run.name={arm.name}",
-                f"worker.device={self.device}",
-                f"comm.run_id=q_{arm.name.replace('-', '_').replace('.', '_')}_{seed}",
-                *self.overrides,
-            ],
-        )
+        return load_config(None, self.words())
 
 
 def _run_one(job: Job) -> dict:
@@ -103,8 +107,6 @@ def _run_one(job: Job) -> dict:
     import logging
 
     import torch
-
-    from diloco.tools.launcher import simulate
 
     logging.basicConfig(level=logging.WARNING)
     cfg = job.config()
@@ -115,7 +117,7 @@ def _run_one(job: Job) -> dict:
     reused = summary is not None
     if summary is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts again: its old records must not mix in
-        summary = simulate(cfg, workers=arm.workers)
+        summary = _train(job, cfg)
     return {
         "arm": arm.name,
         "seed": seed,
@@ -127,6 +129,17 @@ def _run_one(job: Job) -> dict:
         "params_agree": summary["params_agree"],
         "workers": summary["workers"],
     }
+
+
+def _train(job: Job, cfg) -> dict:
+    """The arm's run to the end: simulated in this process, or (``comm.backend=hivemind`` among the
+    overrides) as ``diloco local`` runs it, one process a worker over real hivemind peers on loopback."""
+    from diloco.tools.launcher import run_local, simulate
+
+    if cfg.comm.backend != "hivemind":
+        return simulate(cfg, workers=job.arm.workers)
+    run_local(cfg, None, job.words(), workers=job.arm.workers)
+    return json.loads((cfg.run_dir / "summary.json").read_text())
 
 
 def finished_summary(cfg) -> dict | None:
@@ -184,6 +197,8 @@ def run_arms(
     answers them); ``results.json`` (``collect`` of the runs so far) is rewritten after each run.
     Returns the last results and the runs."""
     seeds = list(seeds)
+    if jobs > 1 and "comm.backend=hivemind" in overrides:
+        raise UsageError("comm.backend=hivemind runs a process per worker: run one arm at a time (--jobs 1)")
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     todo = [Job(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]

@@ -55,3 +55,20 @@ def test_a_finished_run_of_another_config_is_refused_not_trained_over(tmp_path):
             collect=lambda runs: {},
         )
     assert (tmp_path / "m1-h2-seed0" / "summary.json").read_text() == summary
+
+
+def test_hivemind_arms_run_one_at_a_time(tmp_path):
+    with pytest.raises(UsageError, match="comm.backend=hivemind runs a process per worker"):
+        run_arms(
+            "t",
+            [Arm("m2-h2", 2, 2)],
+            data_path="",
+            steps=4,
+            seeds=[0],
+            out=tmp_path,
+            jobs=2,
+            device="cpu",
+            overrides=[*SMALL, "comm.backend=hivemind"],
+            collect=dict,
+        )
+    assert not any(tmp_path.iterdir())  # refused before anything ran
