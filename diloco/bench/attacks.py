@@ -92,21 +92,43 @@ def _base(name: str) -> str | None:
 ARMS = _arms()
 
 
-def rounds_with_drops(run_dir: Path, workers: int) -> tuple[int, int]:
-    """(rounds averaged over fewer than all ``workers``, rounds) in worker 0's records."""
+def _rounds(run_dir: Path) -> list[dict]:
+    """Worker 0's round records."""
     path = Path(run_dir) / "worker-0.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    rounds = [r for r in records if r.get("event") == "round"]
+    return [r for r in records if r.get("event") == "round"]
+
+
+def rounds_with_drops(run_dir: Path, workers: int) -> tuple[int, int]:
+    """(rounds averaged over fewer than all ``workers``, rounds) in worker 0's records."""
+    rounds = _rounds(run_dir)
     return sum(r.get("peers", workers) < workers for r in rounds), len(rounds)
+
+
+def excluded_from(run_dir: Path) -> dict[int, int]:
+    """The workers excluded (``comm.exclude_after``), each with the first round whose record of
+    worker 0 lists it."""
+    first: dict[int, int] = {}
+    for record in _rounds(run_dir):
+        for worker in record.get("excluded", []):
+            first.setdefault(worker, record["round"])
+    return first
+
+
+def _exclusions(first: dict[int, int]) -> str:
+    """``3 (r3)``: who was excluded and from which round; "-" for nobody."""
+    return ", ".join(f"{worker} (r{round_})" for worker, round_ in sorted(first.items())) or "-"
 
 
 def _collect(runs: list[dict]) -> dict:
     by_arm = rows_by_arm(runs)
     for run in runs:
         run["rounds_with_drops"], run["rounds"] = rounds_with_drops(run["run_dir"], run["workers"])
+        run["excluded"] = _exclusions(excluded_from(run["run_dir"]))
     for name, row in by_arm.items():
-        row["rounds_with_drops"] = [r["rounds_with_drops"] for r in sorted(runs, key=lambda r: r["seed"])
-                                    if r["arm"] == name]  # fmt: skip
+        seeds = [r for r in sorted(runs, key=lambda r: r["seed"]) if r["arm"] == name]
+        row["rounds_with_drops"] = [r["rounds_with_drops"] for r in seeds]
+        row["excluded"] = [r["excluded"] for r in seeds]
         base, without = by_arm.get(_base(name) or ""), by_arm.get(WITHOUT)
         if base is not None:
             row["ratio_to_clean"] = loss_ratio(row, base)
@@ -118,8 +140,8 @@ def _collect(runs: list[dict]) -> dict:
 def table(results: dict) -> str:
     lines = [
         "| arm | final val loss per seed | mean | / clean | / without-3 | rounds with a contribution left out "
-        "| target |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| excluded (from round) | target |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm in ARMS:
         row = results["arms"].get(arm.name)
@@ -136,7 +158,7 @@ def table(results: dict) -> str:
         lines.append(
             f"| {arm.name} | {', '.join(f'{v:.4f}' for v in losses)} | {statistics.mean(losses):.4f} | "
             f"{f'{ratio:.4f}{versus}' if ratio else '-'} | {f'{to_without:.4f}' if to_without else '-'} | "
-            f"{', '.join(map(str, row['rounds_with_drops']))} | {target} |"
+            f"{', '.join(map(str, row['rounds_with_drops']))} | {'; '.join(row.get('excluded', []))} | {target} |"
         )
     return "\n".join(lines)
 

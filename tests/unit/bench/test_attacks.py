@@ -8,7 +8,16 @@ import json
 import pytest
 
 from diloco.bench.arms import Job, _run_one
-from diloco.bench.attacks import ARMS, CLEAN_8, WITHOUT, _collect, rounds_with_drops, select_arms, table
+from diloco.bench.attacks import (
+    ARMS,
+    CLEAN_8,
+    WITHOUT,
+    _collect,
+    excluded_from,
+    rounds_with_drops,
+    select_arms,
+    table,
+)
 from diloco.cli import UsageError
 
 SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes=100000", "logging.eval_batches=2"]
@@ -43,7 +52,7 @@ def test_two_attackers_of_eight_are_workers_six_and_seven_and_compared_with_the_
     arms = _collect(runs)["arms"]
     assert arms[league.name]["ratio_to_clean"] == pytest.approx(1.01) and "ratio_to_without" not in arms[league.name]
     assert "ratio_to_clean" not in arms[CLEAN_8]
-    assert f"| {league.name} | 2.0200 | 2.0200 | 1.0100 (/ {CLEAN_8}) | - | 0 | <= 1.02 |" in table(_collect(runs))
+    assert f"| {league.name} | 2.0200 | 2.0200 | 1.0100 (/ {CLEAN_8}) | - | 0 | - | <= 1.02 |" in table(_collect(runs))
 
 
 def _run(name: str, seed: int, loss: float, workers: int, run_dir) -> dict:
@@ -61,6 +70,7 @@ def test_the_ratios_are_to_the_clean_run_and_the_honest_workers_and_drops_are_co
     dropped = tmp_path / "dropped"
     dropped.mkdir()
     rounds = [{"event": "round", "round": r, "peers": 3 if r > 1 else 4} for r in (1, 2, 3)]
+    rounds[2]["excluded"] = [3]
     (dropped / "worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     assert rounds_with_drops(dropped, 4) == (2, 3) and rounds_with_drops(dropped, 3) == (0, 3)
     runs = [
@@ -76,8 +86,9 @@ def test_the_ratios_are_to_the_clean_run_and_the_honest_workers_and_drops_are_co
     assert arms["minus-9x"]["ratio_to_without"] == pytest.approx(2.1 / 2.05)
     assert arms["minus-9x"]["rounds_with_drops"] == [2]
     text = table(results)
-    assert "| minus-9x | 2.1000 | 2.1000 | 1.0500 | 1.0244 | 2 | <= 1.02 |" in text
-    assert "| clean | 2.0000 | 2.0000 | 1.0050 (/ clean-off) | - | 0 |" in text
+    assert excluded_from(dropped) == {3: 3}
+    assert "| minus-9x | 2.1000 | 2.1000 | 1.0500 | 1.0244 | 2 | 3 (r3) | <= 1.02 |" in text
+    assert "| clean | 2.0000 | 2.0000 | 1.0050 (/ clean-off) | - | 0 | - |" in text
 
 
 def test_an_arm_of_the_bench_runs_with_its_attacker(tmp_path):
