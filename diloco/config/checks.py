@@ -136,7 +136,12 @@ def _check_faults(cfg: Config) -> None:
 
 
 def _check_screening(cfg: Config) -> None:
-    """``comm.max_weight_ratio`` and ``comm.min_cosine``, and the transports that can apply them."""
+    """``comm.max_weight_ratio``, ``comm.min_cosine`` and ``comm.exclude_after``, and the transports
+    that can apply them."""
+    require(
+        cfg.comm.exclude_after >= 0,
+        f"comm.exclude_after={cfg.comm.exclude_after} must be 0 (never) or a number of rounds",
+    )
     require(
         cfg.comm.max_weight_ratio == 0 or cfg.comm.max_weight_ratio >= 1,
         f"comm.max_weight_ratio={cfg.comm.max_weight_ratio} must be 0 (off) or at least 1",

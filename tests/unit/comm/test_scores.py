@@ -9,7 +9,7 @@ import json
 import pytest
 
 from diloco.comm.scores import Scores, Standing
-from diloco.config import load_config
+from diloco.config import ConfigError, load_config
 from diloco.tools.launcher import simulate
 from tests.conftest import TINY
 
@@ -59,6 +59,11 @@ def test_clipped_rounds_count_as_kept_and_the_scores_survive_a_round_trip_throug
     again = Scores(exclude_after=2)
     again.load_state_dict(json.loads(json.dumps(scores.state_dict())))
     assert again.standings == scores.standings and again.is_excluded("d")
+
+
+def test_a_negative_exclude_after_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"comm.exclude_after=-1 must be 0 \(never\) or a number of rounds"):
+        load_config(None, ["comm.exclude_after=-1"])
 
 
 def _records(run_dir, worker: int) -> list[dict]:
