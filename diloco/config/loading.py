@@ -1,10 +1,14 @@
 """``load_config``: the dataclass defaults <- an outer rule's defaults (rules.py) <- a YAML file
-<- ``KEY=VALUE`` overrides, with omegaconf's struct mode on so a typo is an error (a key that
-moved, ``MOVED_KEYS``, an error that names its new place), then checked (checks.py); and the
-config written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``)."""
+<- ``KEY=VALUE`` overrides, with omegaconf's struct mode on so a typo is an error, then checked
+(checks.py); and the config written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``).
+
+A key that moved (``MOVED_KEYS``) is an error naming its new place in an override; in a file (a
+run's own ``config.yaml`` written before it moved, say) it is read at its new place, with a warning,
+so that an older run resumes and joins with its settings."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +19,8 @@ from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
 from diloco.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -84,7 +90,24 @@ def _read_yaml(path: Path):
         raise ConfigError(f"config file {path} is not valid YAML: {first_line}") from None
     if loaded is None or not OmegaConf.is_dict(loaded):
         raise ConfigError(f"config file {path} must be a mapping of sections (model:, inner:, ...)")
+    _move_to_new_places(loaded, path)
     return loaded
+
+
+def _move_to_new_places(loaded, path: Path) -> None:
+    """The keys of ``loaded`` that moved (``MOVED_KEYS``) put where they are now, each with a warning;
+    where the file sets both, the new place wins."""
+    comm = loaded.get("comm")
+    if not OmegaConf.is_dict(comm):
+        return
+    for name in [name for name in comm if f"comm.{name}" in MOVED_KEYS]:
+        new = MOVED_KEYS[f"comm.{name}"]
+        logger.warning("config file %s: comm.%s is now %s (read as such; write it there)", path, name, new)
+        if not OmegaConf.is_dict(comm.get("hivemind")):
+            comm.hivemind = {}
+        if name not in comm.hivemind:
+            comm.hivemind[name] = comm[name]
+        del comm[name]
 
 
 # keys that moved to a section of their own: the old key -> the new one

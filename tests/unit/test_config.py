@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -74,19 +75,30 @@ def test_missing_or_malformed_yaml_is_a_config_error(tmp_path):
         ("data_plane", "gloo", "gloo"),
     ],
 )
-def test_a_key_that_moved_to_comm_hivemind_is_an_error_that_names_its_new_key(tmp_path, old, value, taken):
-    """On the command line and in a file alike; the same setting under comm.hivemind is taken."""
+def test_a_key_that_moved_to_comm_hivemind_is_an_error_in_an_override_and_read_at_its_new_place_in_a_file(
+    tmp_path, caplog, old, value, taken
+):
+    """An override names the new key in one line; a file (an older run's config.yaml) is read with a
+    warning; the same setting under comm.hivemind is taken as it is."""
     expected = f"comm.{old} is now comm.hivemind.{old}"
     with pytest.raises(ConfigError, match=re.escape(expected)) as info:
         load_config(None, [f"comm.{old}={value}"])
     assert "\n" not in str(info.value)
     path = tmp_path / "old.yaml"
     path.write_text(f"comm:\n  deadline_s: 30\n  {old}: {value}\n")
-    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
-        load_config(path)
-    assert "\n" not in str(info.value)
+    with caplog.at_level(logging.WARNING, logger="diloco.config.loading"):
+        cfg = load_config(path)
+    assert getattr(cfg.comm.hivemind, old) == taken and cfg.comm.deadline_s == 30
+    assert f"{expected} (read as such; write it there)" in caplog.text
     path.write_text(f"comm:\n  deadline_s: 30\n  hivemind:\n    {old}: {value}\n")  # where it is now
     assert getattr(load_config(path).comm.hivemind, old) == taken
+
+
+def test_an_older_runs_config_yaml_resumes_with_its_settings(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("comm:\n  matchmaking_s: 9.0\n  port: 4000\n  hivemind:\n    port: 5000\n")
+    cfg = load_config(path)
+    assert cfg.comm.hivemind.matchmaking_s == 9.0 and cfg.comm.hivemind.port == 5000  # the new place wins
 
 
 @pytest.mark.parametrize(
