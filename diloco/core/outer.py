@@ -8,9 +8,10 @@ Nesterov SGD, lr 0.7, momentum 0.9). The local params then restart from the new 
 
 Plain averaging (FedAvg) is ``outer.optimizer=sgd outer.lr=1 outer.momentum=0``; Adam and any
 other optimizer need no new code here, only a line in ``build_outer_optimizer``. SparseLoCo
-(``outer.optimizer=sparseloco``) is a plain step whose momentum is the error feedback of its
-top-k codec (compression/error_feedback.py; the rule's defaults: config/rules.py); with
-``outer.sparseloco_momentum`` above 0 the step is Nesterov's over the averaged sparse update.
+(``outer.optimizer=sparseloco``) takes its momentum from the error feedback of its top-k codec
+(compression/error_feedback.py; the rule's defaults: config/rules.py); with
+``outer.sparseloco_momentum`` above 0 (the rule's default: 0.5) the step is Nesterov's over the
+averaged sparse update, with 0 a plain step.
 
 Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
 pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
@@ -52,7 +53,7 @@ class OuterConfig:
     optimizer: str = "nesterov"  # nesterov | sgd | adam | sparseloco (sgd with lr 1, momentum 0 is plain averaging)
     lr: float = 0.7  # outer learning rate
     momentum: float = 0.9  # SGD momentum, or Adam's beta1 (not sparseloco's: its error feedback is the momentum)
-    sparseloco_momentum: float = 0.0  # sparseloco: Nesterov momentum over the averaged sparse update (0: plain step)
+    sparseloco_momentum: float = 0.0  # sparseloco: Nesterov momentum over its averaged update (its rule: 0.5)
     sync_every: int = 50  # H: inner steps per round; 0 = data-parallel baseline (gradients averaged every step)
     round_s: float = 0.0  # > 0: a round lasts this many seconds of inner steps, as many as each worker can run; 0 = H
     overlap: str = "none"  # none: blocking round / delayed: applied one round late / streaming: fragments (overlap.py)

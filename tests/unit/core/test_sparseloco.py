@@ -12,9 +12,10 @@ from diloco.comm.base import Averaging, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import ConfigError, load_config
+from diloco.config.rules import SPARSELOCO_PAPER
 from diloco.core.outer import OuterStep, build_outer_optimizer
 
-K, CHUNK, BETA = 4, 64, 0.95
+K, CHUNK, BETA = 4, 64, 0.85  # BETA: the rule's compression.error_decay
 SHAPES = [(10, 20), (70,)]  # 200 values: three full chunks and a tail; 70: one chunk and a tail
 
 
@@ -66,12 +67,12 @@ def _mean_of_senders(sent: tuple[torch.Tensor, ...], weights: tuple[float, ...])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("momentum", [None, 0.3])  # None: the rule's plain step
+@pytest.mark.parametrize("momentum", [None, 0.0, 0.3])  # None: the rule's 0.5; 0: a plain step
 def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentum):
     overrides = ["outer.optimizer=sparseloco", f"compression.topk_k={K}", f"compression.topk_chunk={CHUNK}"]
     extra = [f"outer.sparseloco_momentum={momentum}"] if momentum is not None else []
     cfg = load_config(None, overrides + extra)
-    mu = 0.0 if momentum is None else momentum
+    mu = 0.5 if momentum is None else momentum
     assert (cfg.outer.lr, cfg.outer.sparseloco_momentum) == (1.0, mu)
     assert (cfg.compression.name, cfg.compression.error_decay) == ("topk", BETA)
     codec = build_codec(cfg.compression)
@@ -124,9 +125,21 @@ def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentu
 
 def test_outer_momentum_leaves_sparseloco_a_plain_step():
     # a run's config.yaml sets every key, outer.momentum (0.9 by default) too
-    cfg = load_config(None, ["outer.optimizer=sparseloco", "outer.momentum=0.9"])
+    cfg = load_config(None, ["outer.optimizer=sparseloco", "outer.momentum=0.9", "outer.sparseloco_momentum=0"])
     optimizer = build_outer_optimizer(cfg.outer, [torch.zeros(3, requires_grad=True)])
     assert optimizer.defaults["momentum"] == 0 and not optimizer.defaults["nesterov"]
+
+
+def test_sparseloco_defaults_to_the_settings_measured_best_and_the_papers_are_one_line_of_overrides():
+    cfg = load_config(None, ["outer.optimizer=sparseloco"])
+    assert (cfg.outer.lr, cfg.outer.sparseloco_momentum) == (1.0, 0.5)
+    compression = cfg.compression
+    assert (compression.name, compression.topk_k, compression.topk_chunk) == ("topk", 184, 4096)
+    assert (compression.topk_mean, compression.error_feedback, compression.error_decay) == ("senders", True, 0.85)
+    paper = load_config(None, ["outer.optimizer=sparseloco", *SPARSELOCO_PAPER])
+    assert (paper.outer.sparseloco_momentum, paper.compression.topk_k, paper.compression.error_decay) == (0, 64, 0.95)
+    # a run's config.yaml sets every key: a run started before these defaults resumes with its own
+    assert load_config(None, ["outer.optimizer=sparseloco", "compression.topk_k=64"]).compression.topk_k == 64
 
 
 def test_sparseloco_needs_the_error_feedback_of_a_lossy_codec_and_keeps_what_the_user_set():
