@@ -138,7 +138,8 @@ def _train(job: Job, cfg) -> dict:
 
     if cfg.comm.backend != "hivemind":
         return simulate(cfg, workers=job.arm.workers)
-    run_local(cfg, None, job.words(), workers=job.arm.workers)
+    if run_local(cfg, None, job.words(), workers=job.arm.workers) != 0:
+        raise RuntimeError(f"{job.arm.name} seed {job.seed}: a worker failed; see the logs in {cfg.run_dir}")
     return json.loads((cfg.run_dir / "summary.json").read_text())
 
 
@@ -197,11 +198,11 @@ def run_arms(
     answers them); ``results.json`` (``collect`` of the runs so far) is rewritten after each run.
     Returns the last results and the runs."""
     seeds = list(seeds)
-    if jobs > 1 and "comm.backend=hivemind" in overrides:
-        raise UsageError("comm.backend=hivemind runs a process per worker: run one arm at a time (--jobs 1)")
-    out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     todo = [Job(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]
+    if jobs > 1 and any(job.config().comm.backend == "hivemind" for job in todo):
+        raise UsageError("comm.backend=hivemind runs a process per worker: run one arm at a time (--jobs 1)")
+    out.mkdir(parents=True, exist_ok=True)
     todo.sort(key=lambda job: (job.arm.name not in first, job.seed))
     for job in todo:
         _refuse_to_replace_a_finished_run(job.config())

@@ -63,13 +63,15 @@ NO_SCREENING = ScreeningRules()
 @dataclass(frozen=True)
 class Screening:
     """The decision for one round: who is dropped (and why), the factor for each kept one, and
-    the most a weight counts for."""
+    the most a weight counts for; and whom the reducer that holds it leaves out of what it sums
+    (``excluded``: a hivemind peer's own tally, comm/hivemind/exclusion.py)."""
 
     dropped: dict = field(default_factory=dict)  # contributor -> reason, for the log
     scales: dict = field(default_factory=dict)  # kept contributor -> factor to multiply its values by
     median: float = math.nan  # the reference norm (nan when no norm was finite)
     max_weight: float = math.inf  # a weight above it counts as it (``comm.max_weight_ratio``)
     min_cosine: float = -1.0  # the direction rule every reducer applies to what it receives
+    excluded: frozenset = frozenset()  # contributors our reducer leaves out (they still get its average)
 
     def weight(self, claimed: float) -> float:
         """What a contribution that claims ``claimed`` counts for."""

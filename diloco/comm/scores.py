@@ -16,8 +16,11 @@ the round (``hivemind/exclusion.py``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,10 +51,16 @@ class Scores:
         return standing is not None and bool(standing.excluded)
 
     def record_round(
-        self, sent: Iterable[Hashable], left_out: Mapping[Hashable, str], clipped: Iterable[Hashable] = ()
+        self,
+        sent: Iterable[Hashable],
+        left_out: Mapping[Hashable, str],
+        clipped: Iterable[Hashable] = (),
+        *,
+        context: str = "",
     ) -> list[Hashable]:
         """Count a round: ``sent`` contributed, ``left_out`` were left out of it (and why),
-        ``clipped`` kept but scaled down. Returns who is excluded from now on (the caller logs it)."""
+        ``clipped`` kept but scaled down. Returns who is excluded from now on, each logged once
+        (``context`` before the line: ``round 3: ``)."""
         newly, clipped = [], set(clipped)
         for who in sent:
             standing = self.standings.setdefault(who, Standing())
@@ -66,11 +75,6 @@ class Scores:
             standing.in_a_row += 1
             if self.exclude_after and standing.in_a_row >= self.exclude_after:
                 standing.excluded = f"left out of {standing.in_a_row} rounds in a row, the last: {left_out[who]}"
+                logger.warning("%sexcluded %s from the run's means: %s", context, who, standing.excluded)
                 newly.append(who)
         return newly
-
-    def state_dict(self) -> dict:
-        return {"exclude_after": self.exclude_after, "standings": {who: asdict(s) for who, s in self.standings.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.standings = {who: Standing(**fields) for who, fields in state.get("standings", {}).items()}

@@ -26,7 +26,6 @@ reported as the round's communication time, and its bytes as bytes sent and rece
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 
@@ -38,8 +37,6 @@ from diloco.comm.robust import NO_SCREENING, ScreeningRules
 from diloco.comm.scores import Scores
 from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
-
-logger = logging.getLogger(__name__)
 
 _GROUPS: dict[str, SimulatedGroup] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -131,10 +128,8 @@ class SimulatedGroup:
         self._index.update({c.worker: w for w, c in self._arrived.items()})
         verdicts = Verdicts()
         averaged = average_payloads(codec, taken, numels, round_index=self._round_done, rules=rules, verdicts=verdicts)
-        for who in self.scores.record_round([c.worker for c in taken], verdicts.left_out, verdicts.clipped):
-            logger.warning(
-                "round %d: excluded %s from the run's means: %s", self._round_done + 1, who, self.scores.excluded()[who]
-            )
+        context = f"round {self._round_done + 1}: "
+        self.scores.record_round([c.worker for c in taken], verdicts.left_out, verdicts.clipped, context=context)
         return averaged
 
     def excluded(self) -> tuple[int, ...]:

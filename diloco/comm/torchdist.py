@@ -163,9 +163,7 @@ class TorchDistAveraging(Averaging):
         )
 
     def _record(self, round_index: int, sent: list[str], left_out: dict[str, str], clipped) -> None:
-        for who in self.scores.record_round(sent, left_out, clipped):
-            reason = self.scores.excluded()[who]
-            logger.warning("round %d: excluded %s from the run's means: %s", round_index + 1, who, reason)
+        self.scores.record_round(sent, left_out, clipped, context=f"round {round_index + 1}: ")
 
     def _excluded(self) -> tuple[int, ...]:
         return tuple(sorted(int(who.split()[1]) for who in self.scores.excluded()))

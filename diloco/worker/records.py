@@ -159,8 +159,7 @@ class WorkerLog:
             record["excluded"] = list(result.excluded)
         self._emit(record, step)
         self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
-        if result.excluded:  # for diloco status
-            self.live["excluded"] = list(result.excluded)
+        self.live["excluded"] = list(result.excluded)  # for diloco status (empty again once none is)
         logger.info(
             "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent%s  params %s",
             round_number,

@@ -51,8 +51,8 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
     assert all(r["peers"] <= 3 or not r["ok"] for r in rounds), rounds
     assert any(r["ok"] and r["peers"] == 3 for r in rounds), rounds
     assert read_records(run_dir, 0)[-1]["val_loss"] < 3.2  # learned; minus 9 x would have thrown it off
-    # left out of rounds 1 and 2 by every reducer: excluded by every honest peer from round 2 on, and
-    # its parts refused from round 3 on
+    # left out of rounds 1 and 2 by every reducer: excluded by every honest peer from round 2 on (its
+    # parts left out of every sum before any screening from round 3 on)
     for w in range(ATTACKER):
         assert f"excluded peer {ids[ATTACKER]} from the run's means: left out of 2 rounds in a row" in logs[w]
         excluded = [r.get("excluded", []) for r in read_records(run_dir, w) if r["event"] == "round"]

@@ -171,9 +171,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         # robust aggregation: who every peer drops, each kept sender's factor, and the norms declared
         self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
         shapes, senders = self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
-        self.tensor_part_reducer = reducer_for(shapes, senders, self.screening.min_cosine, gathers=codec.gathers)
+        excluded = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in self.screening.excluded)
+        self.tensor_part_reducer = reducer_for(
+            shapes, senders, self.screening.min_cosine, gathers=codec.gathers, excluded=excluded
+        )
         self.norms = norms or {}
         self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
+        self.payload_dropped: dict[PeerID, str] = {}  # senders whose parts we could not use, and why
 
     async def run(self):
         # refuse the senders every peer drops before anything arrives, and count them as started
@@ -369,6 +373,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                         part = part * scale
                 except PayloadError as error:
                     logger.warning("dropped the contribution of peer %s: %s", sender, error)
+                    self.payload_dropped[sender] = str(error)
                     break
                 if self.codec.gathers:  # what the others take this part's mean from
                     self._kept.setdefault(parts_done, {})[sender_index] = gathered.Kept(
@@ -577,10 +582,11 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             # the workers average this group's vectors through the data plane, not through us
             self._running_groups[group_id].set_result(None)
             return
-        excluded = self.exclusions.of(declared)
-        taken = {peer: data for peer, data in declared.items() if peer not in excluded}
-        norms = {peer: declared_norm(data) for peer, data in taken.items()}
-        screening = self.exclusions.screened(screen(norms, self.rules, declared_weights(taken)), excluded)
+        norms = {peer: declared_norm(data) for peer, data in declared.items()}
+        screening = screen(norms, self.rules, declared_weights(declared))  # the same on every peer
+        # then the peers our tally excludes (not with a codec that gathers: every recipient takes its mean)
+        excluded = set() if codec.gathers else self.exclusions.of(declared, own=self.peer_id)
+        screening = self.exclusions.screened(screening, excluded)
         for peer, reason in screening.dropped.items():
             if peer in excluded:  # said once, when it was excluded
                 continue
@@ -612,13 +618,12 @@ class ExactAverager(StateDownload, DecentralizedAverager):
                 async for tensor, averaged in azip(as_aiter(*tensors), runner):
                     tensor.copy_(averaged)
                 self._state_updated.set()
+            self.exclusions.record(runner.sender_peer_ids, screening, excluded, runner, own=self.peer_id)
         finally:
             self.traffic.add(
                 failed_values=runner.tensor_part_container.failed_size, transfer_s=time.monotonic() - started
             )
             _log_left_out(runner)
-            reducer = runner.tensor_part_reducer
-            self.exclusions.record(runner.sender_peer_ids, screening, excluded, reducer)
 
     def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
         """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``

@@ -66,6 +66,7 @@ class HivemindBackend(CommBackend):
             slots=slots,
             serves_state=not peer.client_mode,
             addresses=[] if peer.client_mode else peer.visible_addresses,
+            peer_id=str(peer.peer_id),
             chores=[] if peer.client_mode else [peer.answer_dialbacks],
         )
         roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers))

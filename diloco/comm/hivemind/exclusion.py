@@ -2,13 +2,16 @@
 process from what this peer saw, and the peers excluded so far handed to the worker's process.
 
 What a peer sees of a round: the norm screening's verdicts, which every peer reaches alike from the
-norms declared at matchmaking; and the direction verdicts of the parts its own reducer averaged
-(``reducer.ScreeningReducer``: a sender counts as left out when it was left out of at least half of
-the parts of it we reduced). An attacker whose contribution is left out is left out by every
-reducer, so every peer's tally excludes it in the same round. An excluded peer is treated as one
-the round's screening dropped: its parts are refused by our reducer, and it takes no part of our
-average (``averager.ExactAllReduceRunner``). A peer that reduces nothing (a client) sees only the
-norm verdicts.
+norms declared at matchmaking; the payloads its reducer could not use; and the direction verdicts of
+the parts its own reducer averaged (``reducer.ScreeningReducer``: a sender counts as left out when
+it was left out of at least half of the parts of it we reduced). An attacker left out by every
+reducer is excluded by every peer that averaged with it each time, usually in the same round; a
+peer that joined later, or sat in another group, excludes it later. Peers that disagree still end
+on the same params: each part is reduced in one place, and a reducer that excludes a peer leaves
+its parts out of the sums (``reducer.ScreeningReducer``) and sends it the others' average, as to
+anyone. The norm screening itself is the same on every peer: exclusion comes after it. A peer
+that reduces nothing (a client) sees only the norm verdicts; a codec that gathers (top-k) is not
+excluded from (its mean is taken by every recipient alike, from the same contributions).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import threading
 from collections.abc import Sequence
 
 from diloco.comm.hivemind.reducer import ScreeningReducer
@@ -26,41 +30,45 @@ logger = logging.getLogger(__name__)
 
 
 class Exclusions:
-    """The standings (``comm/scores.py``) of the peers this one averaged with, by peer id."""
+    """The standings (``comm/scores.py``) of the peers this one averaged with, keyed ``peer <id>``."""
 
     def __init__(self, exclude_after: int):
         self.scores = Scores(exclude_after)
         self._newly = mp.SimpleQueue()  # from the averager's process to the worker's
         self._known: set[str] = set()  # in the worker's process: the excluded peers it was told of
+        self._draining = threading.Lock()  # fragments' rounds end on threads of their own
 
-    def of(self, peers: Sequence) -> set:
-        """Those of ``peers`` excluded so far."""
-        return {peer for peer in peers if self.scores.is_excluded(str(peer))}
+    def of(self, peers: Sequence, *, own) -> set:
+        """Those of ``peers`` excluded so far (never ``own``, this peer: see ``record``)."""
+        return {peer for peer in peers if peer != own and self.scores.is_excluded(f"peer {peer}")}
 
     @staticmethod
     def screened(screening: Screening, excluded: set) -> Screening:
-        """``screening`` with the excluded peers dropped (every reducer refuses them up front)."""
-        if not excluded:
-            return screening
-        dropped = {**screening.dropped, **dict.fromkeys(excluded, "excluded from the run's means")}
-        scales = {peer: scale for peer, scale in screening.scales.items() if peer not in excluded}
-        return dataclasses.replace(screening, dropped=dropped, scales=scales)
+        """``screening`` with the excluded peers for our reducer to leave out of every part it sums:
+        they send and receive as any peer (the average they get is the others'), so no sender
+        waits on a refusal, and every peer still ends on the same params."""
+        return dataclasses.replace(screening, excluded=frozenset(excluded)) if excluded else screening
 
-    def record(self, senders: Sequence, screening: Screening, excluded: set, reducer) -> None:
-        """Count the round for the ``senders`` (by sender index) not excluded: left out when the
-        screening dropped them or our reducer left them out of most of the parts of theirs it averaged."""
-        left_out = {str(peer): reason for peer, reason in screening.dropped.items() if peer not in excluded}
+    def record(self, senders: Sequence, screening: Screening, excluded: set, runner, *, own) -> None:
+        """Count a finished round for the ``senders`` (by sender index) not excluded, ``own`` aside
+        (our reducer judging our own parts does not make us refuse them): left out when the
+        screening dropped them, their payload was unusable, or our reducer left them out of at
+        least half of the parts of theirs it averaged."""
+        left_out = {peer: reason for peer, reason in screening.dropped.items()}
+        left_out.update(runner.payload_dropped)
+        reducer = runner.tensor_part_reducer
         if isinstance(reducer, ScreeningReducer):
             for index, reasons in reducer.left_out.items():
                 if len(reasons) >= reducer.kept_parts.get(index, 0):
-                    left_out.setdefault(str(senders[index]), reasons[0])
-        taken = [str(peer) for peer in senders if peer not in excluded]
-        for peer in self.scores.record_round(taken, left_out):
-            logger.warning("excluded peer %s from the run's means: %s", peer, self.scores.excluded()[peer])
-            self._newly.put(peer)
+                    left_out.setdefault(senders[index], reasons[0])
+        taken = [f"peer {peer}" for peer in senders if peer not in excluded and peer != own]
+        named = {f"peer {peer}": reason for peer, reason in left_out.items()}
+        for who in self.scores.record_round(taken, named):
+            self._newly.put(who.removeprefix("peer "))
 
     def excluded_peers(self) -> set[str]:
-        """In the worker's process: every peer excluded so far."""
-        while not self._newly.empty():
-            self._known.add(self._newly.get())
-        return set(self._known)
+        """In the worker's process: the ids of every peer excluded so far."""
+        with self._draining:
+            while not self._newly.empty():
+                self._known.add(self._newly.get())
+            return set(self._known)

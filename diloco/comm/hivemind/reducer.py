@@ -4,9 +4,9 @@ each part of the share over the group's senders as they arrive, changed in two w
 - ``SenderlessEndingReducer`` also ends when no sender is left to wait for (stock hivemind then
   waits out the whole all-reduce timeout).
 - ``ScreeningReducer`` holds each part's contributions until the part is complete, leaves out
-  those that point against the others (``robust.against_the_others``: ``comm.min_cosine``). A
-  part is reduced in one place only and its average sent to every sender, so every peer receives
-  the same decision.
+  those of the senders this peer excludes (``exclusion.py``) and those that point against the
+  others (``robust.against_the_others``: ``comm.min_cosine``). A part is reduced in one place only
+  and its average sent to every sender, so every peer receives the same decision.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class ScreeningReducer(SenderlessEndingReducer):
     ``contributions`` counts only the kept ones (a part with a sender left out is of fewer workers,
     as the senders' round records then say)."""
 
-    def __init__(self, part_shapes, num_senders: int, min_cosine: float):
-        self.min_cosine = min_cosine
+    def __init__(self, part_shapes, num_senders: int, min_cosine: float, excluded: frozenset = frozenset()):
+        self.min_cosine, self.excluded = min_cosine, excluded  # excluded: sender indices left out of every part
         self._held: dict[int, tuple[torch.Tensor, float]] = {}  # the current part: sender -> (values, weight)
         self.left_out: dict[int, list[str]] = {}
         self.kept_parts: dict[int, int] = {}  # sender -> parts of it kept
@@ -96,7 +96,7 @@ class ScreeningReducer(SenderlessEndingReducer):
         """The weighted sum of the current part's kept contributions (in sender order), their
         weight, and how many they are."""
         held, self._held = self._held, {}
-        senders = sorted(held)
+        senders = sorted(sender for sender in held if sender not in self.excluded)
         against = against_the_others([[held[s][0]] for s in senders], self.min_cosine)
         for i, reason in against.items():
             self.left_out.setdefault(senders[i], []).append(reason)
@@ -110,9 +110,17 @@ class ScreeningReducer(SenderlessEndingReducer):
         return total, weight, len(senders) - len(against)
 
 
-def reducer_for(part_shapes: Sequence[torch.Size], num_senders: int, min_cosine: float, *, gathers: bool):
-    """The reducer of our share: one that screens by direction where the run asks for it (a codec
-    that gathers is not averaged by the reducer: nothing to screen there)."""
-    if gathers or min_cosine <= -1.0:
+def reducer_for(
+    part_shapes: Sequence[torch.Size],
+    num_senders: int,
+    min_cosine: float,
+    *,
+    gathers: bool,
+    excluded: frozenset = frozenset(),
+):
+    """The reducer of our share: one that screens where the run asks for it (by direction) or our
+    tally excludes senders (their indices); a codec that gathers is not averaged by the reducer:
+    nothing to screen there."""
+    if gathers or (min_cosine <= -1.0 and not excluded):
         return SenderlessEndingReducer(part_shapes, num_senders)
-    return ScreeningReducer(part_shapes, num_senders, min_cosine)
+    return ScreeningReducer(part_shapes, num_senders, min_cosine, excluded)

@@ -41,6 +41,7 @@ class RosterEntry:
     slots: int = 0  # the run's data shards: the most workers it can hold (0 = not said)
     run: dict = field(default_factory=dict)  # the settings every worker must share (joining.run_identity)
     addresses: tuple[str, ...] = ()  # where its peer is dialled (none for a client): redial.py
+    peer: str = ""  # its peer's id, clients' too ("" from a worker that did not say)
 
 
 class PartialRead(RuntimeError):
@@ -63,6 +64,7 @@ class Roster:
         ttl_s: float = TTL_S,
         serves_state: bool = True,
         addresses: Sequence[str] = (),
+        peer_id: str = "",
         chores=(),
         clock=None,
     ):
@@ -76,7 +78,9 @@ class Roster:
         self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
         self.run: dict = {}  # the settings every worker of the run must share, once announced
         self.addresses = list(addresses)  # where our peer is dialled, announced for redial.py (none for a client)
+        self.peer_id = peer_id  # our peer's id, announced so that others can name the worker of a peer id
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
+        self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
         self._live: set[int] = set()  # the live workers at the last read
         self._seen: set[int] = set()
         self._left: set[int] = set()  # workers seen leaving cleanly (their records expire after that)
@@ -158,6 +162,7 @@ class Roster:
             "slots": self.slots,
             "run": self.run,
             "addrs": self.addresses,
+            "peer": self.peer_id,
         }
         expiration = now + self.ttl_s
         try:
@@ -199,6 +204,7 @@ class Roster:
                         int(value.get("slots", 0)),
                         value.get("run") if isinstance(value.get("run"), dict) else {},
                         tuple(str(a) for a in value.get("addrs", ()) if isinstance(a, str)),
+                        str(value.get("peer", "")),
                     )
         return entries
 
@@ -233,8 +239,9 @@ class Roster:
         return self._addresses.get(index, ())
 
     def workers_of(self, peers: set[str]) -> tuple[int, ...]:
-        """The workers whose last announced addresses are of one of ``peers`` (peer ids)."""
-        return tuple(sorted(i for i, addresses in self._addresses.items() if peer_of(addresses) in peers))
+        """The workers whose last announced peer id (or addresses) is one of ``peers``."""
+        announced = {**{i: peer_of(a) for i, a in dict(self._addresses).items()}, **dict(self._peers)}
+        return tuple(sorted(i for i, peer in announced.items() if peer in peers))
 
     def serves_alone(self) -> bool:
         """Whether this worker is the only one of the run serving its state: every other live one is
@@ -261,6 +268,7 @@ class Roster:
         now = self._clock()
         self._last_seen.update((i, now) for i in live if i != self.worker_index)
         self._addresses.update((i, entries[i].addresses) for i in live if i in entries and entries[i].addresses)
+        self._peers.update((i, entries[i].peer) for i in live if i in entries and entries[i].peer)
         return live, leaving
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import pytest
 
@@ -51,14 +52,14 @@ def test_every_order_of_arrival_gives_the_same_standings_and_off_excludes_nobody
     assert never.excluded() == {} and never.standings["d"].in_a_row == 15
 
 
-def test_clipped_rounds_count_as_kept_and_the_scores_survive_a_round_trip_through_json():
+def test_clipped_rounds_count_as_kept_and_the_exclusion_is_logged_once(caplog):
     scores = Scores(exclude_after=2)
-    scores.record_round(WORKERS, {"d": "x"}, clipped={"a"})
-    scores.record_round(WORKERS, {"d": "x"})
-    assert scores.standings["a"] == Standing(kept=2, clipped=1) and scores.is_excluded("d")
-    again = Scores(exclude_after=2)
-    again.load_state_dict(json.loads(json.dumps(scores.state_dict())))
-    assert again.standings == scores.standings and again.is_excluded("d")
+    with caplog.at_level(logging.WARNING, logger="diloco.comm.scores"):
+        scores.record_round(WORKERS, {"d": "x"}, clipped={"a"}, context="round 1: ")
+        scores.record_round(WORKERS, {"d": "x"}, context="round 2: ")
+        scores.record_round(WORKERS, {"d": "x"}, context="round 3: ")
+    assert scores.standings["a"] == Standing(kept=3, clipped=1) and scores.is_excluded("d")
+    assert caplog.messages == ["round 2: excluded d from the run's means: left out of 2 rounds in a row, the last: x"]
 
 
 def test_a_negative_exclude_after_is_refused_in_one_line():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,20 +147,46 @@ class _Peer(str):
     """A peer id as the averager holds it (``str()`` of it is what the standings are keyed by)."""
 
 
+def _runner(reducer, payload_dropped=None) -> SimpleNamespace:
+    """What ``Exclusions.record`` reads of a finished all-reduce (a fake: the logic only)."""
+    return SimpleNamespace(tensor_part_reducer=reducer, payload_dropped=payload_dropped or {})
+
+
 @pytest.mark.timeout(30)
 def test_every_peer_that_reduced_the_flipped_senders_parts_excludes_it_after_exclude_after_rounds():
     peers = [_Peer(f"peer{i}") for i in range(4)]
-    exclusions = Exclusions(exclude_after=2)
     screening = Screening(scales=dict.fromkeys(peers, 1.0))
+    exclusions, attacker = Exclusions(exclude_after=2), Exclusions(exclude_after=2)
     for _ in range(2):
-        assert exclusions.of(peers) == set()
-        exclusions.record(peers, screening, set(), asyncio.run(_reduced_round()))
-    assert exclusions.of(peers) == {"peer3"}
+        assert exclusions.of(peers, own=peers[0]) == set()
+        reducer = asyncio.run(_reduced_round())
+        exclusions.record(peers, screening, set(), _runner(reducer), own=peers[0])
+        attacker.record(peers, screening, set(), _runner(reducer), own=peers[3])
+    assert exclusions.of(peers, own=peers[0]) == {"peer3"}
     assert exclusions.excluded_peers() == {"peer3"}  # what the worker's records are told
+    # the attacker's own reducer left it out too, but a peer never refuses its own parts
+    assert attacker.of(peers, own=peers[3]) == set()
     screened = Exclusions.screened(screening, {peers[3]})
-    assert peers[3] in screened.dropped and peers[3] not in screened.scales  # refused up front
-    # a sender dropped by the norm screening counts as left out on every peer alike, a client that
-    # reduces nothing (no reducer of ours) included
-    norms = Exclusions(exclude_after=1)
-    norms.record(peers, Screening(dropped={peers[1]: "far above the median"}), set(), None)
-    assert norms.of(peers) == {"peer1"}
+    assert screened.excluded == {peers[3]} and screened.dropped == {}  # left out of sums, not refused
+
+
+@pytest.mark.timeout(30)
+def test_an_excluded_sender_is_left_out_of_every_part_and_still_gets_the_others_average():
+    async def reduce() -> list[torch.Tensor]:
+        reducer = reducer_for([torch.Size([4])], 3, -1.0, gathers=False, excluded=frozenset({2}))
+        assert isinstance(reducer, ScreeningReducer)  # holds its parts even with the direction rule off
+        values = [torch.full((4,), 1.0), torch.full((4,), 3.0), torch.full((4,), 100.0)]
+        averages = await asyncio.gather(*(reducer.accumulate_part(s, 0, values[s]) for s in range(3)))
+        assert reducer.contributions == {0: 2} and reducer.left_out == {}  # not logged as left out each round
+        return averages
+
+    averages = asyncio.run(reduce())
+    assert all(torch.equal(a, torch.full((4,), 2.0)) for a in averages)  # the excluded sender's too
+
+
+def test_norm_drops_and_unusable_payloads_count_as_left_out_even_without_a_reducer_of_ours():
+    peers = [_Peer(f"peer{i}") for i in range(4)]
+    exclusions = Exclusions(exclude_after=1)  # a client: no reducer of ours screened by direction
+    dropped = Screening(dropped={peers[1]: "far above the median"})
+    exclusions.record(peers, dropped, set(), _runner(None, {peers[2]: "not finite"}), own=peers[0])
+    assert exclusions.of(peers, own=peers[0]) == {"peer1", "peer2"}
