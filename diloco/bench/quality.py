@@ -3,11 +3,14 @@
 The reference workload: tinyshakespeare (byte-level), model "baby", a fixed global batch
 of 48 sequences and a fixed number of inner steps (2000), AdamW lr 1e-3, warm-up 50, cosine to
 1e-4, clipping 1.0. Data-parallel training (DDP: 4 workers of batch 12 averaging gradients every
-step) against DiLoCo with M workers of batch 48/M. Every arm runs on the in-process simulator
-(``comm.backend=simulator``), with the very same worker loop as a real run, for each seed.
+step) against DiLoCo with M workers of batch 48/M; the arms named ``-muon`` train with Muon as the
+inner optimizer (``inner.optimizer=muon``), and are also compared with DDP under Muon. Every arm
+runs on the in-process simulator (``comm.backend=simulator``), with the very same worker loop as a
+real run, for each seed.
 
     diloco bench quality                              # everything, 3 seeds (hours on 2 CPU cores)
     diloco bench quality --arms ddp,m4-h20 --seeds 1  # a part
+    diloco bench quality --arms ddp,ddp-muon,m4-h50-lr1.0-m0.8,m4-h50-muon   # Muon against AdamW
     diloco bench quality --device cuda --jobs 8       # on a GPU machine: 8 runs at a time
 
 Prints a table (final val loss, ratio to DDP, bytes per worker, DDP bytes / these bytes) and
@@ -26,6 +29,7 @@ from diloco.bench.arms import Arm, add_arm_flags, default_data, loss_ratio, plot
 
 FEDAVG = ("outer.optimizer=sgd", "outer.lr=1.0", "outer.momentum=0.0")
 LESS_MOMENTUM = ("outer.lr=1.0", "outer.momentum=0.8")  # the best outer optimizer measured (docs/benchmarks.md)
+MUON, DDP_MUON = "inner.optimizer=muon", "ddp-muon"
 ARMS = [
     Arm("ddp", 4, 0),
     Arm("m1-h50", 1, 50),
@@ -44,14 +48,19 @@ ARMS = [
     Arm("m4-h50-lr0.5", 4, 50, ("outer.lr=0.5",)),
     Arm("m4-h50-lr1.0", 4, 50, ("outer.lr=1.0",)),
     Arm("m4-h50-lr1.0-m0.8", 4, 50, LESS_MOMENTUM),
+    # Muon as the inner optimizer (core/muon.py), the outer step as the best measured for AdamW
+    Arm(DDP_MUON, 4, 0, (MUON,)),
+    Arm("m1-h50-muon", 1, 50, (*LESS_MOMENTUM, MUON)),
+    Arm("m4-h20-muon", 4, 20, (*LESS_MOMENTUM, MUON)),
+    Arm("m4-h50-muon", 4, 50, (*LESS_MOMENTUM, MUON)),
 ]
 CORE_ARMS = ("ddp", "m4-h20", "m4-h50", "m4-h50-fedavg", "m1-h50")
 
 
 def _table(results: dict) -> str:
     lines = [
-        "| arm | M | H | final val loss | / DDP | bytes per worker | DDP bytes / these |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | M | H | final val loss | / DDP | / DDP with Muon | bytes per worker | DDP bytes / these |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm in ARMS:
         row = results["arms"].get(arm.name)
@@ -60,21 +69,24 @@ def _table(results: dict) -> str:
         losses = row["final_val_loss"]
         spread = f" ± {statistics.stdev(losses):.3f}" if len(losses) > 1 else ""
         ratio = f"{row['ratio_to_ddp']:.3f}" if row.get("ratio_to_ddp") else "-"
+        to_muon = f"{row['ratio_to_ddp_muon']:.3f}" if row.get("ratio_to_ddp_muon") else "-"
         saving = f"{row['traffic_saving']:,.0f} x" if row.get("traffic_saving") else "-"
         lines.append(
             f"| {arm.name} | {arm.workers} | {arm.sync_every or 'every step'} | "
-            f"{statistics.mean(losses):.4f}{spread} | {ratio} | {row['bytes_sent']:,.0f} | {saving} |"
+            f"{statistics.mean(losses):.4f}{spread} | {ratio} | {to_muon} | {row['bytes_sent']:,.0f} | {saving} |"
         )
     return "\n".join(lines)
 
 
 def _collect(runs: list[dict]) -> dict:
     by_arm = rows_by_arm(runs)
-    ddp = by_arm.get("ddp")
+    ddp, ddp_muon = by_arm.get("ddp"), by_arm.get(DDP_MUON)
     for name, row in by_arm.items():
         if ddp and name != "ddp":
             row["ratio_to_ddp"] = loss_ratio(row, ddp)
             row["traffic_saving"] = ddp["bytes_sent"] / row["bytes_sent"] if row["bytes_sent"] else None
+        if ddp_muon and name != DDP_MUON:
+            row["ratio_to_ddp_muon"] = loss_ratio(row, ddp_muon)
     results = {"arms": by_arm, "runs": runs}
     nesterov, fedavg = by_arm.get("m4-h50"), by_arm.get("m4-h50-fedavg")
     if nesterov and fedavg:

@@ -35,6 +35,11 @@ def _check_site(cfg: Config) -> None:
     sharding = cfg.worker.site_sharding
     require(sharding in SITE_SHARDINGS, f"worker.site_sharding={sharding!r} is not one of {', '.join(SITE_SHARDINGS)}")
     require(sharding == "ddp" or cfg.worker.site, f"worker.site_sharding={sharding} needs worker.site=true")
+    require(
+        sharding == "ddp" or cfg.inner.optimizer != "muon",
+        f"inner.optimizer=muon orthogonalises whole matrices, and worker.site_sharding={sharding} splits them "
+        "across ranks: use worker.site_sharding=ddp",
+    )
     if not cfg.worker.site:
         return
     backend, overlap = cfg.comm.backend, cfg.outer.overlap

@@ -8,6 +8,7 @@ On a GPU: ``precision="bf16"`` runs the forward (and so the backward's matmuls) 
 (the master copy the outer step reads); bf16 needs no loss scaling, unlike fp16. AdamW is the
 fused CUDA kernel whenever the params are on a CUDA device (one launch for all params instead of
 a few per tensor; same update rule). Both work on the CPU too, which is how the tests run them.
+``inner.optimizer=muon`` is Muon for the hidden matrices and AdamW for the rest (``muon.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diloco.core.muon import MuonWithAdamW
 from diloco.errors import require
 
-INNER_OPTIMIZERS = ("adamw", "sgd")
+INNER_OPTIMIZERS = ("adamw", "muon", "sgd")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -30,7 +32,7 @@ PRECISIONS = ("fp32", "bf16")
 class InnerConfig:
     steps: int = 500  # inner steps per worker, in total over the run
     batch_size: int = 12  # sequences per inner step, per worker
-    optimizer: str = "adamw"  # adamw | sgd (plain SGD, used to check DiLoCo against data-parallel SGD)
+    optimizer: str = "adamw"  # adamw / muon (hidden matrices; AdamW for the rest) / sgd (plain, to check DiLoCo)
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # learning rate at the end of the cosine decay
     warmup_steps: int = 50  # linear warm-up from 0 to lr over these inner steps; M>1 DiLoCo wants more than DDP
@@ -38,6 +40,9 @@ class InnerConfig:
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = no clipping
+    muon_lr_scale: float = 1.0  # muon: its lr is inner.lr's schedule times this (its update matched to AdamW's RMS)
+    muon_momentum: float = 0.95  # muon: Nesterov momentum of the hidden matrices' gradients
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations that orthogonalise each update
 
 
 def validate_inner_config(cfg: InnerConfig) -> None:
@@ -52,21 +57,27 @@ def validate_inner_config(cfg: InnerConfig) -> None:
     require(0 <= cfg.min_lr <= cfg.lr, f"inner.min_lr={cfg.min_lr} must be in [0, inner.lr]")
     require(cfg.warmup_steps >= 0, f"inner.warmup_steps={cfg.warmup_steps} must be >= 0")
     require(cfg.grad_clip >= 0, f"inner.grad_clip={cfg.grad_clip} must be >= 0 (0 = off)")
+    require(cfg.muon_lr_scale > 0, f"inner.muon_lr_scale={cfg.muon_lr_scale} must be positive")
+    require(0 <= cfg.muon_momentum < 1, f"inner.muon_momentum={cfg.muon_momentum} must be in [0, 1)")
+    require(cfg.muon_ns_steps >= 1, f"inner.muon_ns_steps={cfg.muon_ns_steps} must be at least 1")
 
 
-def build_inner_optimizer(cfg: InnerConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with decay on 2-D weights only (embeddings, linear layers), or plain SGD."""
+def build_inner_optimizer(cfg: InnerConfig, model: nn.Module) -> torch.optim.Optimizer | MuonWithAdamW:
+    """AdamW with decay on 2-D weights only (embeddings, linear layers); Muon for the hidden
+    matrices and that AdamW for the rest (muon.py); or plain SGD."""
     validate_inner_config(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.is_cuda for p in params)  # the fused kernel is CUDA-only here
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr)
+    if cfg.optimizer == "muon":
+        return MuonWithAdamW(model, cfg, fused=fused)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = bool(params) and all(p.is_cuda for p in params)  # the fused kernel is CUDA-only here
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
@@ -95,7 +106,7 @@ def inner_step(
     ``average_gradients`` (the data-parallel baseline) runs between backward and the update.
     ``precision`` (fp32 / bf16) is the forward's: bf16 autocasts it on the batch's device."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     inputs, targets = batch
     with autocast(inputs.device, precision):
         _, loss = model(inputs, targets)
