@@ -128,6 +128,8 @@ def _run_one(job: Job) -> dict:
         "bytes_sent": summary["bytes_sent"],
         "params_agree": summary["params_agree"],
         "workers": summary["workers"],
+        # a worker's compute per inner step (the simulator's workers take turns on one process)
+        "step_ms": 1000 * (summary.get("compute_s") or 0.0) / max(1, summary.get("inner_steps") or 1),
     }
 
 
@@ -242,12 +244,14 @@ def run_arms(
 
 
 def rows_by_arm(runs: list[dict]) -> dict[str, dict]:
-    """The runs grouped by arm: seeds, final val losses (in seed order) and bytes sent per worker."""
+    """The runs grouped by arm: seeds, final val losses and compute per inner step (in seed order),
+    and bytes sent per worker."""
     by_arm: dict[str, dict] = {}
     for run in sorted(runs, key=lambda r: (r["arm"], r["seed"])):
-        row = by_arm.setdefault(run["arm"], {"seeds": [], "final_val_loss": [], "bytes_sent": 0})
+        row = by_arm.setdefault(run["arm"], {"seeds": [], "final_val_loss": [], "step_ms": [], "bytes_sent": 0})
         row["seeds"].append(run["seed"])
         row["final_val_loss"].append(run["final_val_loss"])
+        row["step_ms"].append(run.get("step_ms"))
         row["bytes_sent"] = run["bytes_sent"]
     return by_arm
 

@@ -59,8 +59,9 @@ CORE_ARMS = ("ddp", "m4-h20", "m4-h50", "m4-h50-fedavg", "m1-h50")
 
 def _table(results: dict) -> str:
     lines = [
-        "| arm | M | H | final val loss | / DDP | / DDP with Muon | bytes per worker | DDP bytes / these |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | M | H | final val loss | / DDP | / DDP with Muon | bytes per worker | DDP bytes / these "
+        "| ms / inner step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm in ARMS:
         row = results["arms"].get(arm.name)
@@ -73,9 +74,16 @@ def _table(results: dict) -> str:
         saving = f"{row['traffic_saving']:,.0f} x" if row.get("traffic_saving") else "-"
         lines.append(
             f"| {arm.name} | {arm.workers} | {arm.sync_every or 'every step'} | "
-            f"{statistics.mean(losses):.4f}{spread} | {ratio} | {to_muon} | {row['bytes_sent']:,.0f} | {saving} |"
+            f"{statistics.mean(losses):.4f}{spread} | {ratio} | {to_muon} | {row['bytes_sent']:,.0f} | {saving} | "
+            f"{_median_ms(row)} |"
         )
     return "\n".join(lines)
+
+
+def _median_ms(row: dict) -> str:
+    """The median over the seeds of a worker's compute per inner step ("-" for runs that did not say)."""
+    times = [t for t in row.get("step_ms", []) if t]
+    return f"{statistics.median(times):.1f}" if times else "-"
 
 
 def _collect(runs: list[dict]) -> dict:

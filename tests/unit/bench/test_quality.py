@@ -8,7 +8,7 @@ from diloco.bench.quality import ARMS, DDP_MUON, _collect, _table
 
 
 def _run(arm: str, loss: float, sent: int) -> dict:
-    return {"arm": arm, "seed": 0, "final_val_loss": loss, "bytes_sent": sent, "workers": 4, "run_dir": ""}
+    return {"arm": arm, "seed": 0, "final_val_loss": loss, "bytes_sent": sent, "workers": 4, "step_ms": 12.34}
 
 
 def test_muon_arms_train_with_muon_and_are_compared_with_ddp_under_adamw_and_under_muon():
@@ -18,4 +18,4 @@ def test_muon_arms_train_with_muon_and_are_compared_with_ddp_under_adamw_and_und
     results = _collect([_run("ddp", 2.0, 1000), _run(DDP_MUON, 1.9, 1000), _run("m4-h50-muon", 1.95, 20)])
     row = results["arms"]["m4-h50-muon"]
     assert row["ratio_to_ddp"] == pytest.approx(0.975) and row["ratio_to_ddp_muon"] == pytest.approx(1.95 / 1.9)
-    assert "| m4-h50-muon | 4 | 50 | 1.9500 | 0.975 | 1.026 | 20 | 50 x |" in _table(results)
+    assert "| m4-h50-muon | 4 | 50 | 1.9500 | 0.975 | 1.026 | 20 | 50 x | 12.3 |" in _table(results)
