@@ -59,12 +59,12 @@ __all__ = [
 class CompressionConfig:
     name: str = "none"  # pseudo-gradients on the wire: none (fp32) / fp16 / int8 / int4 / topk / adaptive
     block_size: int = 64  # int8 / int4: values that share one scale
-    topk_k: int = 64  # topk: values kept in each chunk (adaptive's topk: 8, 4, 2 and 1 x this)
+    topk_k: int = 64  # topk: values kept in each chunk (SparseLoCo: 184; adaptive's topk: 8, 4, 2 and 1 x this)
     topk_chunk: int = 4096  # topk: chunk length (at most 65536)
     topk_value_bits: int = 2  # topk: bits a kept value (1, 2, 4 or 8; 1: its sign times the chunk's mean magnitude)
     topk_mean: str = "all"  # topk: gathered values averaged over all workers / over the senders of each (SparseLoCo)
     error_feedback: bool = True  # lossy codecs: carry what was not sent into the next round (one fp32 copy of params)
-    error_decay: float = 1.0  # error feedback: what is carried over is multiplied by this each round (SparseLoCo: 0.95)
+    error_decay: float = 1.0  # error feedback: what is carried over is multiplied by this each round (SparseLoCo: 0.85)
     adaptive_codecs: list[str] = field(default_factory=lambda: list(ADAPTIVE_DEFAULT))  # adaptive: least lossy first
     comm_budget: float = 0.1  # adaptive: a round's transfer may take this share of the time between rounds
 
