@@ -53,6 +53,9 @@ ARMS = [
     Arm("m1-h50-muon", 1, 50, (*LESS_MOMENTUM, MUON)),
     Arm("m4-h20-muon", 4, 20, (*LESS_MOMENTUM, MUON)),
     Arm("m4-h50-muon", 4, 50, (*LESS_MOMENTUM, MUON)),
+    # Muon's pseudo-gradients compressed: int4 with error feedback, and SparseLoCo (its defaults)
+    Arm("m4-h50-muon-int4", 4, 50, (*LESS_MOMENTUM, MUON, "compression.name=int4")),
+    Arm("m4-h50-muon-sparseloco", 4, 50, ("outer.optimizer=sparseloco", MUON)),
 ]
 CORE_ARMS = ("ddp", "m4-h20", "m4-h50", "m4-h50-fedavg", "m1-h50")
 

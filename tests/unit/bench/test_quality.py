@@ -15,6 +15,8 @@ def test_muon_arms_train_with_muon_and_are_compared_with_ddp_under_adamw_and_und
     by_name = {arm.name: arm for arm in ARMS}
     assert "inner.optimizer=muon" in by_name["m4-h50-muon"].extra and by_name[DDP_MUON].sync_every == 0
     assert "inner.optimizer=muon" not in by_name["m4-h50-lr1.0-m0.8"].extra
+    assert {"inner.optimizer=muon", "outer.optimizer=sparseloco"} <= set(by_name["m4-h50-muon-sparseloco"].extra)
+    assert "compression.name=int4" in by_name["m4-h50-muon-int4"].extra
     results = _collect([_run("ddp", 2.0, 1000), _run(DDP_MUON, 1.9, 1000), _run("m4-h50-muon", 1.95, 20)])
     row = results["arms"]["m4-h50-muon"]
     assert row["ratio_to_ddp"] == pytest.approx(0.975) and row["ratio_to_ddp_muon"] == pytest.approx(1.95 / 1.9)
