@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -41,11 +42,14 @@ def build_backend(
     codec: Codec | None = None,
     fragments: Sequence[Sequence[int]] | None = None,
     slots: int = 0,
+    state_dir: Path | None = None,
 ) -> CommBackend:
     """Build the transport named by ``cfg.backend`` for tensors shaped like ``templates``, sending
     them compressed by ``codec`` (default: fp32 as it is). ``fragments`` (lists of indices into
     ``templates``) are the groups of tensors averaged separately (default: all of them at once).
-    ``slots``: the run's data shards, the most workers it can hold (default ``num_workers``)."""
+    ``slots``: the run's data shards, the most workers it can hold (default ``num_workers``).
+    ``state_dir``: where a transport keeps what must outlive the process (hivemind: its standings
+    of the other peers, ``comm.exclude_after``)."""
     codec = codec or NoCompression()
     if cfg.backend == "torchdist":
         from diloco.comm.torchdist import TorchDistBackend
@@ -68,5 +72,6 @@ def build_backend(
             fragments=fragments,
             worker_index=worker_index,
             slots=slots,
+            state_dir=state_dir,
         )
     raise ValueError(f"comm.backend={cfg.backend!r} is not one of {', '.join(BACKENDS)}")

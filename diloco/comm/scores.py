@@ -11,14 +11,17 @@ every round in which its contribution is kept.
 
 The tally is made by whoever reduces: the simulator's group and every torch.distributed rank for
 the whole vector, the same decision for every worker; over hivemind every peer from what it saw of
-the round (``hivemind/exclusion.py``).
+the round (``hivemind/exclusion.py``). An exclusion lasts as long as the tally: the run's process
+for the simulator and torch.distributed; over hivemind the excluding worker's run (its standings
+are saved beside its checkpoints and read back on a restart). A round of a fragment (streaming
+overlap) counts as a round.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,18 @@ class Scores:
     def __init__(self, exclude_after: int):
         self.exclude_after = exclude_after  # 0 = never exclude
         self.standings: dict[Hashable, Standing] = {}
+
+    def to_json(self) -> dict:
+        """The standings as plain data (keys as strings), for a file that outlives the process."""
+        return {str(who): asdict(standing) for who, standing in self.standings.items()}
+
+    def load_json(self, data: dict) -> None:
+        """The standings ``to_json`` wrote; an entry that does not read is skipped."""
+        for who, fields in data.items():
+            try:
+                self.standings[who] = Standing(**fields)
+            except TypeError:
+                continue
 
     def excluded(self) -> dict[Hashable, str]:
         """The excluded workers and why."""

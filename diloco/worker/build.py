@@ -26,7 +26,13 @@ from diloco.core.overlap import OverlappedOuter, fragments_for
 from diloco.core.rounds import RoundClock
 from diloco.data.corpus import ShardSampler, load_corpus, val_batches
 from diloco.models.gpt import build_model
-from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, load_latest_checkpoint, restore_rng_state
+from diloco.worker.checkpoint import (
+    CheckpointWriter,
+    capture_rng_state,
+    checkpoint_folder,
+    load_latest_checkpoint,
+    restore_rng_state,
+)
 from diloco.worker.faults import with_bad_payloads, with_faults
 from diloco.worker.joining import catch_up_with_run, published_run
 from diloco.worker.memory import check_model_fits
@@ -247,6 +253,7 @@ def _transport_opener(cfg: Config, trained: _Trained, device: torch.device) -> C
             device=device,
             codec=with_bad_payloads(codec, cfg.faults, cfg.worker.index),
             fragments=fragments_for(cfg.outer, outer.global_params),
+            state_dir=checkpoint_folder(cfg.run_dir / "checkpoints", cfg.worker.index),
         )
         return with_faults(transport, cfg.faults, cfg.worker.index)
 

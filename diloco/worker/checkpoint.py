@@ -54,13 +54,14 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint file is truncated, bit-flipped or not ours."""
 
 
-def _worker_dir(directory: Path, worker_index: int) -> Path:
+def checkpoint_folder(directory: Path, worker_index: int) -> Path:
+    """The folder of worker ``worker_index``'s checkpoints (and of what else it keeps across a restart)."""
     return Path(directory) / f"worker-{worker_index}"
 
 
 def list_checkpoints(directory: Path, worker_index: int) -> list[tuple[int, Path]]:
     """(round, path) of this worker's checkpoint files, oldest first; temp files are not listed."""
-    folder = _worker_dir(directory, worker_index)
+    folder = checkpoint_folder(directory, worker_index)
     if not folder.is_dir():
         return []
     found = []
@@ -116,7 +117,7 @@ def save_checkpoint(
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     if round_index < 0:
         raise ValueError(f"round_index must be >= 0, got {round_index}")
-    folder = _worker_dir(directory, worker_index)
+    folder = checkpoint_folder(directory, worker_index)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"round-{round_index:06d}.pt"
 
@@ -156,7 +157,7 @@ class CheckpointWriter:
         self.directory, self.worker_index, self.keep = Path(directory), worker_index, keep
         self._on_write = on_write  # save_checkpoint's
         # a process killed while writing leaves its temp file: the worker's next life removes it
-        for stale in _worker_dir(self.directory, worker_index).glob(".round-*.tmp"):
+        for stale in checkpoint_folder(self.directory, worker_index).glob(".round-*.tmp"):
             stale.unlink(missing_ok=True)
             logger.info("removed %s, a checkpoint an earlier process did not finish writing", stale)
         self._thread: threading.Thread | None = None

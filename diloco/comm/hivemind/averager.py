@@ -41,6 +41,7 @@ import multiprocessing as mp
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -497,12 +498,14 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         codec: Codec,
         run_key: str = "",
         rules: ScreeningRules = NO_SCREENING,
+        standings: Path | None = None,
         start: bool,
         **kwargs,
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
         self.rules = rules
-        self.exclusions = Exclusions(rules.exclude_after)  # comm.exclude_after, across this peer's rounds
+        # comm.exclude_after, across this peer's rounds (saved to ``standings``, read back on a restart)
+        self.exclusions = Exclusions(rules.exclude_after, standings)
         self._shared_state: tuple[dict, StateReader] | None = None
         super().__init__(
             averaged_tensors,

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -54,9 +55,17 @@ def start_plane(cfg: HivemindConfig, peer: Peer, *, deadline_s: float) -> DataPl
 
 
 def start_averager(
-    cfg: CommConfig, peer: Peer, views: Sequence[torch.Tensor], *, codec: Codec, fragment: int, num_workers: int
+    cfg: CommConfig,
+    peer: Peer,
+    views: Sequence[torch.Tensor],
+    *,
+    codec: Codec,
+    fragment: int,
+    num_workers: int,
+    state_dir: Path | None = None,
 ):
-    """hivemind's averager of one fragment, averaging ``views`` in place (it also serves states)."""
+    """hivemind's averager of one fragment, averaging ``views`` in place (it also serves states);
+    it keeps its standings of the other peers in ``state_dir`` (the worker's checkpoints)."""
     from diloco.comm.hivemind.averager import ExactAverager
 
     return ExactAverager(
@@ -66,6 +75,7 @@ def start_averager(
         run_key=resolve_run_key(cfg.run_key),
         client_mode=peer.client_mode,
         rules=ScreeningRules.of(cfg),
+        standings=None if state_dir is None else state_dir / f"standings{f'-f{fragment}' if fragment else ''}.json",
         start=True,
         prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
         target_group_size=num_workers,

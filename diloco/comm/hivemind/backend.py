@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -55,6 +56,7 @@ class HivemindBackend(CommBackend):
         fragments: Sequence[Sequence[int]] | None = None,
         worker_index: int = 0,
         slots: int = 0,
+        state_dir: Path | None = None,
     ):
         self.peer = peer = Peer(cfg.hivemind, run_key=cfg.run_key)
         plane = start_plane(cfg.hivemind, peer, deadline_s=cfg.deadline_s)
@@ -76,7 +78,15 @@ class HivemindBackend(CommBackend):
                 flat, views = flat_views([templates[i] for i in indices])
                 flats.append(flat)
                 averagers.append(
-                    start_averager(cfg, peer, views, codec=codec, fragment=fragment, num_workers=num_workers)
+                    start_averager(
+                        cfg,
+                        peer,
+                        views,
+                        codec=codec,
+                        fragment=fragment,
+                        num_workers=num_workers,
+                        state_dir=state_dir,
+                    )
                 )
             roster.start()
             membership = HivemindMembership(roster, peer, num_workers=num_workers)

@@ -11,16 +11,21 @@ on the same params: each part is reduced in one place, and a reducer that exclud
 its parts out of the sums (``reducer.ScreeningReducer``) and sends it the others' average, as to
 anyone. The norm screening itself is the same on every peer: exclusion comes after it. A peer
 that reduces nothing (a client) sees only the norm verdicts; a codec that gathers (top-k) is not
-excluded from (its mean is taken by every recipient alike, from the same contributions).
+excluded from (its mean is taken by every recipient alike, from the same contributions). The
+standings are saved after every round beside the worker's checkpoints, so a worker that restarts
+keeps its tally (the peers it excluded keep their ids unless they restart too).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing as mp
+import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from diloco.comm.hivemind.reducer import ScreeningReducer
 from diloco.comm.robust import Screening
@@ -32,8 +37,14 @@ logger = logging.getLogger(__name__)
 class Exclusions:
     """The standings (``comm/scores.py``) of the peers this one averaged with, keyed ``peer <id>``."""
 
-    def __init__(self, exclude_after: int):
+    def __init__(self, exclude_after: int, path: Path | None = None):
         self.scores = Scores(exclude_after)
+        self.path = path  # where the standings outlive the process: a restarted worker reads them back
+        if path is not None and path.is_file():
+            try:
+                self.scores.load_json(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                logger.warning("could not read the standings in %s: starting a new tally", path)
         self._newly = mp.SimpleQueue()  # from the averager's process to the worker's
         self._known: set[str] = set()  # in the worker's process: the excluded peers it was told of
         self._draining = threading.Lock()  # fragments' rounds end on threads of their own
@@ -65,10 +76,26 @@ class Exclusions:
         named = {f"peer {peer}": reason for peer, reason in left_out.items()}
         for who in self.scores.record_round(taken, named):
             self._newly.put(who.removeprefix("peer "))
+        self._save()
+
+    def _save(self) -> None:
+        """The standings to ``path`` (a temp file, then a rename: never half written)."""
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.scores.to_json()))
+            os.replace(tmp, self.path)
+        except OSError:
+            logger.warning("could not save the standings to %s", self.path, exc_info=True)
 
     def excluded_peers(self) -> set[str]:
-        """In the worker's process: the ids of every peer excluded so far."""
+        """In the worker's process: the ids of every peer excluded so far (those read back from
+        ``path`` included)."""
         with self._draining:
+            if not self._known:
+                self._known = {who.removeprefix("peer ") for who in self.scores.excluded()}
             while not self._newly.empty():
                 self._known.add(self._newly.get())
             return set(self._known)

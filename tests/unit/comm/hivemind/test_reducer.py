@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -190,3 +191,20 @@ def test_norm_drops_and_unusable_payloads_count_as_left_out_even_without_a_reduc
     dropped = Screening(dropped={peers[1]: "far above the median"})
     exclusions.record(peers, dropped, set(), _runner(None, {peers[2]: "not finite"}), own=peers[0])
     assert exclusions.of(peers, own=peers[0]) == {"peer1", "peer2"}
+
+
+def test_the_standings_outlive_the_process_and_a_restarted_worker_keeps_excluding(tmp_path, caplog):
+    peers = [_Peer(f"peer{i}") for i in range(4)]
+    path = tmp_path / "worker-0" / "standings.json"
+    exclusions = Exclusions(exclude_after=2, path=path)
+    for _ in range(2):
+        exclusions.record(
+            peers, Screening(dropped={peers[3]: "far above the median"}), set(), _runner(None), own=peers[0]
+        )
+    restarted = Exclusions(exclude_after=2, path=path)  # the worker's next process
+    assert restarted.of(peers, own=peers[0]) == {"peer3"} and restarted.excluded_peers() == {"peer3"}
+    assert restarted.scores.standings["peer peer1"].kept == 2
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert Exclusions(exclude_after=2, path=path).of(peers, own=peers[0]) == set()  # a new tally
+    assert "could not read the standings" in caplog.text
