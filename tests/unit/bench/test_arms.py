@@ -38,37 +38,31 @@ def test_a_run_made_with_an_arms_overrides_by_hand_is_reused_as_that_arm(tmp_pat
     assert named["reused"] and named["final_val_loss"] == by_hand["final_val_loss"]
 
 
+def _run_arms(out, arm: Arm, *, jobs: int, overrides: list[str]):
+    """One arm, seed 0, 4 steps on the CPU."""
+    return run_arms(
+        "t",
+        [arm],
+        data_path="",
+        steps=4,
+        seeds=[0],
+        out=out,
+        jobs=jobs,
+        device="cpu",
+        overrides=overrides,
+        collect=dict,
+    )
+
+
 def test_a_finished_run_of_another_config_is_refused_not_trained_over(tmp_path):
     _run_one(Job(Arm("m1-h2", 1, 2), 0, "", 4, tmp_path, "cpu", 1, SMALL))
     summary = (tmp_path / "m1-h2-seed0" / "summary.json").read_text()
     with pytest.raises(UsageError, match="holds a finished run of another config"):
-        run_arms(
-            "t",
-            [Arm("m1-h2", 1, 2)],
-            data_path="",
-            steps=4,
-            seeds=range(1),
-            out=tmp_path,
-            jobs=1,
-            device="cpu",
-            overrides=[*SMALL, "inner.lr=5e-4"],
-            collect=lambda runs: {},
-        )
+        _run_arms(tmp_path, Arm("m1-h2", 1, 2), jobs=1, overrides=[*SMALL, "inner.lr=5e-4"])
     assert (tmp_path / "m1-h2-seed0" / "summary.json").read_text() == summary
 
 
 def test_hivemind_arms_run_one_at_a_time(tmp_path):
     with pytest.raises(UsageError, match="comm.backend=hivemind runs a process per worker"):
-        run_arms(
-            "t",
-            [Arm("m2-h2", 2, 2)],
-            data_path="",
-            steps=4,
-            seeds=[0],
-            out=tmp_path,
-            jobs=2,
-            device="cpu",
-            overrides=[*SMALL, "comm.backend=hivemind"],
-            collect=dict,
-        )
+        _run_arms(tmp_path, Arm("m2-h2", 2, 2), jobs=2, overrides=[*SMALL, "comm.backend=hivemind"])
     assert not any(tmp_path.iterdir())  # refused before anything ran
