@@ -202,12 +202,13 @@ def run_arms(
     seeds = list(seeds)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     todo = [Job(arm, seed, data_path, steps, out, device, threads, overrides) for seed in seeds for arm in arms]
-    if jobs > 1 and any(job.config().comm.backend == "hivemind" for job in todo):
+    configs = [job.config() for job in todo]
+    if jobs > 1 and any(cfg.comm.backend == "hivemind" for cfg in configs):
         raise UsageError("comm.backend=hivemind runs a process per worker: run one arm at a time (--jobs 1)")
     out.mkdir(parents=True, exist_ok=True)
+    for cfg in configs:
+        _refuse_to_replace_a_finished_run(cfg)
     todo.sort(key=lambda job: (job.arm.name not in first, job.seed))
-    for job in todo:
-        _refuse_to_replace_a_finished_run(job.config())
     print(
         f"{title}: {len(arms)} arms x seeds {', '.join(map(str, seeds))}, {steps} inner steps, "
         f"global batch {GLOBAL_BATCH}, data {data_path or 'embedded corpus'}, device {device}, {jobs} at a time",

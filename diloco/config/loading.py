@@ -8,6 +8,7 @@ so that an older run resumes and joins with its settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from diloco.comm import HivemindConfig
 from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
@@ -110,23 +112,9 @@ def _move_to_new_places(loaded, path: Path) -> None:
         del comm[name]
 
 
-# keys that moved to a section of their own: the old key -> the new one
-MOVED_KEYS = {
-    f"comm.{name}": f"comm.hivemind.{name}"
-    for name in (
-        "initial_peers",
-        "host",
-        "port",
-        "announce_host",
-        "client_mode",
-        "use_relay",
-        "use_auto_relay",
-        "matchmaking_s",
-        "request_timeout_s",
-        "startup_timeout_s",
-        "data_plane",
-    )
-}
+# keys that moved to a section of their own: the old key -> the new one (every hivemind setting
+# was a comm.* key before comm.hivemind)
+MOVED_KEYS = {f"comm.{f.name}": f"comm.hivemind.{f.name}" for f in dataclasses.fields(HivemindConfig)}
 
 
 def _describe(error: OmegaConfBaseException) -> str:

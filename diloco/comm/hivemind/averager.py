@@ -591,8 +591,6 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         excluded = set() if codec.gathers else self.exclusions.of(declared, own=self.peer_id)
         screening = self.exclusions.screened(screening, excluded)
         for peer, reason in screening.dropped.items():
-            if peer in excluded:  # said once, when it was excluded
-                continue
             if peer == self.peer_id:
                 logger.warning("dropped our own contribution: %s", reason)
             else:

@@ -46,7 +46,8 @@ class Exclusions:
             except (OSError, ValueError):
                 logger.warning("could not read the standings in %s: starting a new tally", path)
         self._newly = mp.SimpleQueue()  # from the averager's process to the worker's
-        self._known: set[str] = set()  # in the worker's process: the excluded peers it was told of
+        # in the worker's process: the excluded peers it was told of (those read back from ``path`` first)
+        self._known = {who.removeprefix("peer ") for who in self.scores.excluded()}
         self._draining = threading.Lock()  # fragments' rounds end on threads of their own
 
     def of(self, peers: Sequence, *, own) -> set:
@@ -94,8 +95,6 @@ class Exclusions:
         """In the worker's process: the ids of every peer excluded so far (those read back from
         ``path`` included)."""
         with self._draining:
-            if not self._known:
-                self._known = {who.removeprefix("peer ") for who in self.scores.excluded()}
             while not self._newly.empty():
                 self._known.add(self._newly.get())
             return set(self._known)
