@@ -42,6 +42,33 @@ def _chosen_benchmark(argv: list[str] | None) -> str | None:
     return words[1] if words[:1] == ["bench"] and len(words) > 1 else None
 
 
+def _add_launchers(commands) -> None:
+    """``diloco local`` and ``diloco testbed``: a run's workers (and helpers) on this machine."""
+    local = commands.add_parser("local", help="run a bootstrap peer and M workers on this machine")
+    local.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
+    local.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    local.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    local.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+    local.add_argument("--helpers", type=int, default=0, help="helpers that reduce for the workers (default 0)")
+
+    testbed = commands.add_parser(
+        "testbed", help="like local, each worker in its own network namespace on a shaped link (root)"
+    )
+    testbed.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
+    testbed.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    testbed.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    testbed.add_argument("--rate", type=float, default=0.0, help="each link's rate both ways, Mbit/s (0 = unshaped)")
+    testbed.add_argument("--up", type=float, help="each worker's upload rate, Mbit/s (default --rate)")
+    testbed.add_argument("--down", type=float, help="each worker's download rate, Mbit/s (default --rate)")
+    testbed.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+    testbed.add_argument(
+        "--nat", default="", help="workers behind a home router (NAT, nothing can dial in), e.g. 1,2 (default none)"
+    )
+    testbed.add_argument(
+        "--helpers", type=int, default=0, help="helpers that reduce for the workers, each on a public link (default 0)"
+    )
+
+
 def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco", description="DiLoCo training over slow links.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -64,24 +91,16 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="refresh every few seconds until Ctrl-C")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
 
-    local = commands.add_parser("local", help="run a bootstrap peer and M workers on this machine")
-    local.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
-    local.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    local.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    local.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+    _add_launchers(commands)
 
-    testbed = commands.add_parser(
-        "testbed", help="like local, each worker in its own network namespace on a shaped link (root)"
+    helper = commands.add_parser(
+        "helper", help="reduce parts of every round for a live run's workers (a public peer; contributes nothing)"
     )
-    testbed.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
-    testbed.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    testbed.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    testbed.add_argument("--rate", type=float, default=0.0, help="each link's rate both ways, Mbit/s (0 = unshaped)")
-    testbed.add_argument("--up", type=float, help="each worker's upload rate, Mbit/s (default --rate)")
-    testbed.add_argument("--down", type=float, help="each worker's download rate, Mbit/s (default --rate)")
-    testbed.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
-    testbed.add_argument(
-        "--nat", default="", help="workers behind a home router (NAT, nothing can dial in), e.g. 1,2 (default none)"
+    helper.add_argument("config", nargs="?", help="the run's YAML config (default: taken from a live peer)")
+    helper.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    helper.add_argument("--peers", required=True, help="multiaddr(s) of live peers of the run, comma-separated")
+    helper.add_argument(
+        "--wait", type=float, default=60.0, help="seconds to wait for a live worker of the run (default 60)"
     )
 
     bootstrap = commands.add_parser("bootstrap", help="run a DHT peer that workers can join through")
@@ -214,6 +233,8 @@ def _local_run_config(args):
 
     if args.workers < 1:
         raise UsageError(f"--workers={args.workers} must be at least 1")
+    if args.helpers < 0:
+        raise UsageError(f"--helpers={args.helpers} must be at least 0")
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
@@ -238,9 +259,11 @@ def _cmd_local(args) -> int:
     from diloco.tools.launcher import run_local, run_simulated
 
     cfg, config_path, overrides = _local_run_config(args)
+    if args.helpers and cfg.comm.backend != "hivemind":
+        raise UsageError(f"helpers join hivemind runs: --helpers needs comm.backend=hivemind, not {cfg.comm.backend}")
     if cfg.comm.backend == "simulator":
         return run_simulated(cfg, workers=args.workers)
-    return run_local(cfg, config_path, overrides, workers=args.workers)
+    return run_local(cfg, config_path, overrides, workers=args.workers, helpers=args.helpers)
 
 
 def _cmd_testbed(args) -> int:
@@ -257,11 +280,22 @@ def _cmd_testbed(args) -> int:
         from diloco.bench import numbers
 
         nat = numbers(args.nat, int, "--nat") if args.nat else []
-        testbed = Testbed(args.workers, up_mbit=up, down_mbit=down, nat=nat)
+        if any(not 0 <= i < args.workers for i in nat):
+            raise TestbedError(f"--nat={args.nat}: workers are numbered 0 to {args.workers - 1}")
+        testbed = Testbed(args.workers + args.helpers, up_mbit=up, down_mbit=down, nat=nat)  # helpers: the last
     except TestbedError as error:
         raise UsageError(str(error)) from None
     with testbed:
-        return run_local(cfg, config_path, overrides, workers=args.workers, testbed=testbed)
+        return run_local(cfg, config_path, overrides, workers=args.workers, helpers=args.helpers, testbed=testbed)
+
+
+def _cmd_helper(args) -> int:
+    from diloco.tools.helper import run_helper
+
+    if not args.wait > 0:
+        raise UsageError(f"--wait={args.wait:g}: a helper waits a positive number of seconds for the run's workers")
+    config_path, overrides = _split_config(args.config, args.overrides)
+    return run_helper(config_path, _peer_overrides(overrides, args.peers), wait_s=args.wait)
 
 
 def _cmd_bootstrap(args) -> int:
@@ -319,6 +353,7 @@ COMMANDS = {
     "local": _cmd_local,
     "join": _cmd_join,
     "testbed": _cmd_testbed,
+    "helper": _cmd_helper,
     "bootstrap": _cmd_bootstrap,
     "config": _cmd_config,
     "plot": _cmd_plot,

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
 REFRESH_S = 2.0  # progress refresh period
+HELPER_WAIT_S = 120.0  # how long a helper waits for the workers it starts beside to publish their roster
 
 
 def _worker_command(
@@ -69,6 +70,16 @@ def _worker_command(
         f"comm.hivemind.initial_peers={peer_list}",
         f"worker.threads={threads}",
     ]
+
+
+def _helper_command(config_path: str | None, overrides: list[str], peers: list[str]) -> list[str]:
+    """``diloco helper`` for the run the workers start: it waits for their roster (``HELPER_WAIT_S``)."""
+    verbose = ["--verbose"] if logger.isEnabledFor(logging.DEBUG) else []
+    config_args = [config_path] if config_path else []
+    return [
+        sys.executable, "-m", "diloco.cli", *verbose, "helper", *config_args, *overrides,
+        "--peers", ",".join(peers), "--wait", f"{HELPER_WAIT_S:g}",
+    ]  # fmt: skip
 
 
 def threads_per_worker(workers: int) -> int:
@@ -136,15 +147,23 @@ class _Progress:
 
 
 def run_local(
-    cfg: Config, config_path: str | None, overrides: list[str], *, workers: int, testbed: Testbed | None = None
+    cfg: Config,
+    config_path: str | None,
+    overrides: list[str],
+    *,
+    workers: int,
+    helpers: int = 0,
+    testbed: Testbed | None = None,
 ) -> int:
-    """Run ``workers`` workers to the end, on loopback or each in its namespace of ``testbed``.
-    Returns the exit code: 0 when every worker finished."""
+    """Run ``workers`` workers to the end, on loopback or each in its namespace of ``testbed``,
+    with ``helpers`` helpers beside them (``diloco helper``; in ``testbed``'s namespaces after the
+    workers'), stopped once the workers are done. Returns the exit code: 0 when every worker finished."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = threads_per_worker(workers)
     overrides = [*overrides, *_gpu_share(cfg, workers)]
     children: list[subprocess.Popen] = []
+    helper_children: list[subprocess.Popen] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
     bootstrap, peers = start_bootstrap(
@@ -161,15 +180,14 @@ def run_local(
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
             if testbed:
                 command = testbed.command(i, [*command, f"comm.hivemind.host={testbed.address(i)}"])
-            children.append(
-                subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it stops them in order
-                    preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
-                )
-            )
+            children.append(_start_child(command, log))
+        for i in range(workers, workers + helpers):
+            log = (run_dir / f"helper-{i - workers}.log").open("ab")
+            logs.append(log)
+            command = _helper_command(config_path, overrides, peers)
+            if testbed:
+                command = testbed.command(i, [*command, f"comm.hivemind.host={testbed.address(i)}"])
+            helper_children.append(_start_child(command, log))
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers ...", flush=True)
@@ -177,6 +195,7 @@ def run_local(
         return 130
     finally:
         stop_all(children)
+        stop_all(helper_children)
         for log in logs:
             log.close()
         stop_all([bootstrap])
@@ -187,6 +206,18 @@ def run_local(
     for i in failed:
         print(f"worker {i} failed (exit code {children[i].returncode}); see {run_dir / f'worker-{i}.log'}")
     return 1 if failed else 0
+
+
+def _start_child(command: list[str], log) -> subprocess.Popen:
+    """A worker or helper child writing to ``log``, in its own session (a terminal's Ctrl-C reaches
+    the launcher only, which stops them in order), dying with the launcher."""
+    return subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
+    )
 
 
 def _watch(progress: _Progress, total_steps: int, states, out: TextIO = sys.stdout) -> None:

@@ -92,3 +92,18 @@ def test_a_model_too_big_for_this_machine_is_refused_before_training(command, tm
     assert "the model has 25.4M parameters (0.1 GiB in fp32): " + workers in line, line
     assert "of memory and 1.0 GiB is available; choose a smaller model (model.*)" in line, line
     assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("worker-*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["helper", "--peers", "/ip4/127.0.0.1/tcp/9/p2p/x", "--wait", "0"],
+        ["helper", "--peers", "/ip4/127.0.0.1/tcp/9/p2p/x", "comm.backend=simulator"],
+        ["helper", "--peers", "/ip4/127.0.0.1/tcp/9/p2p/x", "comm.hivemind.client_mode=true"],
+        ["local", "--workers", "2", "--helpers", "-1"],
+        ["local", "--workers", "2", "--helpers", "1", "comm.backend=simulator"],
+    ],
+)
+def test_a_helper_that_cannot_help_is_refused_in_one_line_before_it_starts(argv, capsys):
+    assert main(argv) == 2
+    assert "helper" in _one_error_line(capsys)

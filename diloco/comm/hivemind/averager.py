@@ -578,7 +578,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ):
         group_id = group_info.group_id if group_id is None else group_id
-        declared = self._user_data(group_info)
+        declared, modes = self._user_data(group_info)
         codec = self.codec.agreed(declared.values())  # the round's (compression/adaptive.py)
         self.traffic.used_codec(self.codec.candidates.index(codec))
         if gloo_plane.carries(codec, list(declared.values())):
@@ -603,6 +603,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            modes=modes,
             traffic=self.traffic,
             codec=codec,
             screening=screening,
@@ -626,17 +627,22 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             )
             _log_left_out(runner)
 
-    def _user_data(self, group_info: GroupInfo) -> dict[PeerID, dict]:
-        """What each peer gathered at matchmaking (as hivemind's own ``_aggregate_with_group``
-        decodes it: [bandwidth, mode, user data]); an empty dict where unreadable (its norm: nan)."""
-        found = {}
+    def _user_data(self, group_info: GroupInfo) -> tuple[dict[PeerID, dict], tuple[AveragingMode, ...]]:
+        """What each peer that contributes gathered at matchmaking (as hivemind's own
+        ``_aggregate_with_group`` decodes it: [bandwidth, mode, user data]; an empty dict where
+        unreadable: its norm is nan), helpers left out; and every peer's mode. hivemind 1.1.12 does
+        not hand the modes to its runner, which then takes a helper (an auxiliary peer) for a sender."""
+        found, modes = {}, []
         for peer, declared in zip(group_info.peer_ids, group_info.gathered):
+            _, mode, user_data = self.serializer.loads(declared)  # hivemind itself read it so far
+            modes.append(AveragingMode(mode))
+            if modes[-1] == AveragingMode.AUX:
+                continue
             try:
-                _, _, user_data = self.serializer.loads(declared)
                 found[peer] = self.serializer.loads(user_data)
             except Exception:  # whatever a peer put there, it is not usable
                 found[peer] = {}
-        return found
+        return found, tuple(modes)
 
 
 def _serialize(state: dict) -> io.BytesIO:

@@ -63,9 +63,11 @@ def start_averager(
     fragment: int,
     num_workers: int,
     state_dir: Path | None = None,
+    auxiliary: bool = False,
 ):
     """hivemind's averager of one fragment, averaging ``views`` in place (it also serves states);
-    it keeps its standings of the other peers in ``state_dir`` (the worker's checkpoints)."""
+    it keeps its standings of the other peers in ``state_dir`` (the worker's checkpoints).
+    ``auxiliary``: a helper's (``helper.py``), which reduces parts and contributes nothing."""
     from diloco.comm.hivemind.averager import ExactAverager
 
     return ExactAverager(
@@ -78,6 +80,7 @@ def start_averager(
         standings=None if state_dir is None else state_dir / f"standings{f'-f{fragment}' if fragment else ''}.json",
         start=True,
         prefix=f"{cfg.run_id}_avg" + (f"_f{fragment}" if fragment else ""),
+        auxiliary=auxiliary,
         target_group_size=num_workers,
         min_group_size=2,
         # a reducer's share of the vector is in proportion to the bandwidth it declares: a slow
@@ -97,7 +100,8 @@ class HivemindAveraging(Averaging):
     and ``flats`` (each one's tensors as one flat buffer, which the data plane reduces whole).
     ``group_size()``: the group size a round waits for (``membership.py``); ``published()``:
     whether this worker offers its state after rounds (then a peer's offer tells
-    whether a broken group failed for the others too)."""
+    whether a broken group failed for the others too); ``helpers()``: the run's live helpers
+    (``helpers.py``), who join each round's group to reduce."""
 
     averages_in_background = True  # the averager process does the work
 
@@ -115,12 +119,13 @@ class HivemindAveraging(Averaging):
         num_workers: int,
         group_size: Callable[[], int],
         published: Callable[[], bool],
+        helpers: Callable[[], int] = lambda: 0,
     ):
         self.cfg, self.codec, self.num_workers = cfg, codec, num_workers
         self._peer, self._roster, self._offers = peer, roster, offers
         self.averagers, self._flats, self.plane = list(averagers), list(flats), plane
         self._busy = [threading.Lock() for _ in self.averagers]  # held while a fragment's average runs
-        self._group_size, self._published = group_size, published
+        self._group_size, self._published, self._helpers = group_size, published, helpers
         self.codecs = CodecChoice(codec)
         self.group_round = GroupRound(
             cfg,
@@ -190,11 +195,13 @@ class HivemindAveraging(Averaging):
             and self._peer.client_mode
             and not self._said_unreachable_run
             and self._serving_others() == 0
+            and not self._helpers()
         ):
             self._said_unreachable_run = True  # clients cannot average among themselves
             logger.warning(
                 "no worker of the run that can be dialled is live: clients alone cannot average; "
-                "forward a port and set comm.hivemind.announce_host, or start one worker on a public address"
+                "forward a port and set comm.hivemind.announce_host, or start one worker on a public address, "
+                "or a helper (diloco helper) there"
             )
         return result
 
@@ -206,13 +213,13 @@ class HivemindAveraging(Averaging):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
-        expected = self._group_size()
+        expected, helpers = self._group_size(), self._helpers()
         deadline = time.monotonic() + deadline_s
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind
         limit = time.monotonic() + round_limit_s(deadline_s)
         result = self.group_round.run(
-            averager, flat, tensors, weight, Attempt(round_index, 0, expected, deadline_s, limit)
+            averager, flat, tensors, weight, Attempt(round_index, 0, expected, deadline_s, limit, helpers)
         )
         if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
             return self._average_alone(tensors, weight, round_index=round_index)
@@ -233,7 +240,7 @@ class HivemindAveraging(Averaging):
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
             retry_s = min(remaining, 2 * self.cfg.hivemind.matchmaking_s)
             retry = self.group_round.run(
-                averager, flat, tensors, weight, Attempt(round_index, 1, expected, retry_s, limit)
+                averager, flat, tensors, weight, Attempt(round_index, 1, expected, retry_s, limit, helpers)
             )
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv

@@ -20,6 +20,7 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
+from diloco.comm.hivemind.helpers import live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.redial import Redial
@@ -58,6 +59,7 @@ class HivemindBackend(CommBackend):
         slots: int = 0,
         state_dir: Path | None = None,
     ):
+        fragments = [list(indices) for indices in fragments or [range(len(templates))]]
         self.peer = peer = Peer(cfg.hivemind, run_key=cfg.run_key)
         plane = start_plane(cfg.hivemind, peer, deadline_s=cfg.deadline_s)
         self._roster = roster = Roster(
@@ -69,12 +71,13 @@ class HivemindBackend(CommBackend):
             serves_state=not peer.client_mode,
             addresses=[] if peer.client_mode else peer.visible_addresses,
             peer_id=str(peer.peer_id),
+            layout=[[tuple(templates[i].shape) for i in indices] for indices in fragments],
             chores=[] if peer.client_mode else [peer.answer_dialbacks],
         )
         roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers))
         averagers, flats = [], []
         try:  # should a part not start, what started is stopped again
-            for fragment, indices in enumerate(fragments or [range(len(templates))]):
+            for fragment, indices in enumerate(fragments):
                 flat, views = flat_views([templates[i] for i in indices])
                 flats.append(flat)
                 averagers.append(
@@ -112,6 +115,7 @@ class HivemindBackend(CommBackend):
                 num_workers=num_workers,
                 group_size=membership.expected_peers,
                 published=lambda: states.published is not None,
+                helpers=lambda: live_helpers(peer.call, cfg.run_id),
             )
         except BaseException:
             _shut_down(roster, plane, averagers, peer)

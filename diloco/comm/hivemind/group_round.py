@@ -32,6 +32,14 @@ _ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any 
 _POLL_S = 1.0  # how often a worker waiting for a group checks whether the others went ahead
 
 
+HELPER = "helper"  # what a helper declares: it reduces parts of the vector and contributes nothing (helper.py)
+
+
+def contributors(gathered: dict) -> dict:
+    """What the peers of a group that contribute declared: all but the helpers."""
+    return {peer: data for peer, data in gathered.items() if not (isinstance(data, dict) and data.get(HELPER))}
+
+
 def round_group_bits(round_index: int, attempt: int = 0) -> str:
     """The hivemind group bits that key a round's matchmaking on the DHT (a retry gets its own key)."""
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
@@ -57,14 +65,20 @@ def _declared_model(declared) -> str:
 @dataclasses.dataclass
 class Attempt:
     """One try at round ``round_index`` (``attempt`` 1: the retry among survivors), in a group the
-    roster expects to be ``expected`` workers, given ``timeout_s`` by hivemind and stopped at
-    ``limit`` (monotonic time) whatever hivemind does."""
+    roster expects to be ``expected`` workers and ``helpers`` helpers, given ``timeout_s`` by
+    hivemind and stopped at ``limit`` (monotonic time) whatever hivemind does."""
 
     round_index: int
     attempt: int
     expected: int
     timeout_s: float
     limit: float
+    helpers: int = 0
+
+    @property
+    def group_size(self) -> int:
+        """The group hivemind starts the all-reduce with as soon as it is complete."""
+        return max(2, self.expected + self.helpers)
 
 
 class GroupRound:
@@ -114,6 +128,7 @@ class GroupRound:
             gathered, failure = None, f"{type(error).__name__}: {error}"
         else:
             failure = "" if gathered is not None else "no group found before the deadline"
+            gathered = contributors(gathered or {})
         finally:
             self._stage(None)
         sent, recv, failed, drops = averager.traffic.read()
@@ -155,7 +170,7 @@ class GroupRound:
         no group formed."""
         averager.set_group(
             round_group_bits(at.round_index, at.attempt),
-            target_group_size=max(2, at.expected),
+            target_group_size=at.group_size,
             timeout_s=self._control_s,
         )
         with averager.tensors_within(self._control_s) as buffers:

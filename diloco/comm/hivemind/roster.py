@@ -42,6 +42,7 @@ class RosterEntry:
     run: dict = field(default_factory=dict)  # the settings every worker must share (joining.run_identity)
     addresses: tuple[str, ...] = ()  # where its peer is dialled (none for a client): redial.py
     peer: str = ""  # its peer's id, clients' too ("" from a worker that did not say)
+    layout: tuple = ()  # the shapes it averages, one list per fragment: what a helper reduces (helper.py)
 
 
 class PartialRead(RuntimeError):
@@ -65,6 +66,7 @@ class Roster:
         serves_state: bool = True,
         addresses: Sequence[str] = (),
         peer_id: str = "",
+        layout: Sequence[Sequence[Sequence[int]]] = (),
         chores=(),
         clock=None,
     ):
@@ -79,6 +81,7 @@ class Roster:
         self.run: dict = {}  # the settings every worker of the run must share, once announced
         self.addresses = list(addresses)  # where our peer is dialled, announced for redial.py (none for a client)
         self.peer_id = peer_id  # our peer's id, announced so that others can name the worker of a peer id
+        self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
         self._live: set[int] = set()  # the live workers at the last read
@@ -88,6 +91,7 @@ class Roster:
         self._clock = clock or time.monotonic
         self._last_seen: dict[int, float] = {}  # when each other worker's record was last read, by our clock
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set: publish now, not at the next heartbeat
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -119,23 +123,34 @@ class Roster:
 
     def stage(self, stage: str | None) -> None:
         """Where a round in progress stands (matchmaking, averaging), or None when none is: it names
-        the worker's phase while the worker is in a round."""
+        the worker's phase while the worker is in a round. A round that starts looking for its
+        group is told at once (helpers join the group when they read it: ``helper.py``)."""
+        if stage == "matchmaking" and self._stage != stage:
+            self._wake.set()
         self._stage = stage
 
     def leave(self) -> None:
         """Tell the others at once that this worker is gone, so that no round waits for it."""
         self._leaving = True
         self._stop.set()
+        self._wake.set()
         self._publish()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=HEARTBEAT_S * 2)
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while True:
+            woken = self._wake.wait(HEARTBEAT_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self._publish()
+            if woken:  # an extra record, between heartbeats: the chores keep their pace
+                continue
             for chore in self.chores:
                 try:
                     chore()
@@ -163,6 +178,7 @@ class Roster:
             "run": self.run,
             "addrs": self.addresses,
             "peer": self.peer_id,
+            "layout": self.layout,
         }
         expiration = now + self.ttl_s
         try:
@@ -205,6 +221,7 @@ class Roster:
                         value.get("run") if isinstance(value.get("run"), dict) else {},
                         tuple(str(a) for a in value.get("addrs", ()) if isinstance(a, str)),
                         str(value.get("peer", "")),
+                        _layout(value.get("layout")),
                     )
         return entries
 
@@ -270,6 +287,14 @@ class Roster:
         self._addresses.update((i, entries[i].addresses) for i in live if i in entries and entries[i].addresses)
         self._peers.update((i, entries[i].peer) for i in live if i in entries and entries[i].peer)
         return live, leaving
+
+
+def _layout(value) -> tuple:
+    """A record's ``layout`` as tuples of shapes; ``()`` for anything else (a worker of another version)."""
+    try:
+        return tuple(tuple(tuple(int(n) for n in shape) for shape in fragment) for fragment in value)
+    except (TypeError, ValueError):
+        return ()
 
 
 def peer_of(addresses) -> str:

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 from hivemind.dht.validation import DHTRecord
 
+from diloco.comm.hivemind.helpers import HelperRecord, live_helpers
 from diloco.comm.hivemind.peer import bounded_dht_call
-from diloco.comm.hivemind.roster import PartialRead, Roster, free_slot
+from diloco.comm.hivemind.roster import HEARTBEAT_S, PartialRead, Roster, free_slot
 from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
 
 
@@ -192,3 +193,46 @@ def test_a_roster_reports_the_digest_of_the_params_after_the_last_round():
     assert me.model == ""  # before the first round: nothing to compare
     me.progress(1, 20, {"val_loss": 3.0, "params": "abc123"})
     assert me.model == "abc123"
+
+
+def test_a_worker_announces_the_shapes_it_averages_and_a_bad_layout_reads_as_none():
+    dht = _FakeDHT()
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
+    Roster(call, run_id="r", worker_index=0, planned=1, layout=[[(4, 2), (3,)]])._publish()
+    assert _roster(dht, 1, 1).entries()[0].layout == (((4, 2), (3,)),)
+    dht.records[0]["layout"] = [["not", "a shape"]]
+    assert _roster(dht, 1, 1).entries()[0].layout == ()
+
+
+def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
+    announced = threading.Event()
+
+    class _Watched(_FakeDHT):
+        def store(self, key, *, subkey, value, expiration_time, return_future):
+            if value["phase"] == "matchmaking":
+                announced.set()
+            return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+
+    roster = _roster(_Watched(), 0, 2)
+    roster.phase("averaging", time.time())
+    roster.start()
+    try:
+        started = time.monotonic()
+        roster.stage("matchmaking")
+        assert announced.wait(HEARTBEAT_S), "not announced before the next heartbeat"
+        assert time.monotonic() - started < HEARTBEAT_S
+    finally:
+        roster.stop()
+
+
+def test_live_helpers_count_the_fresh_records_that_are_not_leaving():
+    dht = _FakeDHT()
+    call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
+    assert live_helpers(call, "r") == 0
+    first = HelperRecord(call, run_id="r", peer_id="p1", addresses=["/ip4/1.2.3.4/tcp/1"])
+    first._publish()
+    HelperRecord(call, run_id="r", peer_id="p2", addresses=[])._publish()
+    assert live_helpers(call, "r") == 2
+    first.leave()
+    assert live_helpers(call, "r") == 1
+    assert live_helpers(bounded_dht_call(_SilentDHT(), threading.Lock(), timeout_s=0.1), "r") == 0

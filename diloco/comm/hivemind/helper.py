@@ -1,0 +1,172 @@
+"""A helper: a public peer that reduces parts of every round's vector for a run's workers and
+contributes nothing of its own (hivemind's auxiliary mode).
+
+Workers behind NAT are clients: they can send their contribution and take the mean, never reduce a
+part for others, so a run whose workers are all clients cannot average by itself. A helper on a
+public address fills that place: it follows the run's roster, and as soon as a worker looks for
+the group of round ``r`` it looks for it too, under the same key (``group_round.round_group_bits``);
+it declares itself a helper, so that every worker leaves it out of the round's contributors
+(``group_round.contributors``), and hivemind gives it the parts it reduces in proportion to the
+bandwidth it declares (``comm.bandwidth_mbps``). It keeps a record fresh under the run's helpers
+key (``helpers.py``), from which workers size the group a round waits for. It holds no training
+state and serves none: the tensors it is built on only give the shapes of what the workers send
+(which its join request must present, as theirs do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diloco.comm.base import CommConfig, CommError
+from diloco.comm.bounds import round_limit_s
+from diloco.comm.hivemind.averaging import start_averager
+from diloco.comm.hivemind.group_round import HELPER, contributors, round_group_bits
+from diloco.comm.hivemind.helpers import HelperRecord, live_helpers
+from diloco.comm.hivemind.peer import Peer
+from diloco.comm.hivemind.roster import TTL_S, Roster
+from diloco.compression import Codec
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often the helper reads the roster for a worker looking for a group
+
+
+@dataclasses.dataclass
+class Reduced:
+    """What the helper did in one round: the workers whose parts it reduced (none: no group, or
+    the group broke), the bytes it received and sent, its time, and why it failed."""
+
+    round_index: int
+    workers: int
+    bytes_recv: int
+    bytes_sent: int
+    seconds: float
+    error: str = ""
+
+    def line(self) -> str:
+        mb = f"{self.bytes_recv / 1e6:.2f} MB in, {self.bytes_sent / 1e6:.2f} MB out, {self.seconds:.1f} s"
+        if self.error:
+            return f"round {self.round_index + 1}: not reduced ({self.error}; {mb})"
+        return f"round {self.round_index + 1}: reduced parts for {self.workers} workers ({mb})"
+
+
+class Helper:
+    """The helper peer of run ``cfg.run_id`` for vectors of the tensors shaped ``shapes`` (one
+    fragment: what every worker averages), sent compressed by ``codec``; ``planned``: the run's
+    ``worker.count``. Raises ``CommError`` when it cannot be dialled (a helper behind NAT helps nobody)."""
+
+    def __init__(self, cfg: CommConfig, *, shapes: Sequence[Sequence[int]], codec: Codec, planned: int):
+        self.cfg = cfg
+        self.peer = Peer(cfg.hivemind, run_key=cfg.run_key)
+        self.averager = self.record = None
+        try:
+            if self.peer.client_mode:
+                raise CommError(
+                    "this helper cannot be dialled by the run's peers: forward a port and set "
+                    "comm.hivemind.announce_host, or run it on a public address"
+                )
+            tensors = [torch.zeros(tuple(shape), dtype=torch.float32) for shape in shapes]
+            self.averager = start_averager(
+                cfg, self.peer, tensors, codec=codec, fragment=0, num_workers=planned, auxiliary=True
+            )
+            self.roster = Roster(self.peer.call, run_id=cfg.run_id, worker_index=-1, planned=planned)
+            self.record = HelperRecord(
+                self.peer.call, run_id=cfg.run_id, peer_id=str(self.peer.peer_id), addresses=self.addresses
+            )
+            self.record.start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.peer.visible_addresses
+
+    def serve(self, report: Callable[[Reduced], None], *, stop: threading.Event | None = None) -> str:
+        """Reduce in every round the workers start, calling ``report`` after each, until ``stop`` is
+        set or the run's workers have all been gone for ``TTL_S``; returns why it stopped."""
+        stop = stop or threading.Event()
+        done, live_at = -1, time.monotonic()
+        while not stop.wait(_POLL_S):
+            try:
+                entries = {i: e for i, e in self.roster.entries().items() if not e.leaving}
+            except Exception:  # the DHT did not answer this time: the next read may
+                logger.debug("roster read failed", exc_info=True)
+                continue
+            if not entries:
+                if time.monotonic() - live_at > TTL_S:
+                    return "no worker of the run is live any more"
+                continue
+            live_at = time.monotonic()
+            looking = [entry.round for entry in entries.values() if entry.phase == "matchmaking"]
+            if looking and min(looking) > done:
+                done = min(looking)
+                report(self._reduce(done))
+        return "stopped"
+
+    def _reduce(self, round_index: int) -> Reduced:
+        """Join round ``round_index``'s group; if it broke inside the all-reduce, the workers' retry too."""
+        group_size = max(2, self._expected() + live_helpers(self.peer.call, self.cfg.run_id))
+        result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s)
+        if result.error and result.bytes_recv:  # the group formed and broke: the survivors try once more
+            retry = self._attempt(round_index, 1, group_size, 2 * self.cfg.hivemind.matchmaking_s)
+            retry.bytes_recv += result.bytes_recv
+            retry.bytes_sent += result.bytes_sent
+            retry.seconds += result.seconds
+            result = retry
+        return result
+
+    def _expected(self) -> int:
+        try:
+            return self.roster.expected()
+        except Exception:  # the DHT did not answer: the plan
+            logger.debug("roster read failed", exc_info=True)
+            return self.roster.planned
+
+    def _attempt(self, round_index: int, attempt: int, group_size: int, timeout_s: float) -> Reduced:
+        averager = self.averager
+        started, (sent_before, recv_before, _, _) = time.monotonic(), averager.traffic.read()
+        error, workers = "", 0
+        try:
+            averager.set_group(
+                round_group_bits(round_index, attempt), target_group_size=group_size, timeout_s=self.peer.control_s
+            )
+            control = averager.step(gather={HELPER: True}, timeout=timeout_s, wait=False)
+            try:
+                gathered = control.result(timeout=round_limit_s(timeout_s))
+            except TimeoutError:
+                control.cancel()
+                raise TimeoutError(f"no result from the averager after {round_limit_s(timeout_s):.0f} s") from None
+            if gathered is None:
+                error = "no group found before the deadline"
+            else:
+                workers = len(contributors(gathered))
+                self._replies_sent()
+        except Exception as failure:  # hivemind raises a zoo of errors; a failed round is a result
+            error = f"{type(failure).__name__}: {failure}".strip()
+        sent, recv, _, _ = averager.traffic.read()
+        return Reduced(round_index, workers, recv - recv_before, sent - sent_before, time.monotonic() - started, error)
+
+    def _replies_sent(self) -> None:
+        """The round is over once the reducers finished; wait (a moment at most) for the averaged
+        parts to go out to the workers, so that the round's bytes count them."""
+        deadline = time.monotonic() + self.peer.control_s
+        while self.averager.traffic.serving() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
+
+    def shutdown(self) -> None:
+        """Say it is gone (no round waits for it), then stop its averager and its peer."""
+        if self.record is not None:
+            self.record.leave()
+        for part in (self.averager, self.peer):
+            try:
+                if part is not None:
+                    part.shutdown()
+            except Exception:  # shutting down a half-dead daemon must not hide the real error
+                logger.debug("error while shutting down %s", part, exc_info=True)

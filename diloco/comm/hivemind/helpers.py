@@ -1,0 +1,79 @@
+"""The run's helpers on the DHT: public peers that reduce parts of each round's vector and
+contribute nothing (``diloco helper``, ``helper.py``).
+
+Each helper keeps a record fresh under ``<run_id>.helpers`` (subkey: its peer id), as workers do
+in the roster (``roster.py``): it lives ``ttl_s`` seconds unless refreshed, and a helper that
+stops cleanly says so at once. Workers count the live helpers into the group a round waits for,
+and a run whose workers are all clients averages through them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from diloco.comm.hivemind.roster import HEARTBEAT_S, TTL_S
+
+logger = logging.getLogger(__name__)
+
+
+def helpers_key(run_id: str) -> str:
+    return f"{run_id}.helpers"
+
+
+class HelperRecord:
+    """A helper's heartbeat: its peer id and addresses under the run's helpers key, refreshed every
+    ``HEARTBEAT_S`` from a thread of its own. ``dht_call(fn)`` as in ``roster.Roster``."""
+
+    def __init__(self, dht_call, *, run_id: str, peer_id: str, addresses: Sequence[str], ttl_s: float = TTL_S):
+        self._dht_call, self.key = dht_call, helpers_key(run_id)
+        self.peer_id, self.addresses, self.ttl_s = peer_id, list(addresses), ttl_s
+        self._leaving = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._publish()
+        self._thread = threading.Thread(target=self._beat, name="diloco-helper-record", daemon=True)
+        self._thread.start()
+
+    def leave(self) -> None:
+        """Tell the workers at once that this helper is gone, so that no round waits for it."""
+        self._leaving = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=HEARTBEAT_S * 2)
+        self._publish()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self._publish()
+
+    def _publish(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        now = get_dht_time()
+        value = {"at": now, "leaving": self._leaving, "addrs": self.addresses}
+        try:
+            self._dht_call(
+                lambda dht: dht.store(
+                    self.key, subkey=self.peer_id, value=value, expiration_time=now + self.ttl_s, return_future=True
+                )
+            )
+        except Exception:  # a missed heartbeat is not an error; the next one may go through
+            logger.debug("helper heartbeat failed", exc_info=True)
+
+
+def live_helpers(dht_call, run_id: str) -> int:
+    """How many helpers of run ``run_id`` have a fresh record and are not leaving; 0 when the DHT
+    does not answer (a round then waits for the workers only)."""
+    try:
+        found = dht_call(lambda dht: dht.get(helpers_key(run_id), latest=True, return_future=True))
+    except Exception:
+        logger.debug("helpers read failed", exc_info=True)
+        return 0
+    if found is None or not isinstance(found.value, dict):
+        return 0
+    values = [getattr(item, "value", None) for item in found.value.values()]
+    return sum(1 for value in values if isinstance(value, dict) and not value.get("leaving"))
