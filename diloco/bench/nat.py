@@ -3,14 +3,18 @@
 Runs in the network testbed (``diloco/tools/testbed.py``, root and iptables): 4 real workers (``--workers``),
 each in its network namespace on a link shaped to ``--rate`` Mbit/s both ways, with 0, 1, 2 and then 3 of them
 behind a home router of their own (masquerading NAT, nothing can dial in), all on the default
-config, so each NAT'd worker finds out it cannot be dialled and joins as a client. Per arm: the
-median round time (rounds after the first, which also waits for the workers to start), its ratio
-to the all-public arm's, the rounds every worker averaged over all 4, compute utilization
-(compute / wall), and whether the workers end on identical params.
+config, so each NAT'd worker finds out it cannot be dialled and joins as a client. With
+``--helpers`` each count of NAT'd workers also runs with that many helpers (``diloco helper``), each
+on a public link of the same rate; a run whose workers are all behind NAT runs only with helpers.
+Per arm: the median round time (rounds after the first, which also waits for the workers to
+start), its ratio to the all-public arm's, the rounds every worker averaged over all of them,
+compute utilization (compute / wall), the helpers' median bytes a round (in + out, from their
+logs), and whether the workers end on identical params.
 
-    diloco bench nat                          # 0, 1, 2, 3 of 4 behind NAT at 20 Mbit/s (~5 min on 2 cores)
-    diloco bench nat --nat 0,2 --rate 5       # some arms, another rate
-    diloco bench nat --workers 3 --nat 0,2    # 2 of 3 behind NAT against none
+    diloco bench nat                                      # 0, 1, 2, 3 of 4 behind NAT at 20 Mbit/s (~5 min on 2 cores)
+    diloco bench nat --nat 0,2 --rate 5                   # some arms, another rate
+    diloco bench nat --workers 3 --nat 0,2                # 2 of 3 behind NAT against none
+    diloco bench nat --workers 3 --nat 0,2,3 --helpers 0,1  # and with a helper; 3 of 3 with one only
 
 Prints the table and writes ``results.json`` under ``--out``.
 """
@@ -19,15 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import statistics
 from pathlib import Path
 
 from diloco.bench import numbers
 
 SYNC_EVERY = 20
+_HELPER_ROUND = re.compile(r"^round \d+: reduced parts for \d+ workers \(([\d.]+) MB in, ([\d.]+) MB out", re.MULTILINE)
 
 
-def _overrides(steps: int, behind_nat: int, run_dir: Path) -> list[str]:
+def _overrides(steps: int, arm: str, run_dir: Path) -> list[str]:
     return [
         "model.n_layer=2",
         "model.n_embd=128",
@@ -42,29 +48,37 @@ def _overrides(steps: int, behind_nat: int, run_dir: Path) -> list[str]:
         "checkpoint.every_rounds=0",
         "comm.deadline_s=60",
         "comm.hivemind.matchmaking_s=15",
-        f"comm.run_id=nat_{behind_nat}",
+        f"comm.run_id=nat_{arm.replace('-', '_')}",
         f"run.dir={run_dir}",
-        f"run.name=nat-{behind_nat}",
+        f"run.name=nat-{arm}",
     ]
 
 
-def run_arm(behind_nat: int, *, workers: int, rate: float, steps: int, out: Path) -> dict:
-    """One run of ``workers`` with the last ``behind_nat`` workers behind NAT; the row of the table."""
+def arms_of(nat_counts: list[int], helper_counts: list[int], workers: int) -> list[tuple[int, int]]:
+    """(workers behind NAT, helpers) for each arm: every pair, but none where every worker is behind
+    NAT without a helper (such a run cannot average)."""
+    return [(n, h) for n in nat_counts for h in helper_counts if n < workers or h > 0]
+
+
+def run_arm(behind_nat: int, *, workers: int, helpers: int = 0, rate: float, steps: int, out: Path) -> dict:
+    """One run of ``workers`` with the last ``behind_nat`` workers behind NAT and ``helpers``
+    helpers beside them; the row of the table."""
     from diloco.config import load_config
     from diloco.tools.launcher import run_local
     from diloco.tools.testbed import Testbed
 
-    run_dir = out / f"nat-{behind_nat}-of-{workers}"
-    overrides = _overrides(steps, behind_nat, run_dir)
+    arm = f"{behind_nat}-of-{workers}" + (f"-h{helpers}" if helpers else "")
+    run_dir = out / f"nat-{arm}"
+    overrides = _overrides(steps, arm, run_dir)
     cfg = load_config(None, [*overrides, f"worker.count={workers}"])
     run_dir.mkdir(parents=True, exist_ok=True)
     nat = list(range(workers - behind_nat, workers))
     with (
-        Testbed(workers, up_mbit=rate, down_mbit=rate, nat=nat) as testbed,
+        Testbed(workers + helpers, up_mbit=rate, down_mbit=rate, nat=nat) as testbed,
         open(run_dir / "launcher.log", "w") as log,
         contextlib.redirect_stdout(log),
     ):
-        code = run_local(cfg, None, overrides, workers=workers, testbed=testbed)
+        code = run_local(cfg, None, overrides, workers=workers, helpers=helpers, testbed=testbed)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [
         [json.loads(line) for line in (run_dir / f"worker-{w}.jsonl").read_text().splitlines()] for w in range(workers)
@@ -74,6 +88,8 @@ def run_arm(behind_nat: int, *, workers: int, rate: float, steps: int, out: Path
     full = sum(all(r["ok"] and r["peers"] == workers for r in by_round) for by_round in zip(*rounds))
     return {
         "behind_nat": behind_nat,
+        "helpers": helpers,
+        "helper_mb_per_round": _helper_mb_per_round(run_dir, helpers),
         "exit_code": code,
         "median_round_s": statistics.median(later) if later else float("nan"),
         "rounds": min(len(worker) for worker in rounds),
@@ -84,25 +100,42 @@ def run_arm(behind_nat: int, *, workers: int, rate: float, steps: int, out: Path
     }
 
 
+def _helper_mb_per_round(run_dir: Path, helpers: int) -> float | None:
+    """The helpers' median MB a round (in + out, all of them together), from their logs."""
+    if not helpers:
+        return None
+    rounds: list[list[float]] = []
+    for index in range(helpers):
+        path = run_dir / f"helper-{index}.log"
+        found = _HELPER_ROUND.findall(path.read_text()) if path.exists() else []
+        rounds.append([float(mb_in) + float(mb_out) for mb_in, mb_out in found])
+    per_round = [sum(column) for column in zip(*rounds)] if all(rounds) else []
+    return statistics.median(per_round) if per_round else 0.0
+
+
 def format_table(rows: list[dict], rate: float, workers: int) -> str:
-    base = next((r["median_round_s"] for r in rows if r["behind_nat"] == 0), None)
+    base = next((r["median_round_s"] for r in rows if r["behind_nat"] == 0 and not r.get("helpers")), None)
     lines = [
         f"{workers} workers at {rate:g} Mbit/s, H={SYNC_EVERY}, default config (NAT'd workers join as clients)",
         "",
-        "| behind NAT | median round | / all public | rounds averaged by all | utilization | params agree |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| behind NAT | helpers | median round | / all public | rounds averaged by all | utilization "
+        "| helpers' MB / round | params agree |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         ratio = f"{r['median_round_s'] / base:.2f}" if base else "-"
+        helper_mb = "-" if r.get("helper_mb_per_round") is None else f"{r['helper_mb_per_round']:.2f}"
         lines.append(
-            f"| {r['behind_nat']} of {workers} | {r['median_round_s']:.2f} s | {ratio} | "
-            f"{r['rounds_averaged_by_all']} of {r['rounds']} | {r['compute_utilization']:.3f} | "
+            f"| {r['behind_nat']} of {workers} | {r.get('helpers', 0)} | {r['median_round_s']:.2f} s | {ratio} | "
+            f"{r['rounds_averaged_by_all']} of {r['rounds']} | {r['compute_utilization']:.3f} | {helper_mb} | "
             f"{'yes' if r['params_agree'] else 'NO'} |"
         )
     return "\n".join(lines)
 
 
-def run_nat_benchmark(*, arms: list[int], workers: int, rate: float, steps: int, out: Path) -> int:
+def run_nat_benchmark(
+    *, arms: list[int], workers: int, rate: float, steps: int, out: Path, helpers: list[int] | None = None
+) -> int:
     from diloco.tools.testbed import testbed_unavailable
 
     if (reason := testbed_unavailable(nat=True)) is not None:
@@ -111,11 +144,15 @@ def run_nat_benchmark(*, arms: list[int], workers: int, rate: float, steps: int,
     if workers < 2 or any(not 0 <= n <= workers for n in arms):
         print(f"bench nat: --nat counts workers behind NAT, 0 to --workers ({workers}, at least 2); got {arms}")
         return 2
+    helpers = helpers or [0]
+    if any(h < 0 for h in helpers) or not arms_of(arms, helpers, workers):
+        print(f"bench nat: --helpers counts helpers (0 or more) and leaves no arm to run: {helpers}")
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for behind_nat in arms:
-        print(f"bench nat: {behind_nat} of {workers} workers behind NAT ...", flush=True)
-        rows.append(run_arm(behind_nat, workers=workers, rate=rate, steps=steps, out=out))
+    for behind_nat, helping in arms_of(arms, helpers, workers):
+        print(f"bench nat: {behind_nat} of {workers} workers behind NAT, {helping} helpers ...", flush=True)
+        rows.append(run_arm(behind_nat, workers=workers, helpers=helping, rate=rate, steps=steps, out=out))
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     print(format_table(rows, rate, workers))
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1
@@ -126,6 +163,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nat", default="0,1,2,3", help="how many of the 4 workers are behind NAT, per arm")
     parser.add_argument("--workers", type=int, default=4, help="workers per arm (default 4)")
     parser.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
+    parser.add_argument("--helpers", default="0", help="helpers beside the workers, per arm: e.g. 0,1 (default 0)")
     parser.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
     parser.add_argument("--out", default="runs/bench-nat", help="output folder")
 
@@ -133,6 +171,7 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     return run_nat_benchmark(
         arms=numbers(args.nat, int, "--nat"),
+        helpers=numbers(args.helpers, int, "--helpers"),
         workers=args.workers,
         rate=args.rate,
         steps=args.steps,

@@ -97,6 +97,9 @@ class SyncResult:
     expected: int = 0
     # workers excluded from the run's means so far (comm.exclude_after, comm/scores.py), by index
     excluded: tuple[int, ...] = ()
+    # nobody could reduce the round (every live worker a client, no helper live): a blocking round
+    # then takes no outer step, and the worker's steps count toward the next round (core/outer.py)
+    postponed: bool = False
 
     @property
     def averaged(self) -> bool:

@@ -167,13 +167,22 @@ class OuterStep:
         """One round: pseudo-gradient, average with the other workers, outer step. When the average
         failed the worker applies its own pseudo-gradient; then the recovery protocol (recovery.py)
         runs: after a round that failed, was partial or ran in a smaller group, it takes the state
-        of a peer that did better. Returns the averaging result and the round of the state taken
-        from a peer (None when none was)."""
+        of a peer that did better. A round nobody could reduce (``SyncResult.postponed``) takes no
+        outer step. Returns the averaging result and the round of the state taken from a peer
+        (None when none was)."""
         started = time.monotonic()
         pseudo_gradients = self.pseudo_gradients()
         if self.error_feedback is not None:
             pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
         result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
+        if result.postponed:
+            # nobody could reduce (every live worker a client): no outer step, alone or otherwise, so
+            # that every worker keeps the same global params; the local params train on and the next
+            # round's pseudo-gradient holds this round's steps too (their residual is dropped, not sent twice)
+            logger.warning("round %d: %s", round_index + 1, result.error)
+            if self.error_feedback is not None:
+                self.error_feedback.forget()
+            return result, None
         self.account(result, f"round {round_index + 1}")
         self.apply(pseudo_gradients)
         # what is left of the round's deadline, but never less than a short download

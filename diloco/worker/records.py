@@ -157,6 +157,8 @@ class WorkerLog:
             record["sides"] = list(result.sides)
         if result.excluded:  # workers left out of every mean now (comm.exclude_after)
             record["excluded"] = list(result.excluded)
+        if result.postponed:  # nobody could reduce: no outer step; the steps count toward the next round
+            record["postponed"] = True
         self._emit(record, step)
         self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
         self.live["excluded"] = list(result.excluded)  # for diloco status (empty again once none is)

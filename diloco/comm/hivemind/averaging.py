@@ -190,20 +190,20 @@ class HivemindAveraging(Averaging):
         result = self._average_in_group(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
-        if (
-            not result.averaged
-            and self._peer.client_mode
-            and not self._said_unreachable_run
-            and self._serving_others() == 0
-            and not self._helpers()
-        ):
-            self._said_unreachable_run = True  # clients cannot average among themselves
+        if result.averaged or result.group or not self._peer.client_mode:
+            return result
+        if self._serving_others() != 0 or self._helpers():
+            return result
+        # no group, and nobody who could reduce: clients cannot average among themselves
+        if not self._said_unreachable_run:
+            self._said_unreachable_run = True
             logger.warning(
                 "no worker of the run that can be dialled is live: clients alone cannot average; "
                 "forward a port and set comm.hivemind.announce_host, or start one worker on a public address, "
                 "or a helper (diloco helper) there"
             )
-        return result
+        error = "no worker or helper that can be dialled is live: the round is postponed"
+        return dataclasses.replace(result, postponed=True, error=error)
 
     def _serving_others(self) -> int | None:
         live = live_counts(self._roster)

@@ -138,11 +138,7 @@ class Helper:
                 round_group_bits(round_index, attempt), target_group_size=group_size, timeout_s=self.peer.control_s
             )
             control = averager.step(gather={HELPER: True}, timeout=timeout_s, wait=False)
-            try:
-                gathered = control.result(timeout=round_limit_s(timeout_s))
-            except TimeoutError:
-                control.cancel()
-                raise TimeoutError(f"no result from the averager after {round_limit_s(timeout_s):.0f} s") from None
+            gathered = self._await(control, round_index, limit=started + round_limit_s(timeout_s))
             if gathered is None:
                 error = "no group found before the deadline"
             else:
@@ -152,6 +148,30 @@ class Helper:
             error = f"{type(failure).__name__}: {failure}".strip()
         sent, recv, _, _ = averager.traffic.read()
         return Reduced(round_index, workers, recv - recv_before, sent - sent_before, time.monotonic() - started, error)
+
+    def _await(self, control, round_index: int, *, limit: float):
+        """The step's result; it stops looking for a group once every live worker is past the round
+        (they averaged it without us), and stops waiting at ``limit`` (monotonic time)."""
+        since = time.monotonic()
+        while True:
+            try:
+                return control.result(timeout=max(0.0, min(1.0, limit - time.monotonic())))
+            except TimeoutError:
+                pass
+            if time.monotonic() >= limit:
+                control.cancel()
+                raise TimeoutError(f"no result from the averager after {time.monotonic() - since:.0f} s")
+            if not control.began_allreduce and self._past(round_index):
+                control.cancel()
+                raise TimeoutError("the workers averaged this round without us")
+
+    def _past(self, round_index: int) -> bool:
+        """Whether every live worker has finished round ``round_index``."""
+        try:
+            entries = [e for e in self.roster.entries().values() if not e.leaving]
+        except Exception:  # the DHT did not answer this time: keep looking
+            return False
+        return bool(entries) and all(entry.round > round_index for entry in entries)
 
     def _replies_sent(self) -> None:
         """The round is over once the reducers finished; wait (a moment at most) for the averaged

@@ -141,6 +141,20 @@ def test_failed_round_without_better_peer_applies_the_workers_own_pseudo_gradien
     assert backend.published == [(3, 1)] and backend.asked == [(3, 1)]
 
 
+def test_a_postponed_round_takes_no_outer_step_and_its_steps_count_toward_the_next_round():
+    local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = OuterStep([local], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
+    backend = _FailingTransport()
+    backend.all_reduce_mean = lambda tensors, weight, **_: SyncResult(False, 1, weight, error="nobody", postponed=True)
+    with torch.no_grad():
+        local.sub_(torch.tensor([0.5, 0.25]))
+    result, recovered = _sync(outer, backend, round_index=3, expected_peers=2)
+    assert result.postponed and recovered is None and backend.published == backend.asked == []
+    torch.testing.assert_close(outer.global_params[0], torch.tensor([1.0, 2.0]))  # no outer step, not even alone
+    torch.testing.assert_close(local.detach(), torch.tensor([0.5, 1.75]))  # the local params train on
+    torch.testing.assert_close(outer.pseudo_gradients()[0], torch.tensor([0.5, 0.25]))
+
+
 def test_failed_round_takes_the_state_of_a_peer_from_a_bigger_group():
     peer_local = torch.nn.Parameter(torch.tensor([7.0, 8.0]))
     peer = OuterStep([peer_local], OuterConfig())
