@@ -30,7 +30,9 @@ from pathlib import Path
 from diloco.bench import numbers
 
 SYNC_EVERY = 20
-_HELPER_ROUND = re.compile(r"^round \d+: reduced parts for \d+ workers \(([\d.]+) MB in, ([\d.]+) MB out", re.MULTILINE)
+_HELPER_ROUND = re.compile(
+    r"^round (\d+): reduced parts for \d+ workers \(([\d.]+) MB in, ([\d.]+) MB out", re.MULTILINE
+)
 
 
 def _overrides(steps: int, arm: str, run_dir: Path) -> list[str]:
@@ -101,16 +103,16 @@ def run_arm(behind_nat: int, *, workers: int, helpers: int = 0, rate: float, ste
 
 
 def _helper_mb_per_round(run_dir: Path, helpers: int) -> float | None:
-    """The helpers' median MB a round (in + out, all of them together), from their logs."""
+    """The helpers' median MB a round (in + out, all of them together, over the rounds they
+    reduced), from their logs; 0 when they reduced none."""
     if not helpers:
         return None
-    rounds: list[list[float]] = []
+    per_round: dict[int, float] = {}
     for index in range(helpers):
         path = run_dir / f"helper-{index}.log"
-        found = _HELPER_ROUND.findall(path.read_text()) if path.exists() else []
-        rounds.append([float(mb_in) + float(mb_out) for mb_in, mb_out in found])
-    per_round = [sum(column) for column in zip(*rounds)] if all(rounds) else []
-    return statistics.median(per_round) if per_round else 0.0
+        for round_number, mb_in, mb_out in _HELPER_ROUND.findall(path.read_text() if path.exists() else ""):
+            per_round[int(round_number)] = per_round.get(int(round_number), 0.0) + float(mb_in) + float(mb_out)
+    return statistics.median(per_round.values()) if per_round else 0.0
 
 
 def format_table(rows: list[dict], rate: float, workers: int) -> str:

@@ -68,6 +68,15 @@ class ErrorFeedback:
             if residual is not None and (indices is None or index in indices):
                 _keep_unsent(residual, residual, codec)
 
+    def take_back(self, sent: Sequence[torch.Tensor], raw: Sequence[torch.Tensor]) -> None:
+        """A round that sent nothing (postponed): the residuals are again what ``apply`` found,
+        ``sent`` (what it returned) less ``raw`` (what it was given), undecayed."""
+        if not self.enabled or self.residuals is None or self.decay == 0:
+            return
+        for residual, value, tensor in zip(self.residuals, sent, raw):
+            if residual is not None:
+                residual.copy_(value.to(torch.float32).sub(tensor.to(torch.float32)).div_(self.decay))
+
     def forget(self, indices: Sequence[int] | None = None) -> None:
         """The last round applied the corrected tensors in full (it was not averaged): nothing is owed."""
         for index, residual in enumerate(self.residuals or []):

@@ -171,17 +171,17 @@ class OuterStep:
         outer step. Returns the averaging result and the round of the state taken from a peer
         (None when none was)."""
         started = time.monotonic()
-        pseudo_gradients = self.pseudo_gradients()
+        raw = pseudo_gradients = self.pseudo_gradients()
         if self.error_feedback is not None:
-            pseudo_gradients = self.error_feedback.apply(pseudo_gradients)
+            pseudo_gradients = self.error_feedback.apply(raw)
         result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         if result.postponed:
             # nobody could reduce (every live worker a client): no outer step, alone or otherwise, so
             # that every worker keeps the same global params; the local params train on and the next
-            # round's pseudo-gradient holds this round's steps too (their residual is dropped, not sent twice)
+            # round's pseudo-gradient holds this round's steps too (the residual waits for it as it was)
             logger.warning("round %d: %s", round_index + 1, result.error)
             if self.error_feedback is not None:
-                self.error_feedback.forget()
+                self.error_feedback.take_back(pseudo_gradients, raw)
             return result, None
         self.account(result, f"round {round_index + 1}")
         self.apply(pseudo_gradients)

@@ -198,7 +198,8 @@ class OverlappedOuter:
         for flight in [f for f in self.in_flight if final or f.apply_at <= step]:
             self.in_flight.remove(flight)
             started = time.perf_counter()
-            result = flight.pending.wait(timeout_s=self.wait_limit_s)
+            # a fragment's average nobody could reduce is a failed one here: the fragment takes its own step
+            result = replace(flight.pending.wait(timeout_s=self.wait_limit_s), postponed=False)
             wait_s = time.perf_counter() - started
             if flight.pending.abandoned:  # its thread may still write the mean into what we apply
                 flight.averaged = [t.clone() for t in flight.averaged]

@@ -57,7 +57,9 @@ def run_helper(config_path: str | None, overrides: list[str], *, wait_s: float) 
     layouts = {entry.layout for entry in entries.values() if entry.layout}
     if not layouts:
         raise UsageError(f"the live workers of run {cfg.comm.run_id!r} do not say what they average (an older version)")
-    if len(layouts) > 1 or len(next(iter(layouts))) != 1:
+    if len(layouts) > 1:
+        raise UsageError(f"the live workers of run {cfg.comm.run_id!r} average vectors of {len(layouts)} shapes")
+    if len(next(iter(layouts))) != 1:
         raise UsageError("a helper reduces runs that average one vector a round: not outer.overlap=streaming")
     codec = build_codec(cfg.compression)
     if any(candidate.gathers for candidate in codec.candidates):

@@ -101,7 +101,7 @@ class HivemindAveraging(Averaging):
     ``group_size()``: the group size a round waits for (``membership.py``); ``published()``:
     whether this worker offers its state after rounds (then a peer's offer tells
     whether a broken group failed for the others too); ``helpers()``: the run's live helpers
-    (``helpers.py``), who join each round's group to reduce."""
+    (``helper_record.py``), who join each round's group to reduce."""
 
     averages_in_background = True  # the averager process does the work
 
@@ -192,10 +192,11 @@ class HivemindAveraging(Averaging):
         )
         if result.averaged or result.group or not self._peer.client_mode:
             return result
-        if self._serving_others() != 0 or self._helpers():
+        if self._serving_others() != 0 or not self._roster.no_server_seen():
             return result
-        # no group, and nobody who could reduce: clients cannot average among themselves
-        if not self._said_unreachable_run:
+        # a client, no group, and no worker that could reduce: every client is in the same place
+        # (a helper, if any, is gone or late), so every one postpones alike
+        if not self._said_unreachable_run and not self._helpers():
             self._said_unreachable_run = True
             logger.warning(
                 "no worker of the run that can be dialled is live: clients alone cannot average; "
@@ -214,6 +215,7 @@ class HivemindAveraging(Averaging):
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
         expected, helpers = self._group_size(), self._helpers()
+        self._roster.group = max(2, expected + helpers)  # announced: a helper waits for the same group
         deadline = time.monotonic() + deadline_s
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind

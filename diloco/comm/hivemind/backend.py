@@ -20,7 +20,7 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
-from diloco.comm.hivemind.helpers import live_helpers
+from diloco.comm.hivemind.helper_record import live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.redial import Redial

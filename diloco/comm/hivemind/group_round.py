@@ -22,6 +22,7 @@ import torch
 
 from diloco.comm.base import CommConfig, SyncResult
 from diloco.comm.hivemind import gloo_plane
+from diloco.comm.hivemind.helper_record import contributors
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.robust import Screening, ScreeningRules, declared_norm, declared_weights, norm_of, screen
 from diloco.compression import all_finite
@@ -30,14 +31,6 @@ logger = logging.getLogger(__name__)
 
 _ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any peer can lag
 _POLL_S = 1.0  # how often a worker waiting for a group checks whether the others went ahead
-
-
-HELPER = "helper"  # what a helper declares: it reduces parts of the vector and contributes nothing (helper.py)
-
-
-def contributors(gathered: dict) -> dict:
-    """What the peers of a group that contribute declared: all but the helpers."""
-    return {peer: data for peer, data in gathered.items() if not (isinstance(data, dict) and data.get(HELPER))}
 
 
 def round_group_bits(round_index: int, attempt: int = 0) -> str:

@@ -6,15 +6,16 @@ part for others, so a run whose workers are all clients cannot average by itself
 public address fills that place: it follows the run's roster, and as soon as a worker looks for
 the group of round ``r`` it looks for it too, under the same key (``group_round.round_group_bits``);
 it declares itself a helper, so that every worker leaves it out of the round's contributors
-(``group_round.contributors``), and hivemind gives it the parts it reduces in proportion to the
+(``helper_record.contributors``), and hivemind gives it the parts it reduces in proportion to the
 bandwidth it declares (``comm.bandwidth_mbps``). It keeps a record fresh under the run's helpers
-key (``helpers.py``), from which workers size the group a round waits for. It holds no training
+key (``helper_record.py``), from which workers size the group a round waits for. It holds no training
 state and serves none: the tensors it is built on only give the shapes of what the workers send
 (which its join request must present, as theirs do).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -26,8 +27,8 @@ import torch
 from diloco.comm.base import CommConfig, CommError
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.averaging import start_averager
-from diloco.comm.hivemind.group_round import HELPER, contributors, round_group_bits
-from diloco.comm.hivemind.helpers import HelperRecord, live_helpers
+from diloco.comm.hivemind.group_round import round_group_bits
+from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import TTL_S, Roster
 from diloco.compression import Codec
@@ -35,6 +36,7 @@ from diloco.compression import Codec
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often the helper reads the roster for a worker looking for a group
+_REMEMBERED = 64  # rounds back that the helper remembers joining (none is looked for that late)
 
 
 @dataclasses.dataclass
@@ -92,30 +94,42 @@ class Helper:
         """Reduce in every round the workers start, calling ``report`` after each, until ``stop`` is
         set or the run's workers have all been gone for ``TTL_S``; returns why it stopped."""
         stop = stop or threading.Event()
-        done, live_at = -1, time.monotonic()
+        done: set[int] = set()  # the rounds it joined (or gave up on)
+        live_at = time.monotonic()
         while not stop.wait(_POLL_S):
             try:
                 entries = {i: e for i, e in self.roster.entries().items() if not e.leaving}
             except Exception:  # the DHT did not answer this time: the next read may
                 logger.debug("roster read failed", exc_info=True)
-                continue
+                entries = {}
             if not entries:
                 if time.monotonic() - live_at > TTL_S:
                     return "no worker of the run is live any more"
                 continue
             live_at = time.monotonic()
-            looking = [entry.round for entry in entries.values() if entry.phase == "matchmaking"]
-            if looking and min(looking) > done:
-                done = min(looking)
-                report(self._reduce(done))
+            looking = [entry for entry in entries.values() if entry.phase == "matchmaking" and entry.round not in done]
+            if not looking:
+                continue
+            # the round most workers look for (the latest of those), whatever a late one does
+            counts = collections.Counter(entry.round for entry in looking)
+            round_index = max(counts, key=lambda r: (counts[r], r))
+            done = {r for r in done if r > round_index - _REMEMBERED} | {round_index}
+            # with no worker serving a state, one left out of a round could never take the
+            # others' after it: the helper then leads only whole groups (none: all postpone)
+            whole = not any(entry.serves_state for entry in entries.values())
+            group_size = max(entry.group for entry in looking if entry.round == round_index)
+            report(self._reduce(round_index, group_size=group_size, whole=whole))
         return "stopped"
 
-    def _reduce(self, round_index: int) -> Reduced:
-        """Join round ``round_index``'s group; if it broke inside the all-reduce, the workers' retry too."""
-        group_size = max(2, self._expected() + live_helpers(self.peer.call, self.cfg.run_id))
-        result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s)
+    def _reduce(self, round_index: int, *, group_size: int, whole: bool) -> Reduced:
+        """Join round ``round_index``'s group, which the workers say is ``group_size`` peers (0: they
+        did not say), and start one it leads only once it is complete when ``whole``; if the group
+        broke inside the all-reduce, the workers' retry too."""
+        group_size = group_size or max(2, self._expected() + live_helpers(self.peer.call, self.cfg.run_id))
+        least = group_size if whole else 2
+        result = self._attempt(round_index, 0, (group_size, least), self.cfg.deadline_s)
         if result.error and result.bytes_recv:  # the group formed and broke: the survivors try once more
-            retry = self._attempt(round_index, 1, group_size, 2 * self.cfg.hivemind.matchmaking_s)
+            retry = self._attempt(round_index, 1, (group_size, 2), 2 * self.cfg.hivemind.matchmaking_s)
             retry.bytes_recv += result.bytes_recv
             retry.bytes_sent += result.bytes_sent
             retry.seconds += result.seconds
@@ -129,13 +143,17 @@ class Helper:
             logger.debug("roster read failed", exc_info=True)
             return self.roster.planned
 
-    def _attempt(self, round_index: int, attempt: int, group_size: int, timeout_s: float) -> Reduced:
+    def _attempt(self, round_index: int, attempt: int, sizes: tuple[int, int], timeout_s: float) -> Reduced:
+        """One try at the round's group: ``sizes`` = (the group's size, the fewest it starts with)."""
         averager = self.averager
         started, (sent_before, recv_before, _, _) = time.monotonic(), averager.traffic.read()
         error, workers = "", 0
         try:
             averager.set_group(
-                round_group_bits(round_index, attempt), target_group_size=group_size, timeout_s=self.peer.control_s
+                round_group_bits(round_index, attempt),
+                target_group_size=sizes[0],
+                min_group_size=sizes[1],
+                timeout_s=self.peer.control_s,
             )
             control = averager.step(gather={HELPER: True}, timeout=timeout_s, wait=False)
             gathered = self._await(control, round_index, limit=started + round_limit_s(timeout_s))

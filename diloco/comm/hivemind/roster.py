@@ -43,6 +43,7 @@ class RosterEntry:
     addresses: tuple[str, ...] = ()  # where its peer is dialled (none for a client): redial.py
     peer: str = ""  # its peer's id, clients' too ("" from a worker that did not say)
     layout: tuple = ()  # the shapes it averages, one list per fragment: what a helper reduces (helper.py)
+    group: int = 0  # the group its round in progress waits for, helpers included (0 = not said)
 
 
 class PartialRead(RuntimeError):
@@ -82,6 +83,7 @@ class Roster:
         self.addresses = list(addresses)  # where our peer is dialled, announced for redial.py (none for a client)
         self.peer_id = peer_id  # our peer's id, announced so that others can name the worker of a peer id
         self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
+        self.group = 0  # the group the round in progress waits for, announced for helpers
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
         self._live: set[int] = set()  # the live workers at the last read
@@ -125,9 +127,9 @@ class Roster:
         """Where a round in progress stands (matchmaking, averaging), or None when none is: it names
         the worker's phase while the worker is in a round. A round that starts looking for its
         group is told at once (helpers join the group when they read it: ``helper.py``)."""
-        if stage == "matchmaking" and self._stage != stage:
+        woken, self._stage = stage == "matchmaking" and self._stage != stage, stage
+        if woken:
             self._wake.set()
-        self._stage = stage
 
     def leave(self) -> None:
         """Tell the others at once that this worker is gone, so that no round waits for it."""
@@ -143,14 +145,16 @@ class Roster:
             self._thread.join(timeout=HEARTBEAT_S * 2)
 
     def _beat(self) -> None:
+        chores_due = time.monotonic() + HEARTBEAT_S
         while True:
-            woken = self._wake.wait(HEARTBEAT_S)
+            self._wake.wait(max(0.0, chores_due - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 return
             self._publish()
-            if woken:  # an extra record, between heartbeats: the chores keep their pace
+            if time.monotonic() < chores_due:  # an extra record, between heartbeats: the chores keep their pace
                 continue
+            chores_due = time.monotonic() + HEARTBEAT_S
             for chore in self.chores:
                 try:
                     chore()
@@ -179,6 +183,7 @@ class Roster:
             "addrs": self.addresses,
             "peer": self.peer_id,
             "layout": self.layout,
+            "group": self.group,
         }
         expiration = now + self.ttl_s
         try:
@@ -222,6 +227,7 @@ class Roster:
                         tuple(str(a) for a in value.get("addrs", ()) if isinstance(a, str)),
                         str(value.get("peer", "")),
                         _layout(value.get("layout")),
+                        int(value.get("group", 0) or 0),
                     )
         return entries
 
@@ -259,6 +265,11 @@ class Roster:
         """The workers whose last announced peer id (or addresses) is one of ``peers``."""
         announced = {**{i: peer_of(a) for i, a in dict(self._addresses).items()}, **dict(self._peers)}
         return tuple(sorted(i for i, peer in announced.items() if peer in peers))
+
+    def no_server_seen(self) -> bool:
+        """Whether no other worker that serves its state has been live since this one started,
+        save those that left cleanly: nobody in the run could have reduced a part for a client."""
+        return not (self._servers_seen - self._left - {self.worker_index})
 
     def serves_alone(self) -> bool:
         """Whether this worker is the only one of the run serving its state: every other live one is

@@ -171,6 +171,19 @@ def test_error_feedback_makes_the_sum_of_what_was_sent_track_the_sum_of_inputs(n
     assert (sent_total - input_total).norm() <= (without - input_total).norm() + 1e-4
 
 
+@pytest.mark.parametrize("decay", [1.0, 0.85])
+def test_a_round_that_sent_nothing_gives_the_residual_back_as_it_was(decay):
+    feedback = ErrorFeedback(codec_of("int8"), enabled=True, decay=decay)
+    g = torch.Generator().manual_seed(1)
+    feedback.apply([torch.randn(300, generator=g)])
+    before = feedback.residuals[0].clone()
+    raw = torch.randn(300, generator=g)
+    (sent,) = feedback.apply([raw])
+    assert not torch.allclose(feedback.residuals[0], before)
+    feedback.take_back([sent], [raw])
+    torch.testing.assert_close(feedback.residuals[0], before, atol=1e-5, rtol=1e-5)
+
+
 def test_error_feedback_state_round_trips_and_is_off_for_lossless_codecs():
     feedback = ErrorFeedback(codec_of("topk"), enabled=True)
     feedback.apply([torch.randn(100)])

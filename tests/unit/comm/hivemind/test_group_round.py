@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from diloco.comm.hivemind.group_round import HELPER, Attempt, _declared_model, contributors, model_sides
+from diloco.comm.hivemind.group_round import Attempt, _declared_model, model_sides
+from diloco.comm.hivemind.helper_record import HELPER, contributors
 
 
 def test_a_group_that_declared_two_models_has_two_sides_ours_first():

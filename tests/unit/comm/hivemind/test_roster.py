@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.dht.validation import DHTRecord
 
-from diloco.comm.hivemind.helpers import HelperRecord, live_helpers
+from diloco.comm.hivemind.helper_record import HelperRecord, live_helpers
 from diloco.comm.hivemind.peer import bounded_dht_call
 from diloco.comm.hivemind.roster import HEARTBEAT_S, PartialRead, Roster, free_slot
 from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
@@ -195,11 +195,14 @@ def test_a_roster_reports_the_digest_of_the_params_after_the_last_round():
     assert me.model == "abc123"
 
 
-def test_a_worker_announces_the_shapes_it_averages_and_a_bad_layout_reads_as_none():
+def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_and_a_bad_layout_reads_as_none():
     dht = _FakeDHT()
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
-    Roster(call, run_id="r", worker_index=0, planned=1, layout=[[(4, 2), (3,)]])._publish()
-    assert _roster(dht, 1, 1).entries()[0].layout == (((4, 2), (3,)),)
+    roster = Roster(call, run_id="r", worker_index=0, planned=1, layout=[[(4, 2), (3,)]])
+    roster.group = 4
+    roster._publish()
+    entry = _roster(dht, 1, 1).entries()[0]
+    assert entry.layout == (((4, 2), (3,)),) and entry.group == 4
     dht.records[0]["layout"] = [["not", "a shape"]]
     assert _roster(dht, 1, 1).entries()[0].layout == ()
 
@@ -223,6 +226,46 @@ def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
         assert time.monotonic() - started < HEARTBEAT_S
     finally:
         roster.stop()
+
+
+def test_extra_records_between_heartbeats_leave_the_chores_their_pace():
+    chores_ran, records = threading.Event(), []
+
+    class _Counted(_FakeDHT):
+        def store(self, key, *, subkey, value, expiration_time, return_future):
+            records.append(value["phase"])
+            return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+
+    roster = _roster(_Counted(), 0, 2)
+    roster.chores.append(chores_ran.set)
+    roster.phase("averaging", time.time())
+    roster.start()
+    try:
+        deadline = time.monotonic() + 3 * HEARTBEAT_S
+        while not chores_ran.is_set() and time.monotonic() < deadline:
+            roster.stage("matchmaking")  # rounds far shorter than a heartbeat: a record at the start of each
+            roster.stage(None)
+            chores_ran.wait(0.2)
+        assert chores_ran.is_set(), "the chores never ran while rounds kept starting"
+    finally:
+        roster.stop()
+    assert "matchmaking" in records
+
+
+def test_a_client_knows_when_no_worker_that_serves_a_state_was_seen():
+    dht = _FakeDHT()
+    client = _roster(dht, 0, 2)
+    client.serves_state = False
+    client._publish()
+    client.expected()
+    assert client.no_server_seen()
+    server = _roster(dht, 1, 2)
+    server._publish()
+    client.expected()
+    assert not client.no_server_seen()
+    server.leave()
+    client.expected()
+    assert client.no_server_seen()  # it left cleanly: nobody that could reduce is in the run
 
 
 def test_live_helpers_count_the_fresh_records_that_are_not_leaving():

@@ -1,10 +1,12 @@
-"""The run's helpers on the DHT: public peers that reduce parts of each round's vector and
+"""How workers know the run's helpers: public peers that reduce parts of each round's vector and
 contribute nothing (``diloco helper``, ``helper.py``).
 
 Each helper keeps a record fresh under ``<run_id>.helpers`` (subkey: its peer id), as workers do
 in the roster (``roster.py``): it lives ``ttl_s`` seconds unless refreshed, and a helper that
 stops cleanly says so at once. Workers count the live helpers into the group a round waits for,
-and a run whose workers are all clients averages through them.
+and a run whose workers are all clients averages through them. In a round's group a helper
+declares ``HELPER`` and workers leave it out of the round's contributors; a peer that declares it
+and sends all the same declared no norm, and every peer's screening drops it (``robust.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from collections.abc import Sequence
 from diloco.comm.hivemind.roster import HEARTBEAT_S, TTL_S
 
 logger = logging.getLogger(__name__)
+
+
+HELPER = "helper"  # what a helper declares in a round's group: it reduces and contributes nothing
+
+
+def contributors(gathered: dict) -> dict:
+    """What the peers of a group that contribute declared: all but the helpers."""
+    return {peer: data for peer, data in gathered.items() if not (isinstance(data, dict) and data.get(HELPER))}
 
 
 def helpers_key(run_id: str) -> str:
