@@ -40,9 +40,11 @@ def _reduced(log: str) -> dict[int, int]:
 def test_three_workers_all_behind_nat_average_every_round_through_a_public_helper(diloco_cli, tmp_path):
     run_dir = tmp_path / "run"
     before = set(leftovers())
+    # clients serve no state: one left out of a round (it came later than matchmaking_s after the
+    # others, as a worker starting slowly on a busy machine may) could not catch up: a wide window
     done = diloco_cli(
         "testbed", "--workers", "3", "--nat", "0,1,2", "--helpers", "1", "--run-dir", str(run_dir),
-        *FAST, "inner.steps=80", "outer.sync_every=20",
+        *FAST, "inner.steps=80", "outer.sync_every=20", "comm.hivemind.matchmaking_s=15", "comm.deadline_s=30",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     helper_log = (run_dir / "helper-0.log").read_text()

@@ -531,11 +531,10 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
         super().run()
 
-    def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float, min_group_size: int = 2) -> None:
+    def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
         """Match the next round under ``group_bits``, starting it as soon as ``target_group_size`` peers
-        are in; a group this peer leads starts with no fewer than ``min_group_size``. Raises
-        ``TimeoutError`` if the averager's process does not take it within ``timeout_s``."""
-        sent = dict(group_bits=group_bits, target_group_size=target_group_size, min_group_size=min_group_size)
+        are in. Raises ``TimeoutError`` if the averager's process does not take it within ``timeout_s``."""
+        sent = dict(group_bits=group_bits, target_group_size=target_group_size)
         ask_within(self._outer_pipe, "_set_group", sent, timeout_s=timeout_s, what="the round's group key")
 
     def tensors_within(self, timeout_s: float):
@@ -543,7 +542,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         them through an all-reduce, one given up on included); raises ``TimeoutError`` past it."""
         return held_within(self.lock_averaged_tensors, self._averaged_tensors, timeout_s)
 
-    async def _set_group(self, group_bits: str, target_group_size: int, min_group_size: int, future: MPFuture):
+    async def _set_group(self, group_bits: str, target_group_size: int, future: MPFuture):
         try:
             matchmaking = self._matchmaking
             matchmaking.group_key_manager.group_bits = group_bits
@@ -552,7 +551,6 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             matchmaking.group_key_manager.target_group_size = None
             matchmaking.target_group_size = target_group_size
             matchmaking.potential_leaders.target_group_size = target_group_size
-            matchmaking.min_group_size = min_group_size
             future.set_result(None)
         except Exception as error:
             if not future.done():

@@ -114,22 +114,18 @@ class Helper:
             counts = collections.Counter(entry.round for entry in looking)
             round_index = max(counts, key=lambda r: (counts[r], r))
             done = {r for r in done if r > round_index - _REMEMBERED} | {round_index}
-            # with no worker serving a state, one left out of a round could never take the
-            # others' after it: the helper then leads only whole groups (none: all postpone)
-            whole = not any(entry.serves_state for entry in entries.values())
-            group_size = max(entry.group for entry in looking if entry.round == round_index)
-            report(self._reduce(round_index, group_size=group_size, whole=whole))
+            announced = max(entry.group for entry in looking if entry.round == round_index)
+            report(self._reduce(round_index, announced=announced))
         return "stopped"
 
-    def _reduce(self, round_index: int, *, group_size: int, whole: bool) -> Reduced:
-        """Join round ``round_index``'s group, which the workers say is ``group_size`` peers (0: they
-        did not say), and start one it leads only once it is complete when ``whole``; if the group
-        broke inside the all-reduce, the workers' retry too."""
-        group_size = group_size or max(2, self._expected() + live_helpers(self.peer.call, self.cfg.run_id))
-        least = group_size if whole else 2
-        result = self._attempt(round_index, 0, (group_size, least), self.cfg.deadline_s)
+    def _reduce(self, round_index: int, *, announced: int) -> Reduced:
+        """Join round ``round_index``'s group: of the size the workers announced, or (a worker that
+        counted the helpers before this one was up) of the live workers and helpers, this one
+        included, whichever is more; if it broke inside the all-reduce, the workers' retry too."""
+        group_size = max(announced, self._expected() + live_helpers(self.peer.call, self.cfg.run_id), 2)
+        result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s)
         if result.error and result.bytes_recv:  # the group formed and broke: the survivors try once more
-            retry = self._attempt(round_index, 1, (group_size, 2), 2 * self.cfg.hivemind.matchmaking_s)
+            retry = self._attempt(round_index, 1, group_size, 2 * self.cfg.hivemind.matchmaking_s)
             retry.bytes_recv += result.bytes_recv
             retry.bytes_sent += result.bytes_sent
             retry.seconds += result.seconds
@@ -143,17 +139,13 @@ class Helper:
             logger.debug("roster read failed", exc_info=True)
             return self.roster.planned
 
-    def _attempt(self, round_index: int, attempt: int, sizes: tuple[int, int], timeout_s: float) -> Reduced:
-        """One try at the round's group: ``sizes`` = (the group's size, the fewest it starts with)."""
+    def _attempt(self, round_index: int, attempt: int, group_size: int, timeout_s: float) -> Reduced:
         averager = self.averager
         started, (sent_before, recv_before, _, _) = time.monotonic(), averager.traffic.read()
         error, workers = "", 0
         try:
             averager.set_group(
-                round_group_bits(round_index, attempt),
-                target_group_size=sizes[0],
-                min_group_size=sizes[1],
-                timeout_s=self.peer.control_s,
+                round_group_bits(round_index, attempt), target_group_size=group_size, timeout_s=self.peer.control_s
             )
             control = averager.step(gather={HELPER: True}, timeout=timeout_s, wait=False)
             gathered = self._await(control, round_index, limit=started + round_limit_s(timeout_s))
