@@ -5,7 +5,8 @@ each in its network namespace on a link shaped to ``--rate`` Mbit/s both ways, w
 behind a home router of their own (masquerading NAT, nothing can dial in), all on the default
 config, so each NAT'd worker finds out it cannot be dialled and joins as a client. With
 ``--helpers`` each count of NAT'd workers also runs with that many helpers (``diloco helper``), each
-on a public link of the same rate; a run whose workers are all behind NAT runs only with helpers.
+on a public link of its own (``--helper-rate``, default ``--rate``: a helper on a data-centre link
+is faster than a home one); a run whose workers are all behind NAT runs only with helpers.
 Per arm: the median round time (rounds after the first, which also waits for the workers to
 start), its ratio to the all-public arm's, the rounds every worker averaged over all of them,
 compute utilization (compute / wall), the helpers' median bytes a round (in + out, from their
@@ -62,9 +63,18 @@ def arms_of(nat_counts: list[int], helper_counts: list[int], workers: int) -> li
     return [(n, h) for n in nat_counts for h in helper_counts if n < workers or h > 0]
 
 
-def run_arm(behind_nat: int, *, workers: int, helpers: int = 0, rate: float, steps: int, out: Path) -> dict:
+def run_arm(
+    behind_nat: int,
+    *,
+    workers: int,
+    helpers: int = 0,
+    rate: float,
+    helper_rate: float | None = None,
+    steps: int,
+    out: Path,
+) -> dict:
     """One run of ``workers`` with the last ``behind_nat`` workers behind NAT and ``helpers``
-    helpers beside them; the row of the table."""
+    helpers beside them, on links of ``helper_rate`` (default ``rate``); the row of the table."""
     from diloco.config import load_config
     from diloco.tools.launcher import run_local
     from diloco.tools.testbed import Testbed
@@ -80,6 +90,8 @@ def run_arm(behind_nat: int, *, workers: int, helpers: int = 0, rate: float, ste
         open(run_dir / "launcher.log", "w") as log,
         contextlib.redirect_stdout(log),
     ):
+        for helper in range(workers, workers + helpers):
+            testbed.set_rate(helper, up_mbit=_or(helper_rate, rate), down_mbit=_or(helper_rate, rate))
         code = run_local(cfg, None, overrides, workers=workers, helpers=helpers, testbed=testbed)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [
@@ -102,6 +114,10 @@ def run_arm(behind_nat: int, *, workers: int, helpers: int = 0, rate: float, ste
     }
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def _helper_mb_per_round(run_dir: Path, helpers: int) -> float | None:
     """The helpers' median MB a round (in + out, all of them together, over the rounds they
     reduced), from their logs; 0 when they reduced none."""
@@ -115,10 +131,12 @@ def _helper_mb_per_round(run_dir: Path, helpers: int) -> float | None:
     return statistics.median(per_round.values()) if per_round else 0.0
 
 
-def format_table(rows: list[dict], rate: float, workers: int) -> str:
+def format_table(rows: list[dict], rate: float, workers: int, *, helper_rate: float | None = None) -> str:
     base = next((r["median_round_s"] for r in rows if r["behind_nat"] == 0 and not r.get("helpers")), None)
+    helpers_at = f", helpers at {helper_rate:g} Mbit/s" if helper_rate is not None else ""
     lines = [
-        f"{workers} workers at {rate:g} Mbit/s, H={SYNC_EVERY}, default config (NAT'd workers join as clients)",
+        f"{workers} workers at {rate:g} Mbit/s{helpers_at}, H={SYNC_EVERY}, default config "
+        "(NAT'd workers join as clients)",
         "",
         "| behind NAT | helpers | median round | / all public | rounds averaged by all | utilization "
         "| helpers' MB / round | params agree |",
@@ -136,7 +154,14 @@ def format_table(rows: list[dict], rate: float, workers: int) -> str:
 
 
 def run_nat_benchmark(
-    *, arms: list[int], workers: int, rate: float, steps: int, out: Path, helpers: list[int] | None = None
+    *,
+    arms: list[int],
+    workers: int,
+    rate: float,
+    steps: int,
+    out: Path,
+    helpers: list[int] | None = None,
+    helper_rate: float | None = None,
 ) -> int:
     from diloco.tools.testbed import testbed_unavailable
 
@@ -147,6 +172,9 @@ def run_nat_benchmark(
         print(f"bench nat: --nat counts workers behind NAT, 0 to --workers ({workers}, at least 2); got {arms}")
         return 2
     helpers = helpers or [0]
+    if helper_rate is not None and helper_rate < 0:
+        print(f"bench nat: --helper-rate={helper_rate:g} must be >= 0 Mbit/s (0 = unshaped)")
+        return 2
     if any(h < 0 for h in helpers) or not arms_of(arms, helpers, workers):
         print(f"bench nat: --helpers counts helpers (0 or more) and leaves no arm to run: {helpers}")
         return 2
@@ -154,9 +182,13 @@ def run_nat_benchmark(
     rows = []
     for behind_nat, helping in arms_of(arms, helpers, workers):
         print(f"bench nat: {behind_nat} of {workers} workers behind NAT, {helping} helpers ...", flush=True)
-        rows.append(run_arm(behind_nat, workers=workers, helpers=helping, rate=rate, steps=steps, out=out))
+        rows.append(
+            run_arm(
+                behind_nat, workers=workers, helpers=helping, rate=rate, helper_rate=helper_rate, steps=steps, out=out
+            )
+        )
     (out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(format_table(rows, rate, workers))
+    print(format_table(rows, rate, workers, helper_rate=helper_rate))
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1
 
 
@@ -166,6 +198,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="workers per arm (default 4)")
     parser.add_argument("--rate", type=float, default=20.0, help="each link's rate both ways, Mbit/s (default 20)")
     parser.add_argument("--helpers", default="0", help="helpers beside the workers, per arm: e.g. 0,1 (default 0)")
+    parser.add_argument("--helper-rate", type=float, help="each helper's link rate both ways, Mbit/s (default --rate)")
     parser.add_argument("--steps", type=int, default=200, help="inner steps per worker (default 200)")
     parser.add_argument("--out", default="runs/bench-nat", help="output folder")
 
@@ -174,6 +207,7 @@ def main(args) -> int:
     return run_nat_benchmark(
         arms=numbers(args.nat, int, "--nat"),
         helpers=numbers(args.helpers, int, "--helpers"),
+        helper_rate=args.helper_rate,
         workers=args.workers,
         rate=args.rate,
         steps=args.steps,
