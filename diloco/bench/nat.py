@@ -6,7 +6,8 @@ behind a home router of their own (masquerading NAT, nothing can dial in), all o
 config, so each NAT'd worker finds out it cannot be dialled and joins as a client. With
 ``--helpers`` each count of NAT'd workers also runs with that many helpers (``diloco helper``), each
 on a public link of its own (``--helper-rate``, default ``--rate``: a helper on a data-centre link
-is faster than a home one); a run whose workers are all behind NAT runs only with helpers.
+is faster than a home one; with it, every peer declares its rate, ``comm.bandwidth_mbps``, and the
+parts each reduces follow it); a run whose workers are all behind NAT runs only with helpers.
 Per arm: the median round time (rounds after the first, which also waits for the workers to
 start), its ratio to the all-public arm's, the rounds every worker averaged over all of them,
 compute utilization (compute / wall), the helpers' median bytes a round (in + out, from their
@@ -92,7 +93,18 @@ def run_arm(
     ):
         for helper in range(workers, workers + helpers):
             testbed.set_rate(helper, up_mbit=_or(helper_rate, rate), down_mbit=_or(helper_rate, rate))
-        code = run_local(cfg, None, overrides, workers=workers, helpers=helpers, testbed=testbed)
+        # each peer declares its link's rate: hivemind sizes the parts each reduces by it
+        declared = [f"comm.bandwidth_mbps={rate:g}"] if helper_rate is not None else []
+        helper_declared = (f"comm.bandwidth_mbps={helper_rate:g}",) if helper_rate is not None else ()
+        code = run_local(
+            cfg,
+            None,
+            [*overrides, *declared],
+            workers=workers,
+            helpers=helpers,
+            helper_overrides=helper_declared,
+            testbed=testbed,
+        )
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [
         [json.loads(line) for line in (run_dir / f"worker-{w}.jsonl").read_text().splitlines()] for w in range(workers)

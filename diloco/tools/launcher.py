@@ -153,17 +153,20 @@ def run_local(
     *,
     workers: int,
     helpers: int = 0,
+    helper_overrides: tuple[str, ...] = (),
     testbed: Testbed | None = None,
 ) -> int:
     """Run ``workers`` workers to the end, on loopback or each in its namespace of ``testbed``,
-    with ``helpers`` helpers beside them (``diloco helper``; in ``testbed``'s namespaces after the
-    workers'), stopped once the workers are done. Returns the exit code: 0 when every worker finished."""
+    with ``helpers`` helpers beside them (``diloco helper``, with ``helper_overrides`` on top; in
+    ``testbed``'s namespaces after the workers'), stopped once the workers are done. Returns the
+    exit code: 0 when every worker finished."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = threads_per_worker(workers)
     overrides = [*overrides, *_gpu_share(cfg, workers)]
     children: list[subprocess.Popen] = []
     helper_children: list[subprocess.Popen] = []
+    helper_codes: list[int | None] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
     bootstrap, peers = start_bootstrap(
@@ -184,11 +187,12 @@ def run_local(
         for i in range(workers, workers + helpers):
             log = (run_dir / f"helper-{i - workers}.log").open("ab")
             logs.append(log)
-            command = _helper_command(config_path, overrides, peers)
+            command = _helper_command(config_path, [*overrides, *helper_overrides], peers)
             if testbed:
                 command = testbed.command(i, [*command, f"comm.hivemind.host={testbed.address(i)}"])
             helper_children.append(_start_child(command, log))
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
+        helper_codes = [helper.poll() for helper in helper_children]  # None: still serving, as it should
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers ...", flush=True)
         stop_all(children)
@@ -205,6 +209,9 @@ def run_local(
     print(format_summary(summary))
     for i in failed:
         print(f"worker {i} failed (exit code {children[i].returncode}); see {run_dir / f'worker-{i}.log'}")
+    for i, code in enumerate(helper_codes):
+        if code not in (None, 0):
+            print(f"helper {i} failed (exit code {code}); see {run_dir / f'helper-{i}.log'}")
     return 1 if failed else 0
 
 
