@@ -143,13 +143,6 @@ class Cluster:
         self.others.append(process)
         return process
 
-    def helper(self, slot: int, *, log_name: str) -> subprocess.Popen:
-        """``diloco helper`` for the run, through the bootstrap peer (``slot``: its testbed namespace)."""
-        argv = [sys.executable, "-m", "diloco.cli", "helper", "--peers", self.peers[0], *self._common(1)]
-        process = self._spawn(slot, argv, log_name=log_name)
-        self.others.append(process)
-        return process
-
     def signal(self, index: int, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.processes[index].pid, signum)
