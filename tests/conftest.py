@@ -75,6 +75,11 @@ def read_records(run_dir: Path, worker: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / f"worker-{worker}.jsonl").read_text().splitlines()]
 
 
+def round_records(run_dir: Path, worker: int) -> list[dict]:
+    """Worker ``worker``'s round records, in order."""
+    return [r for r in read_records(run_dir, worker) if r["event"] == "round"]
+
+
 def log_tails(run_dir: Path, workers: int, lines: int = 30) -> str:
     """The last warnings and records of each worker's log, for an assertion's message: what a failed
     run did, where CI shows nothing else."""

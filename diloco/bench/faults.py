@@ -99,19 +99,11 @@ class Cluster:
         self._logs = []
 
     def _spawn(self, slot: int, argv: list[str], *, log_name: str) -> subprocess.Popen:
-        from diloco.lifetime import terminate_with_parent
+        from diloco.tools.launcher import start_child
 
-        if self.testbed is not None:
-            argv = self.testbed.command(slot, [*argv, f"comm.hivemind.host={self.testbed.address(slot)}"])
         log = (self.run_dir / log_name).open("ab")
         self._logs.append(log)
-        return subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
-        )
+        return start_child(argv, log, testbed=self.testbed, slot=slot)
 
     def _common(self, threads: int) -> list[str]:
         peers = "[" + ",".join(f"'{p}'" for p in self.peers) + "]"

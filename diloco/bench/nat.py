@@ -91,8 +91,9 @@ def run_arm(
         open(run_dir / "launcher.log", "w") as log,
         contextlib.redirect_stdout(log),
     ):
+        helper_mbit = rate if helper_rate is None else helper_rate
         for helper in range(workers, workers + helpers):
-            testbed.set_rate(helper, up_mbit=_or(helper_rate, rate), down_mbit=_or(helper_rate, rate))
+            testbed.set_rate(helper, up_mbit=helper_mbit, down_mbit=helper_mbit)
         # each peer declares its link's rate: hivemind sizes the parts each reduces by it
         declared = [f"comm.bandwidth_mbps={rate:g}"] if helper_rate is not None else []
         helper_declared = (f"comm.bandwidth_mbps={helper_rate:g}",) if helper_rate is not None else ()
@@ -124,10 +125,6 @@ def run_arm(
         "params_agree": summary["params_agree"],
         "run_dir": str(run_dir),
     }
-
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
 
 
 def _helper_mb_per_round(run_dir: Path, helpers: int) -> float | None:

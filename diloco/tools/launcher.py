@@ -181,16 +181,12 @@ def run_local(
             log = (run_dir / f"worker-{i}.log").open("ab")
             logs.append(log)
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
-            if testbed:
-                command = testbed.command(i, [*command, f"comm.hivemind.host={testbed.address(i)}"])
-            children.append(_start_child(command, log))
+            children.append(start_child(command, log, testbed=testbed, slot=i))
         for i in range(workers, workers + helpers):
             log = (run_dir / f"helper-{i - workers}.log").open("ab")
             logs.append(log)
             command = _helper_command(config_path, [*overrides, *helper_overrides], peers)
-            if testbed:
-                command = testbed.command(i, [*command, f"comm.hivemind.host={testbed.address(i)}"])
-            helper_children.append(_start_child(command, log))
+            helper_children.append(start_child(command, log, testbed=testbed, slot=i))
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
         helper_codes = [helper.poll() for helper in helper_children]  # None: still serving, as it should
     except KeyboardInterrupt:
@@ -215,9 +211,12 @@ def run_local(
     return 1 if failed else 0
 
 
-def _start_child(command: list[str], log) -> subprocess.Popen:
+def start_child(command: list[str], log, *, testbed: Testbed | None = None, slot: int = 0) -> subprocess.Popen:
     """A worker or helper child writing to ``log``, in its own session (a terminal's Ctrl-C reaches
-    the launcher only, which stops them in order), dying with the launcher."""
+    the launcher only, which stops them in order), dying with the launcher; in ``testbed``'s
+    namespace ``slot``, listening at its address, when given."""
+    if testbed is not None:
+        command = testbed.command(slot, [*command, f"comm.hivemind.host={testbed.address(slot)}"])
     return subprocess.Popen(
         command,
         stdout=log,

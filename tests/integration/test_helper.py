@@ -10,7 +10,7 @@ import pytest
 
 from diloco.tools import testbed as nets
 from diloco.tools.testbed import leftovers
-from tests.conftest import TINY, read_records
+from tests.conftest import TINY, round_records
 
 pytestmark = [
     pytest.mark.integration,
@@ -22,10 +22,6 @@ pytestmark = [
 DEADLINE_S = 20.0
 FAST = [*TINY, "comm.hivemind.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}"]
 REDUCED = re.compile(r"^round (\d+): reduced parts for (\d+) workers", re.MULTILINE)
-
-
-def _rounds(run_dir, worker: int) -> list[dict]:
-    return [r for r in read_records(run_dir, worker) if r["event"] == "round"]
 
 
 def _reduced(log: str) -> dict[int, int]:
@@ -48,7 +44,7 @@ def test_three_workers_all_behind_nat_average_every_round_through_a_public_helpe
     # the helper starts once the workers announce what they average: it may miss the first round
     assert len(reduced) >= 3 and set(reduced.values()) == {3}, helper_log[-3000:]
     first = min(reduced)
-    rounds = [_rounds(run_dir, worker) for worker in range(3)]
+    rounds = [round_records(run_dir, worker) for worker in range(3)]
     for worker in range(3):
         log = (run_dir / f"worker-{worker}.log").read_text()
         assert "not reachable from outside" in log, log[-2000:]  # each is a client

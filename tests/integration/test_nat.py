@@ -12,7 +12,7 @@ from diloco.bench.faults import Cluster
 from diloco.comm.bounds import round_limit_s
 from diloco.tools import testbed as nets
 from diloco.tools.testbed import Testbed, leftovers
-from tests.conftest import TINY, log_tails, read_records
+from tests.conftest import TINY, log_tails, read_records, round_records
 
 pytestmark = [
     pytest.mark.integration,
@@ -23,10 +23,6 @@ pytestmark = [
 
 CLIENT = "not reachable from outside at 192.168."
 FAST = [*TINY, "comm.hivemind.matchmaking_s=8", "comm.deadline_s=20"]
-
-
-def _rounds(run_dir, worker: int) -> list[dict]:
-    return [r for r in read_records(run_dir, worker) if r["event"] == "round"]
 
 
 def test_two_workers_behind_nat_average_with_a_public_one_and_agree_after_a_round_none_averaged(diloco_cli, tmp_path):
@@ -55,14 +51,14 @@ def test_two_workers_behind_nat_average_with_a_public_one_and_agree_after_a_roun
     # ends its last round whole or on a peer's state (on a loaded machine a client can miss the
     # last round's group by more than comm.hivemind.matchmaking_s: then it takes the state of the bigger group)
     for worker in range(3):
-        numbers = [r["round"] for r in _rounds(run_dir, worker)]
+        numbers = [r["round"] for r in round_records(run_dir, worker)]
         assert numbers[0] in ((1,) if worker == 0 else (1, 2)) and numbers[-1] == 4, numbers
         assert numbers == sorted(set(numbers)), numbers
-        rounds = _rounds(run_dir, worker)
+        rounds = round_records(run_dir, worker)
         assert rounds[0]["round"] == 2 or not rounds[0]["ok"], rounds
         assert any(r["ok"] and r["peers"] == 3 for r in rounds[1:]), (rounds, log_tails(run_dir, 3))
         assert rounds[-1]["ok"] or rounds[-1]["recovered"], (rounds, log_tails(run_dir, 3))
-    hashes = [_rounds(run_dir, worker)[-1]["param_sha256"] for worker in range(3)]
+    hashes = [round_records(run_dir, worker)[-1]["param_sha256"] for worker in range(3)]
     assert hashes[0] == hashes[1] == hashes[2], hashes
     assert json.loads((run_dir / "summary.json").read_text())["params_agree"]
     assert set(leftovers()) <= before
@@ -82,10 +78,10 @@ def test_with_client_mode_forced_off_no_worker_calls_a_round_ok_that_lost_parts(
     # came late); a round whole among two is ok. Over all three, some part always misses a NAT'd
     # worker's contribution: such a round is partial, never ok with 3
     for worker in range(3):
-        rounds = _rounds(run_dir, worker)
+        rounds = round_records(run_dir, worker)
         assert rounds and not any(r["ok"] and r["peers"] == 3 for r in rounds), (worker, rounds)
     log = (run_dir / "worker-0.log").read_text()
-    for record in _rounds(run_dir, 0):
+    for record in round_records(run_dir, 0):
         if record["partial"]:
             assert not record["ok"] and record["peers"] == 2, record
             assert "part of the vector was averaged over only 2 of 3 contributions" in log
@@ -110,7 +106,7 @@ def test_a_worker_behind_nat_joining_mid_run_takes_the_runs_state(tmp_path):
     assert "as worker 2 (2 live)" in log and CLIENT in log and "took the state after round" in log, log[-3000:]
     ends = [next(r for r in read_records(run_dir, w) if r["event"] == "end") for w in range(3)]
     assert len({end["param_sha256"] for end in ends}) == 1, ends
-    assert any(r["ok"] and r["peers"] == 3 for r in _rounds(run_dir, 2))  # it averaged with both, as a client
+    assert any(r["ok"] and r["peers"] == 3 for r in round_records(run_dir, 2))  # it averaged with both, as a client
 
 
 def test_a_run_no_worker_of_which_can_be_dialled_says_so_and_waits_no_longer_than_its_bounds(diloco_cli, tmp_path):
@@ -128,4 +124,4 @@ def test_a_run_no_worker_of_which_can_be_dialled_says_so_and_waits_no_longer_tha
         assert CLIENT in log, log[-2000:]
         assert "no worker of the run that can be dialled is live" in log, log[-2000:]
         assert "forward a port and set comm.hivemind.announce_host, or start one worker on a public address" in log
-        assert all(r["comm_s"] <= round_limit_s(deadline_s) for r in _rounds(run_dir, worker))
+        assert all(r["comm_s"] <= round_limit_s(deadline_s) for r in round_records(run_dir, worker))

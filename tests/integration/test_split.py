@@ -10,7 +10,7 @@ import pytest
 
 from diloco.bench.faults import FaultRun, run_scenario
 from diloco.tools import testbed as nets
-from tests.conftest import TINY, log_tails, read_records
+from tests.conftest import TINY, log_tails, round_records
 
 pytestmark = [
     pytest.mark.integration,
@@ -22,10 +22,6 @@ pytestmark = [
 # 14 rounds of at least 7.5 s: the split is seen in round 3 or 4 and the run was one model again by
 # round 5 or 6 on 2 idle cores, by round 8 beside a busy one; the rounds after that only add time
 WORKERS, STEPS, SYNC_EVERY, RUN_S = 4, 280, 20, 105.0
-
-
-def _rounds(run_dir, worker: int) -> list[dict]:
-    return [r for r in read_records(run_dir, worker) if r["event"] == "round"]
 
 
 @pytest.mark.parametrize("sides", [((0, 1), (2, 3)), ((0, 1, 2), (3,))], ids=["2-2", "3-1"])
@@ -48,7 +44,7 @@ def test_a_split_run_records_the_split_and_ends_on_one_model_after_the_network_h
     for side in sides:
         others = sorted(set(range(WORKERS)) - set(side))
         for worker in side:
-            rounds = _rounds(run_dir, worker)
+            rounds = round_records(run_dir, worker)
             # the split is seen: the other side is missing from the worker's records (the scenario
             # heals only once every worker recorded that, and fails if one never does)
             split = [r for r in rounds if set(others) <= set(r.get("missing", ()))]

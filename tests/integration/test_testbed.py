@@ -75,7 +75,7 @@ def test_the_gloo_data_plane_averages_across_namespaces(diloco_cli, tmp_path):
     rounds = [[r for r in worker if r["event"] == "round"] for worker in records]
     assert [len(worker) for worker in rounds] == [2, 2], rounds
     # the rounds that both workers averaged whole: on 2 busy cores hivemind's matchmaking can end a
-    # round for one worker only (seen once in CI), which then fails within its bound (tested elsewhere)
+    # round for one worker only, which then fails within its bound (tested elsewhere)
     whole = [(a, b) for a, b in zip(*rounds) if a["ok"] and b["ok"] and a["peers"] == b["peers"] == 2]
     said = [[{k: r.get(k) for k in ("round", "ok", "peers", "error")} for r in worker] for worker in rounds]
     assert whole, (said, done.stdout[-4000:])

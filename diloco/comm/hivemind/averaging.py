@@ -215,14 +215,13 @@ class HivemindAveraging(Averaging):
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
         expected, helpers = self._group_size(), self._helpers()
-        self._roster.group = max(2, expected + helpers)  # announced: a helper waits for the same group
         deadline = time.monotonic() + deadline_s
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind
         limit = time.monotonic() + round_limit_s(deadline_s)
-        result = self.group_round.run(
-            averager, flat, tensors, weight, Attempt(round_index, 0, expected, deadline_s, limit, helpers)
-        )
+        first = Attempt(round_index, 0, expected, deadline_s, limit, helpers)
+        self._roster.group = first.group_size  # announced: a helper waits for the same group
+        result = self.group_round.run(averager, flat, tensors, weight, first)
         if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
             return self._average_alone(tensors, weight, round_index=round_index)
         remaining = deadline - time.monotonic()
@@ -299,6 +298,11 @@ class HivemindAveraging(Averaging):
     def finish(self) -> None:
         """Our last round may be over while we still send a peer its averaged parts (we reduced them
         for it): wait for those replies to go out, at most a moment."""
-        deadline = time.monotonic() + self._peer.control_s
-        while any(a.traffic.serving() for a in self.averagers) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
+        wait_for_replies(self.averagers, timeout_s=self._peer.control_s)
+
+
+def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:
+    """Until ``averagers`` have sent every averaged part they reduced for a peer, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(a.traffic.serving() for a in averagers) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline

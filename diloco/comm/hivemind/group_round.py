@@ -33,6 +33,26 @@ _ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any 
 _POLL_S = 1.0  # how often a worker waiting for a group checks whether the others went ahead
 
 
+def await_result(control, *, limit: float, pointless: Callable[[], str], stage: Callable[[str], None] = lambda _: None):
+    """The result of hivemind's step ``control``, polled every ``_POLL_S`` (each poll tells ``stage``
+    whether it is matchmaking or averaging). It is cancelled with ``TimeoutError`` at ``limit``
+    (monotonic time), or, while still matchmaking, once ``pointless()`` says why waiting is."""
+    started = time.monotonic()
+    while True:
+        stage("averaging" if control.began_allreduce else "matchmaking")
+        try:
+            return control.result(timeout=max(0.0, min(_POLL_S, limit - time.monotonic())))
+        except concurrent.futures.TimeoutError:
+            pass
+        if time.monotonic() >= limit:
+            where = "the all-reduce" if control.began_allreduce else "matchmaking"
+            control.cancel()
+            raise TimeoutError(f"no result from the averager after {time.monotonic() - started:.0f} s in {where}")
+        if not control.began_allreduce and (why := pointless()):
+            control.cancel()
+            raise TimeoutError(why)
+
+
 def round_group_bits(round_index: int, attempt: int = 0) -> str:
     """The hivemind group bits that key a round's matchmaking on the DHT (a retry gets its own key)."""
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
@@ -178,23 +198,13 @@ class GroupRound:
         round's state averaged in a group (the others went ahead without it: it came late) stops
         looking, instead of matchmaking alone until the deadline; the catch-up then takes that state.
         At ``limit`` (monotonic time) it stops waiting whatever hivemind is doing."""
-        started = time.monotonic()
-        while True:
-            self._stage("averaging" if control.began_allreduce else "matchmaking")
-            try:
-                return control.result(timeout=max(0.0, min(_POLL_S, limit - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                pass
-            if time.monotonic() >= limit:
-                stage = "the all-reduce" if control.began_allreduce else "matchmaking"
-                control.cancel()
-                raise TimeoutError(f"no result from the averager after {time.monotonic() - started:.0f} s in {stage}")
-            if not control.began_allreduce and self._others_averaged(round_index):
-                control.cancel()
-                raise TimeoutError("the others averaged this round without us")
-            if not control.began_allreduce and self._others_gone():
-                control.cancel()
-                raise TimeoutError("no other worker of the run is live")
+
+        def pointless() -> str:
+            if self._others_averaged(round_index):
+                return "the others averaged this round without us"
+            return "no other worker of the run is live" if self._others_gone() else ""
+
+        return await_result(control, limit=limit, pointless=pointless, stage=self._stage)
 
     def _result(
         self, averager, tensors, weight: float, gathered: dict, screening: Screening, codec, traffic

@@ -26,9 +26,10 @@ import torch
 
 from diloco.comm.base import CommConfig, CommError
 from diloco.comm.bounds import round_limit_s
-from diloco.comm.hivemind.averaging import start_averager
-from diloco.comm.hivemind.group_round import round_group_bits
+from diloco.comm.hivemind.averaging import start_averager, wait_for_replies
+from diloco.comm.hivemind.group_round import await_result, round_group_bits
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
+from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import TTL_S, Roster
 from diloco.compression import Codec
@@ -78,6 +79,7 @@ class Helper:
                 cfg, self.peer, tensors, codec=codec, fragment=0, num_workers=planned, auxiliary=True
             )
             self.roster = Roster(self.peer.call, run_id=cfg.run_id, worker_index=-1, planned=planned)
+            self.membership = HivemindMembership(self.roster, self.peer, num_workers=planned)  # what it reads
             self.record = HelperRecord(
                 self.peer.call, run_id=cfg.run_id, peer_id=str(self.peer.peer_id), addresses=self.addresses
             )
@@ -122,7 +124,7 @@ class Helper:
         """Join round ``round_index``'s group: of the size the workers announced, or (a worker that
         counted the helpers before this one was up) of the live workers and helpers, this one
         included, whichever is more; if it broke inside the all-reduce, the workers' retry too."""
-        group_size = max(announced, self._expected() + live_helpers(self.peer.call, self.cfg.run_id), 2)
+        group_size = max(announced, self.membership.expected_peers() + live_helpers(self.peer.call, self.cfg.run_id), 2)
         result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s)
         if result.error and result.bytes_recv:  # the group formed and broke: the survivors try once more
             retry = self._attempt(round_index, 1, group_size, 2 * self.cfg.hivemind.matchmaking_s)
@@ -131,13 +133,6 @@ class Helper:
             retry.seconds += result.seconds
             result = retry
         return result
-
-    def _expected(self) -> int:
-        try:
-            return self.roster.expected()
-        except Exception:  # the DHT did not answer: the plan
-            logger.debug("roster read failed", exc_info=True)
-            return self.roster.planned
 
     def _attempt(self, round_index: int, attempt: int, group_size: int, timeout_s: float) -> Reduced:
         averager = self.averager
@@ -148,47 +143,28 @@ class Helper:
                 round_group_bits(round_index, attempt), target_group_size=group_size, timeout_s=self.peer.control_s
             )
             control = averager.step(gather={HELPER: True}, timeout=timeout_s, wait=False)
-            gathered = self._await(control, round_index, limit=started + round_limit_s(timeout_s))
+            gathered = await_result(
+                control, limit=started + round_limit_s(timeout_s), pointless=lambda: self._past(round_index)
+            )
             if gathered is None:
                 error = "no group found before the deadline"
             else:
                 workers = len(contributors(gathered))
-                self._replies_sent()
+                # the round is over once the reducers finished: the replies' bytes count too
+                wait_for_replies([averager], timeout_s=self.peer.control_s)
         except Exception as failure:  # hivemind raises a zoo of errors; a failed round is a result
             error = f"{type(failure).__name__}: {failure}".strip()
         sent, recv, _, _ = averager.traffic.read()
         return Reduced(round_index, workers, recv - recv_before, sent - sent_before, time.monotonic() - started, error)
 
-    def _await(self, control, round_index: int, *, limit: float):
-        """The step's result; it stops looking for a group once every live worker is past the round
-        (they averaged it without us), and stops waiting at ``limit`` (monotonic time)."""
-        since = time.monotonic()
-        while True:
-            try:
-                return control.result(timeout=max(0.0, min(1.0, limit - time.monotonic())))
-            except TimeoutError:
-                pass
-            if time.monotonic() >= limit:
-                control.cancel()
-                raise TimeoutError(f"no result from the averager after {time.monotonic() - since:.0f} s")
-            if not control.began_allreduce and self._past(round_index):
-                control.cancel()
-                raise TimeoutError("the workers averaged this round without us")
-
-    def _past(self, round_index: int) -> bool:
-        """Whether every live worker has finished round ``round_index``."""
+    def _past(self, round_index: int) -> str:
+        """Why looking for round ``round_index``'s group is pointless: every live worker has finished it."""
         try:
             entries = [e for e in self.roster.entries().values() if not e.leaving]
         except Exception:  # the DHT did not answer this time: keep looking
-            return False
-        return bool(entries) and all(entry.round > round_index for entry in entries)
-
-    def _replies_sent(self) -> None:
-        """The round is over once the reducers finished; wait (a moment at most) for the averaged
-        parts to go out to the workers, so that the round's bytes count them."""
-        deadline = time.monotonic() + self.peer.control_s
-        while self.averager.traffic.serving() and time.monotonic() < deadline:
-            time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
+            return ""
+        past = bool(entries) and all(entry.round > round_index for entry in entries)
+        return "the workers averaged this round without us" if past else ""
 
     def shutdown(self) -> None:
         """Say it is gone (no round waits for it), then stop its averager and its peer."""
