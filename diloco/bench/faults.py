@@ -88,10 +88,13 @@ class Cluster:
     when a testbed is given). ``close()`` stops them all; use it as a context manager."""
 
     def __init__(self, overrides: Sequence[str], run_dir: Path, *, slots: int, testbed=None, run_key: str = ""):
+        from diloco.tools import warm_start
         from diloco.tools.launcher import start_bootstrap
 
         self.overrides, self.run_dir, self.slots, self.testbed = list(overrides), run_dir, slots, testbed
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if testbed is None:
+            warm_start.prepare()  # the workers' imports while the bootstrap peer starts
         host = testbed.host if testbed else "127.0.0.1"
         self.bootstrap, self.peers = start_bootstrap(host=host, timeout_s=120, run_key=run_key)
         self.processes: dict[int, subprocess.Popen] = {}

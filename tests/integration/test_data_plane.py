@@ -16,6 +16,7 @@ import torch
 
 from diloco.comm.base import CommConfig, HivemindConfig
 from diloco.comm.hivemind.gloo_plane import ring_bytes
+from diloco.tools import warm_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -67,7 +68,7 @@ def _run_peers(count: int, planes: list[str], bad: dict[int, str] | None = None,
 
     bad = bad or {}
     bootstrap = start_dht(HivemindConfig())
-    context = mp.get_context("spawn")
+    context = warm_start.context()  # a fresh process each, forked with torch and hivemind imported
     results = context.Queue()
     peers = [
         context.Process(target=_peer, args=(i, count, visible_addresses(bootstrap), planes[i], bad.get(i, ""), results))

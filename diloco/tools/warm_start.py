@@ -1,0 +1,146 @@
+"""Starting ``diloco`` commands on this machine in a fraction of a second: forked from a warm process.
+
+A fresh ``python -m diloco.cli train`` spends 3-4 s of CPU importing PyTorch (its compiler stack
+comes with the first optimizer step), hivemind and SciPy before it does anything; a launcher that
+starts four workers on two cores waited about 10 s for that. On Linux, ``diloco local`` (and the
+test cluster of ``diloco bench faults``) asks a fork server for each worker instead:
+multiprocessing's ``forkserver``, one per launcher, started once with those modules imported and
+no thread running, forks a child that runs the command's module as ``python -m`` would
+(``runpy``). The child is the process the command line would have started, as far as anyone can
+see: its own session (the launcher stops its whole tree with ``killpg``), its log as stdout and
+stderr, the launcher's working directory and environment, SIGTERM when the launcher dies however
+it dies (the server exits with the launcher and the child dies with the server), the command's
+exit status and the exit handlers run.
+
+Commands that must run elsewhere (in a testbed's network namespace, through ``ip netns exec``)
+and other platforms start the usual way: ``launcher.start_child`` picks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import multiprocessing.forkserver as forkserver
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from diloco.lifetime import die_with_parent
+
+# what the server imports once, so that no child does: the command line, a worker's and a helper's
+# modules and what they pull in (torch, hivemind, scipy), and PyTorch's compiler stack, which the
+# first optimizer step imports
+PRELOAD = ["torch", "torch._dynamo", "diloco.cli", "diloco.worker.build", "diloco.tools.helper"]
+MODULES = {"diloco.cli"}  # the modules whose ``python -m`` command lines start warm
+AVAILABLE = sys.platform == "linux"
+
+
+def starts_warm(command: list[str]) -> bool:
+    """Whether ``command`` (a whole command line) is a ``python -m diloco.cli ...`` a warm start can run."""
+    return AVAILABLE and command[:2] == [sys.executable, "-m"] and len(command) > 2 and command[2] in MODULES
+
+
+class WarmChild:
+    """A forked command, seen as ``subprocess.Popen`` shows a child: ``pid``, ``returncode``,
+    ``poll()``, ``wait(timeout)``, ``send_signal``, ``terminate``, ``kill``."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]):
+        self._process, self.args = process, args
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def prepare() -> None:
+    """Start this process's server now, so that its imports overlap the caller's other work (the
+    first ``start`` waits for them otherwise). The server exits with this process."""
+    if AVAILABLE:
+        context()
+        forkserver.ensure_running()
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes this process's warm server forks (Linux only)."""
+    forked = multiprocessing.get_context("forkserver")
+    forked.set_forkserver_preload(PRELOAD)
+    return forked
+
+
+def start(command: list[str], log: Path) -> WarmChild:
+    """Run ``command`` (``starts_warm``) in a child forked from this process's warm server, writing
+    to ``log`` (appended)."""
+    module, args = command[2], command[3:]
+    process = context().Process(
+        target=_run, args=(module, args, str(log), os.getcwd(), dict(os.environ)), name=module, daemon=False
+    )
+    process.start()
+    return WarmChild(process, command)
+
+
+def _untie_from_the_server() -> None:
+    """The server hands each child its "alive" pipe and the resource tracker's: a child that kept
+    them would keep both alive after the launcher died, and the server would keep the child alive
+    in turn (it dies with the server). Closed here, the server goes with the launcher."""
+    from multiprocessing import resource_tracker
+
+    for owner, name in ((forkserver._forkserver, "_forkserver_alive_fd"), (resource_tracker._resource_tracker, "_fd")):
+        descriptor = getattr(owner, name, None)
+        if descriptor is not None:
+            os.close(descriptor)
+            setattr(owner, name, None)
+
+
+def _run(module: str, args: list[str], log: str, cwd: str, environ: dict[str, str]) -> None:
+    """In the forked child: become the command's process, run ``python -m module args`` as the
+    interpreter would (``runpy``), exit with its status."""
+    _untie_from_the_server()
+    os.setsid()
+    die_with_parent(signal.SIGTERM)  # the server, which exits when the launcher does
+    descriptor = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    multiprocessing.set_start_method(None, force=True)  # the platform's own, not the server's, for its children
+    sys.argv = [module, *args]
+    sys.modules.pop(module, None)  # run as __main__ alone, as python -m runs it (the server imported it)
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # as the interpreter would: the traceback on stderr, status 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()  # the exit handlers the command's interpreter would run at its end
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
