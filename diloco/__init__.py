@@ -8,8 +8,10 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
 - ``cli.py``          the ``diloco`` command
 - ``bench/``          ``diloco bench overhead / quality / compression / utilization / faults / nat / scale / gpu /
                       gpu-train``
-- ``tools/``          the local launcher (``diloco local``), the network testbed, ``diloco status``, ``diloco plot``,
-                      ``diloco corpus``, a volunteer's way into a live run (``diloco join``), the bootstrap peer
+- ``tools/``          the local launcher (``diloco local``) and its warm start (workers forked from a
+                      process that imported torch and hivemind once), the network testbed, ``diloco status``,
+                      ``diloco plot``, ``diloco corpus``, a volunteer's way into a live run (``diloco join``),
+                      the bootstrap peer
 - ``worker/``         one worker at run time: ``train.py``, the loop, read top to bottom; how rounds
                       sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement and
                       sites (several GPUs as one worker); joining a live run; checkpoints; records and

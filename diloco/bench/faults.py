@@ -93,8 +93,7 @@ class Cluster:
 
         self.overrides, self.run_dir, self.slots, self.testbed = list(overrides), run_dir, slots, testbed
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if testbed is None:
-            warm_start.prepare()  # the workers' imports while the bootstrap peer starts
+        warm_start.prepare()  # the workers' imports while the bootstrap peer starts
         host = testbed.host if testbed else "127.0.0.1"
         self.bootstrap, self.peers = start_bootstrap(host=host, timeout_s=120, run_key=run_key)
         self.processes: dict[int, subprocess.Popen] = {}

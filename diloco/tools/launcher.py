@@ -6,8 +6,8 @@ process instead, taking turns (see ``diloco/comm/simulator.py``); the run direct
 the same.
 
 Each worker is a real ``diloco train`` process in its own session (so a terminal's Ctrl-C
-reaches only this launcher, which stops the workers in order; on loopback forked from a warm
-process, ``warm_start.py``, which saves each seconds of imports) with ``cores / M`` torch threads
+reaches only this launcher, which stops the workers in order; forked from a warm process,
+``warm_start.py``, which saves each seconds of imports) with ``cores / M`` torch threads
 (several workers on one machine slow each other far more than the sum of their work
 otherwise). Worker output goes to ``RUN_DIR/worker-<i>.log``; progress is read from the
 workers' JSONL records. At the end the launcher writes ``summary.json`` and prints it.
@@ -171,8 +171,7 @@ def run_local(
     helper_codes: list[int | None] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
-    if testbed is None:
-        warm_start.prepare()  # its imports while the bootstrap peer starts
+    warm_start.prepare()  # its imports while the bootstrap peer starts
     bootstrap, peers = start_bootstrap(
         host=host, timeout_s=cfg.comm.hivemind.startup_timeout_s, run_key=cfg.comm.run_key
     )
@@ -222,10 +221,12 @@ def start_child(
     the launcher only, which stops them in order), dying with the launcher; in ``testbed``'s
     namespace ``slot``, listening at its address, when given. A ``diloco`` command on this machine
     is forked from a warm process (``warm_start.py``), which saves it seconds of imports."""
-    if testbed is None and warm_start.starts_warm(command):
-        return warm_start.start(command, Path(log.name))
     if testbed is not None:
-        command = testbed.command(slot, [*command, f"comm.hivemind.host={testbed.address(slot)}"])
+        command = [*command, f"comm.hivemind.host={testbed.address(slot)}"]
+    if warm_start.starts_warm(command):
+        return warm_start.start(command, Path(log.name), netns=testbed.namespace(slot) if testbed else None)
+    if testbed is not None:
+        command = testbed.command(slot, command)
     return subprocess.Popen(
         command,
         stdout=log,

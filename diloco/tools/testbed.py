@@ -25,6 +25,7 @@ killed with -9 left behind.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -254,6 +255,35 @@ class Testbed:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_REC, _MS_SLAVE, _MS_BIND = 0x4000, 0x80000, 0x1000
+
+
+def enter_namespace(namespace: str) -> None:
+    """Move this process into ``namespace``'s network, as ``ip netns exec`` does before it execs:
+    setns(2) into it, then a mount namespace of its own with ``/etc/netns/NAME``'s files over
+    ``/etc``'s (the resolver, ``_no_resolver``); ``/sys`` is not remounted (nothing here reads it).
+    Everything the process starts afterwards is there too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def call(result: int, what: str) -> None:
+        if result != 0:
+            error = ctypes.get_errno()
+            raise TestbedError(f"cannot enter namespace {namespace}: {what}: {os.strerror(error)}")
+
+    descriptor = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        call(libc.setns(descriptor, _CLONE_NEWNET), "setns")
+    finally:
+        os.close(descriptor)
+    call(libc.unshare(_CLONE_NEWNS), "unshare")
+    call(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    folder = _NETNS_ETC / namespace
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+        source, target = str(entry).encode(), str(Path("/etc") / entry.name).encode()
+        call(libc.mount(source, target, b"none", _MS_BIND, None), f"bind {entry} over /etc")
 
 
 def _no_resolver(namespace: str) -> None:

@@ -12,8 +12,9 @@ stderr, the launcher's working directory and environment, SIGTERM when the launc
 it dies (the server exits with the launcher and the child dies with the server), the command's
 exit status and the exit handlers run.
 
-Commands that must run elsewhere (in a testbed's network namespace, through ``ip netns exec``)
-and other platforms start the usual way: ``launcher.start_child`` picks.
+A command for a testbed's network namespace enters it in the child, as ``ip netns exec`` would
+(``testbed.enter_namespace``). Other platforms, and any launcher run with ``DILOCO_WARM_START=0``,
+start each command as a fresh interpreter: ``launcher.start_child`` picks.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ import traceback
 from pathlib import Path
 
 from diloco.lifetime import die_with_parent
+from diloco.tools.testbed import enter_namespace
 
 # what the server imports once, so that no child does: the command line, a worker's and a helper's
 # modules and what they pull in (torch, hivemind, scipy), and PyTorch's compiler stack, which the
 # first optimizer step imports
 PRELOAD = ["torch", "torch._dynamo", "diloco.cli", "diloco.worker.build", "diloco.tools.helper"]
 MODULES = {"diloco.cli"}  # the modules whose ``python -m`` command lines start warm
-AVAILABLE = sys.platform == "linux"
+# ``DILOCO_WARM_START=0`` starts every command as a fresh interpreter instead
+AVAILABLE = sys.platform == "linux" and os.environ.get("DILOCO_WARM_START", "1") != "0"
 
 
 def starts_warm(command: list[str]) -> bool:
@@ -91,12 +94,12 @@ def context() -> multiprocessing.context.BaseContext:
     return forked
 
 
-def start(command: list[str], log: Path) -> WarmChild:
+def start(command: list[str], log: Path, *, netns: str | None = None) -> WarmChild:
     """Run ``command`` (``starts_warm``) in a child forked from this process's warm server, writing
-    to ``log`` (appended)."""
+    to ``log`` (appended); in the network namespace ``netns`` when given (as ``ip netns exec``)."""
     module, args = command[2], command[3:]
     process = context().Process(
-        target=_run, args=(module, args, str(log), os.getcwd(), dict(os.environ)), name=module, daemon=False
+        target=_run, args=(module, args, str(log), netns, os.getcwd(), dict(os.environ)), name=module, daemon=False
     )
     process.start()
     return WarmChild(process, command)
@@ -115,7 +118,7 @@ def _untie_from_the_server() -> None:
             setattr(owner, name, None)
 
 
-def _run(module: str, args: list[str], log: str, cwd: str, environ: dict[str, str]) -> None:
+def _run(module: str, args: list[str], log: str, netns: str | None, cwd: str, environ: dict[str, str]) -> None:
     """In the forked child: become the command's process, run ``python -m module args`` as the
     interpreter would (``runpy``), exit with its status."""
     _untie_from_the_server()
@@ -125,6 +128,8 @@ def _run(module: str, args: list[str], log: str, cwd: str, environ: dict[str, st
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
     os.close(descriptor)
+    if netns is not None:
+        enter_namespace(netns)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
