@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.tools import warm_start
+
 # One intra-op thread, here and in every process a test starts (they inherit the environment;
 # TINY sets worker.threads=1 for the commands that would set their own): the tests' models are
 # tiny, and on a 2-core machine running several processes at once, 2 threads a process make them
@@ -44,26 +46,28 @@ TINY = [
 
 
 @pytest.fixture
-def diloco_cli():
-    """Run ``python -m diloco.cli ARGS`` in its own session; kill the whole session afterwards."""
-    started: list[subprocess.Popen] = []
+def diloco_cli(tmp_path_factory):
+    """Run ``python -m diloco.cli ARGS`` in its own session (forked from the warm server, as the
+    launcher starts its workers, when it can); kill the whole session afterwards."""
+    started = []
+    logs = tmp_path_factory.mktemp("diloco-cli")
 
     def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
+        command = [sys.executable, "-m", "diloco.cli", *args]
+        log = logs / f"{len(started)}.log"
+        if warm_start.starts_warm(command):
+            process = warm_start.start(command, log)
+        else:
+            with log.open("wb") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         started.append(process)
         try:
-            output, _ = process.communicate(timeout=timeout)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"diloco {' '.join(args)} did not finish in {timeout} s:\n{output[-3000:]}")
-        return subprocess.CompletedProcess(process.args, process.returncode, output, "")
+            process.wait(timeout=30)
+            pytest.fail(f"diloco {' '.join(args)} did not finish in {timeout} s:\n{log.read_text()[-3000:]}")
+        return subprocess.CompletedProcess(command, process.returncode, log.read_text(), "")
 
     yield run
     for process in started:
