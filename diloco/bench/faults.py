@@ -40,6 +40,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diloco.tools.launcher import Child
 
 RUN_KEY = "bench-faults-key"
 KEY_ATTEMPT_S = 30.0  # wrong_key: one diloco join attempt (a process start, then a roster probe of 10 s)
@@ -96,11 +100,11 @@ class Cluster:
         warm_start.prepare()  # the workers' imports while the bootstrap peer starts
         host = testbed.host if testbed else "127.0.0.1"
         self.bootstrap, self.peers = start_bootstrap(host=host, timeout_s=120, run_key=run_key)
-        self.processes: dict[int, subprocess.Popen] = {}
-        self.others: list[subprocess.Popen] = []
+        self.processes: dict[int, Child] = {}
+        self.others: list[Child] = []
         self._logs = []
 
-    def _spawn(self, slot: int, argv: list[str], *, log_name: str) -> subprocess.Popen:
+    def _spawn(self, slot: int, argv: list[str], *, log_name: str) -> Child:
         from diloco.tools.launcher import start_child
 
         log = (self.run_dir / log_name).open("ab")
@@ -116,14 +120,14 @@ class Cluster:
             f"comm.hivemind.initial_peers={peers}",
         ]
 
-    def start(self, index: int, extra: Sequence[str] = (), *, threads: int = 1) -> subprocess.Popen:
+    def start(self, index: int, extra: Sequence[str] = (), *, threads: int = 1) -> Child:
         argv = [sys.executable, "-m", "diloco.cli", "train", *self._common(threads), f"worker.index={index}", *extra]
         self.processes[index] = self._spawn(index, argv, log_name=f"worker-{index}.log")
         return self.processes[index]
 
     def join(
         self, extra: Sequence[str] = (), *, slot: int, threads: int = 1, log_name: str = "", only_address: bool = False
-    ) -> subprocess.Popen:
+    ) -> Child:
         """``diloco join`` through the bootstrap peer (``slot`` only picks the testbed namespace).
         With ``only_address`` the joiner passes none of the run's settings, only its own machine's
         and the run's id: the run's config comes from a live peer."""
@@ -455,7 +459,7 @@ class _RunLiveness:
     """Whether a run is still going, as a peer trying to reach it would see it: its worker has
     neither exited nor written its end record (after which it leaves the run)."""
 
-    def __init__(self, run_dir: Path, worker: subprocess.Popen, index: int = 0):
+    def __init__(self, run_dir: Path, worker: Child, index: int = 0):
         self.run_dir, self.worker, self.index = run_dir, worker, index
 
     def live(self) -> bool:

@@ -40,6 +40,7 @@ from diloco.tools.testbed import Testbed
 from diloco.worker.metrics import format_duration, format_summary, write_summary
 
 logger = logging.getLogger(__name__)
+Child = subprocess.Popen | warm_start.WarmChild  # a worker or helper this launcher started (start_child)
 
 GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
 REFRESH_S = 2.0  # progress refresh period
@@ -166,8 +167,8 @@ def run_local(
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = threads_per_worker(workers)
     overrides = [*overrides, *_gpu_share(cfg, workers)]
-    children: list[subprocess.Popen] = []
-    helper_children: list[subprocess.Popen] = []
+    children: list[Child] = []
+    helper_children: list[Child] = []
     helper_codes: list[int | None] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
@@ -214,9 +215,7 @@ def run_local(
     return 1 if failed else 0
 
 
-def start_child(
-    command: list[str], log, *, testbed: Testbed | None = None, slot: int = 0
-) -> subprocess.Popen | warm_start.WarmChild:
+def start_child(command: list[str], log, *, testbed: Testbed | None = None, slot: int = 0) -> Child:
     """A worker or helper child writing to ``log``, in its own session (a terminal's Ctrl-C reaches
     the launcher only, which stops them in order), dying with the launcher; in ``testbed``'s
     namespace ``slot``, listening at its address, when given. A ``diloco`` command on this machine
@@ -334,12 +333,12 @@ def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[
     raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.hivemind.startup_timeout_s)")
 
 
-def _state(child: subprocess.Popen) -> str:
+def _state(child: Child) -> str:
     code = child.poll()
     return "running" if code is None else ("done" if code == 0 else f"exit {code}")
 
 
-def stop_all(children: list[subprocess.Popen]) -> None:
+def stop_all(children: list[Child]) -> None:
     """SIGTERM each worker (it shuts its peers down), then SIGKILL whatever is left of its session."""
     for child in children:
         if child.poll() is None:

@@ -20,6 +20,7 @@ start each command as a fresh interpreter: ``launcher.start_child`` picks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver as forkserver
 import os
@@ -27,6 +28,8 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -40,6 +43,7 @@ PRELOAD = ["torch", "torch._dynamo", "diloco.cli", "diloco.worker.build", "diloc
 MODULES = {"diloco.cli"}  # the modules whose ``python -m`` command lines start warm
 # ``DILOCO_WARM_START=0`` starts every command as a fresh interpreter instead
 AVAILABLE = sys.platform == "linux" and os.environ.get("DILOCO_WARM_START", "1") != "0"
+SESSION_WAIT_S = 10.0  # the most a child takes to be in its own session; at exit, the stop's grace
 
 
 def starts_warm(command: list[str]) -> bool:
@@ -96,34 +100,76 @@ def context() -> multiprocessing.context.BaseContext:
 
 def start(command: list[str], log: Path, *, netns: str | None = None) -> WarmChild:
     """Run ``command`` (``starts_warm``) in a child forked from this process's warm server, writing
-    to ``log`` (appended); in the network namespace ``netns`` when given (as ``ip netns exec``)."""
+    to ``log`` (appended); in the network namespace ``netns`` when given (as ``ip netns exec``).
+    Returns once the child is in its own session, as ``Popen(start_new_session=True)`` does."""
     module, args = command[2], command[3:]
-    process = context().Process(
-        target=_run, args=(module, args, str(log), netns, os.getcwd(), dict(os.environ)), name=module, daemon=False
+    forked = context()
+    forkserver.ensure_running()
+    server = forkserver._forkserver._forkserver_pid
+    environment = (os.getcwd(), dict(os.environ))
+    process = forked.Process(
+        target=_run, args=(module, args, str(Path(log).absolute()), netns, server, *environment), name=module
     )
     process.start()
-    return WarmChild(process, command)
+    child = WarmChild(process, command)
+    _wait_for_its_session(child)
+    if not _started:
+        atexit.register(_stop_the_live_ones)  # after multiprocessing's own exit handler, so it runs before it
+    _started.append(child)
+    return child
+
+
+_started: list[WarmChild] = []
+
+
+def _wait_for_its_session(child: WarmChild) -> None:
+    deadline = time.monotonic() + SESSION_WAIT_S
+    while child.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(child.pid) == child.pid:
+                return
+        time.sleep(0.005)  # the child's first steps: setsid, then the parent-death signal
+
+
+def _stop_the_live_ones() -> None:
+    """At this process's exit: what a child started with ``Popen`` would get when its launcher dies
+    (SIGTERM), then SIGKILL for its session after ``SESSION_WAIT_S``; multiprocessing would
+    otherwise wait for every child to end on its own."""
+    live = [child for child in _started if child.poll() is None]
+    for child in live:
+        with contextlib.suppress(ProcessLookupError):
+            child.terminate()
+    deadline = time.monotonic() + SESSION_WAIT_S
+    for child in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
 
 
 def _untie_from_the_server() -> None:
     """The server hands each child its "alive" pipe and the resource tracker's: a child that kept
     them would keep both alive after the launcher died, and the server would keep the child alive
-    in turn (it dies with the server). Closed here, the server goes with the launcher."""
+    in turn (it dies with the server). Closed here, the server goes with the launcher. These are
+    multiprocessing's private names (CPython 3.11): a Python that renamed them fails here, loudly."""
     from multiprocessing import resource_tracker
 
     for owner, name in ((forkserver._forkserver, "_forkserver_alive_fd"), (resource_tracker._resource_tracker, "_fd")):
-        descriptor = getattr(owner, name, None)
+        if not hasattr(owner, name):
+            raise RuntimeError(f"warm start: this Python's multiprocessing has no {name}; set DILOCO_WARM_START=0")
+        descriptor = getattr(owner, name)
         if descriptor is not None:
             os.close(descriptor)
             setattr(owner, name, None)
 
 
-def _run(module: str, args: list[str], log: str, netns: str | None, cwd: str, environ: dict[str, str]) -> None:
+def _run(module: str, args: list[str], log: str, netns: str | None, server: int, cwd: str, environ: dict) -> None:
     """In the forked child: become the command's process, run ``python -m module args`` as the
-    interpreter would (``runpy``), exit with its status."""
+    interpreter would (``runpy``), end as it would: non-daemon threads joined, then the exit
+    handlers, with the command's status."""
     _untie_from_the_server()
     os.setsid()
-    die_with_parent(signal.SIGTERM)  # the server, which exits when the launcher does
+    die_with_parent(signal.SIGTERM, parent_pid=server)  # the server, which exits when the launcher does
     descriptor = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
@@ -133,6 +179,9 @@ def _run(module: str, args: list[str], log: str, netns: str | None, cwd: str, en
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive a fork
+        raise RuntimeError("warm start: the server initialised CUDA; set DILOCO_WARM_START=0")
     multiprocessing.set_start_method(None, force=True)  # the platform's own, not the server's, for its children
     sys.argv = [module, *args]
     sys.modules.pop(module, None)  # run as __main__ alone, as python -m runs it (the server imported it)
@@ -141,11 +190,14 @@ def _run(module: str, args: list[str], log: str, netns: str | None, cwd: str, en
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, int | None):
+            print(done.code, file=sys.stderr)
     except BaseException:  # as the interpreter would: the traceback on stderr, status 1
         traceback.print_exc()
         code = 1
     finally:
-        atexit._run_exitfuncs()  # the exit handlers the command's interpreter would run at its end
+        threading._shutdown()  # noqa: SLF001 - the interpreter joins non-daemon threads first
+        atexit._run_exitfuncs()  # then runs the exit handlers
         sys.stdout.flush()
         sys.stderr.flush()
     sys.exit(code)

@@ -54,3 +54,19 @@ def test_a_command_runs_in_its_own_session_and_a_kill_is_its_status(tmp_path):
     finally:
         child.kill()
     assert child.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_process_that_ends_without_stopping_its_children_takes_them_with_it(tmp_path):
+    # as a child started with Popen gets SIGTERM when its launcher dies; multiprocessing alone would
+    # wait at the launcher's exit for the child to end by itself (a bootstrap peer never does)
+    starter = f"""
+import sys
+from pathlib import Path
+from diloco.tools import warm_start
+command = [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", "127.0.0.1", "--port", "0"]
+print(warm_start.start(command, Path({str(tmp_path / "bootstrap.log")!r})).pid, flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(done.stdout.split()[0]), 0)
