@@ -15,8 +15,12 @@ its namespace, links shaped to ``--rate``), on loopback otherwise:
     bad        one worker sends NaN, another 100 x scaled pseudo-gradients
     wrong_key  a worker with a wrong run key runs beside the run from its start, and peers with other
                wrong keys try ``diloco join`` three times (counted only while the run is live: a run
-               that is over refuses a join with the same one line; its workers pause after each
-               step, so that it outlives the attempts on a fast machine too)
+               that is over refuses a join with the same one line)
+
+The split, join and wrong_key runs are paced (``faults.step_delay_s``), so that they outlive their
+fault on a fast machine too, until the fault is over (the run one model again, the newcomer
+averaging, the attempts made): then they finish at this machine's pace
+(``faults.step_delay_until``).
 
 Per scenario: rounds the healthy workers completed, the longest time a round spent syncing
 (comm_s, against ``comm.deadline_s``) for the healthy and for the faulty workers (a crashed,
@@ -46,13 +50,14 @@ if TYPE_CHECKING:
     from diloco.tools.launcher import Child
 
 RUN_KEY = "bench-faults-key"
+# the least a paced run lasts, however fast this machine trains, unless its fault is over sooner:
 KEY_ATTEMPT_S = 30.0  # wrong_key: one diloco join attempt (a process start, then a roster probe of 10 s)
 # join: a newcomer's way in (a process start, the roster probe, the run's config, its model and peer):
-# about 17 s on 2 idle cores, more on busy ones
-JOIN_START_S = 40.0
+# about 17 s on 2 idle cores, more on busy ones, then its first round
+JOIN_START_S = 60.0
 # split: the cut seen (a round's deadline, the records' TTL), the heal found (a redial, a round or
-# two) and rounds of the whole run after it, however fast this machine trains (the default of
-# ``FaultRun.split_run_s``; on 2 cores the run was one model again about 60 s in)
+# two) and the run one model again (the default of ``FaultRun.split_run_s``; on 2 cores it was one
+# model again about 60 s in)
 SPLIT_RUN_S = 150.0
 
 
@@ -254,8 +259,8 @@ def split_sides(plan: FaultRun) -> list[list[int]]:
 
 def _split(run: Injection) -> None:
     """Cut the network between the sides in round 3; heal it ``outage_s`` after every worker has
-    recorded the workers of the other sides missing (the split seen), so that the run goes on for
-    a while after the heal."""
+    recorded the workers of the other sides missing (the split seen); the fault is over once the
+    run is one model again."""
     sides = split_sides(run.plan)
     run.cluster.wait_for_step(0, run.mid_round, run.plan.timeout_s)
     run.testbed.split(sides)
@@ -268,11 +273,12 @@ def _split(run: Injection) -> None:
     finally:
         run.testbed.heal()
     run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)}")
+    run.cluster.wait_for(0, lambda: _merge(run)[1] is not None, run.plan.timeout_s, "see the run one model again")
 
 
-def _merge_notes(run: Injection) -> None:
+def _merge(run: Injection) -> tuple[list[int], int | None]:
     """split: the rounds whose records missed a side, and the first round after them that every
-    worker ended on the same params (one model again)."""
+    worker ended on the same params (one model again; None while there is none)."""
     hashes: dict[int, dict[int, str]] = {}  # round -> worker -> params digest
     missed = []
     for index in range(run.plan.workers):
@@ -281,17 +287,22 @@ def _merge_notes(run: Injection) -> None:
                 hashes.setdefault(record["round"], {})[index] = record.get("param_sha256")
                 if record.get("missing"):
                     missed.append(record["round"])
-    if not missed:
-        run.notes.append("no record missed a side")
-        return
     merged = next(
         (
             r
             for r in sorted(hashes)
-            if r > max(missed) and len(hashes[r]) == run.plan.workers and len(set(hashes[r].values())) == 1
+            if r > max(missed, default=0) and len(hashes[r]) == run.plan.workers and len(set(hashes[r].values())) == 1
         ),
         None,
     )
+    return missed, merged
+
+
+def _merge_notes(run: Injection) -> None:
+    missed, merged = _merge(run)
+    if not missed:
+        run.notes.append("no record missed a side")
+        return
     seen = f"rounds {min(missed)}-{max(missed)} missed a side"
     run.notes.append(f"{seen}; one model again from round {merged}" if merged else f"{seen}; never one model again")
 
@@ -311,6 +322,8 @@ def _join(run: Injection) -> None:
     run.cluster.wait_for_step(0, plan.join_round * plan.sync_every, plan.timeout_s)
     joiner = run.cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log", only_address=True)
     run.cluster.processes[plan.workers] = joiner
+    # the fault is over once the newcomer has averaged with others
+    run.cluster.wait_for_record(plan.workers, lambda record: record["peers"] > 1, plan.timeout_s)
 
 
 def _intrude(run: Injection) -> None:
@@ -347,7 +360,7 @@ def _nothing(run: Injection) -> None:
     pass
 
 
-def _no_overrides(plan: FaultRun, *args: int) -> list[str]:
+def _no_overrides(plan: FaultRun, index: int) -> list[str]:
     return []
 
 
@@ -359,7 +372,8 @@ class Scenario:
     inject: Callable[[Injection], None] = _nothing  # once every worker is started
     faulty: Callable[[FaultRun], set[int]] = lambda plan: set()  # workers counted apart from the healthy
     worker_overrides: Callable[[FaultRun, int], list[str]] = _no_overrides  # a worker's own settings
-    run_overrides: Callable[[FaultRun], list[str]] = _no_overrides  # settings of the whole run
+    least_run_s: Callable[[FaultRun], float] = lambda plan: 0.0  # the run paced to last this long, until
+    # its fault is over (``inject`` has returned); 0 = not paced
     after: Callable[[Injection], None] = _nothing  # once every worker has ended
     run_key: str = ""
     needs_testbed: bool = False
@@ -379,24 +393,25 @@ def _bad_payloads(plan: FaultRun, index: int) -> list[str]:
     return {1: ["faults.bad_payload=nan"], 2: ["faults.bad_payload=scaled"]}.get(index, [])
 
 
-def _lasting_at_least(seconds: float, plan: FaultRun) -> list[str]:
-    """A floor on the run's length, however fast this machine trains: a step delay spread over its steps."""
-    return [f"faults.step_delay_s={seconds / plan.steps:.3f}"]
-
-
-def _outlive_the_attempts(plan: FaultRun) -> list[str]:
+def _outlive_the_attempts(plan: FaultRun) -> float:
     # the run must outlive the intruder's attempts (on an idle machine a short run ended before the
     # first was refused)
-    return _lasting_at_least(plan.key_attempts * KEY_ATTEMPT_S, plan)
+    return plan.key_attempts * KEY_ATTEMPT_S
 
 
-def _outlive_the_split(plan: FaultRun) -> list[str]:
-    return _lasting_at_least(plan.split_run_s, plan)
+def _outlive_the_split(plan: FaultRun) -> float:
+    return plan.split_run_s
 
 
-def _outlive_the_joiners_start(plan: FaultRun) -> list[str]:
+def _outlive_the_joiners_start(plan: FaultRun) -> float:
     # the run must still be going when the newcomer is up (on an idle machine it ended a moment before)
-    return _lasting_at_least(JOIN_START_S, plan)
+    return JOIN_START_S
+
+
+def _paced(seconds: float, plan: FaultRun, release: Path) -> list[str]:
+    """A floor on the run's length, however fast this machine trains: a step delay spread over its
+    steps, until the file ``release`` exists (the fault is over)."""
+    return [f"faults.step_delay_s={seconds / plan.steps:.3f}", f"faults.step_delay_until={release}"]
 
 
 NO_FAULT = Scenario("none")
@@ -405,13 +420,13 @@ TABLE = {
     for scenario in (
         Scenario("crash", inject=_crash, faulty=_last),
         Scenario("cut", inject=_cut_off, faulty=_last),
-        Scenario("split", inject=_split, run_overrides=_outlive_the_split, after=_merge_notes, needs_testbed=True),
+        Scenario("split", inject=_split, least_run_s=_outlive_the_split, after=_merge_notes, needs_testbed=True),
         Scenario("slow", inject=_slow_down, faulty=_last, worker_overrides=_declared_rates, needs_testbed=True),
         # the joiner's first round may wait for it: counted apart
-        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, run_overrides=_outlive_the_joiners_start),
+        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, least_run_s=_outlive_the_joiners_start),
         Scenario("bad", faulty=lambda plan: {1, 2}, worker_overrides=_bad_payloads),
         Scenario(
-            "wrong_key", inject=_intrude, run_overrides=_outlive_the_attempts, after=_intruder_rounds, run_key=RUN_KEY
+            "wrong_key", inject=_intrude, least_run_s=_outlive_the_attempts, after=_intruder_rounds, run_key=RUN_KEY
         ),
     )
 }
@@ -424,6 +439,9 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
 
     scenario = TABLE.get(name, NO_FAULT)
     run_dir = out / name
+    release = run_dir / "fault-over"  # the paced run's release (faults.step_delay_until)
+    release.unlink(missing_ok=True)
+    least_run_s = scenario.least_run_s(plan)
     slots = plan.workers + 1  # room for a joiner, or a wrong-key peer
     overrides = [
         *plan.overrides,
@@ -433,7 +451,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
         f"outer.sync_every={plan.sync_every}",
         "checkpoint.every_rounds=1",
         f"comm.run_id=faults_{name}",
-        *scenario.run_overrides(plan),
+        *(_paced(least_run_s, plan, release) if least_run_s else []),
     ]
     use_testbed = plan.rate_mbit > 0 or scenario.needs_testbed
     if use_testbed and (reason := testbed_unavailable()) is not None:
@@ -447,6 +465,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
                 cluster.start(i, scenario.worker_overrides(plan, i) + keyed)
             run = Injection(cluster, testbed, plan, run_dir, keyed, notes)
             scenario.inject(run)
+            release.touch()
             codes = cluster.wait_all(plan.timeout_s)
             scenario.after(run)
     finally:

@@ -73,6 +73,7 @@ class FaultConfig:
     bad_payload: str = ""  # what this worker sends: nan / truncated / wrong_size / scaled / noise / replay; "" = off
     payload_scale: float = 100.0  # faults.bad_payload=scaled: the factor on everything this worker sends
     step_delay_s: float = 0.0  # this worker sleeps this long after every inner step, as a slower machine would
+    step_delay_until: str = ""  # a file: once it exists, faults.step_delay_s stops (a paced run's fault is over)
     weight_scale: float = 1.0  # this worker claims this x the samples it trained on as its contribution's weight
     poison_state: bool = False  # this worker offers peers its state with other params, claiming a group of 999
 

@@ -5,6 +5,7 @@
     diloco local ... faults.worker=1 faults.skip_round=2   # only worker 1 of a local run
     diloco local ... faults.worker=1 faults.bad_payload=nan  # worker 1 sends NaN payloads
     diloco local ... faults.worker=1 faults.step_delay_s=0.2  # worker 1 computes like a slower machine
+    diloco local ... faults.step_delay_s=0.2 faults.step_delay_until=/tmp/go  # ... until /tmp/go exists
     diloco local ... faults.worker=1 faults.bad_payload=scaled  # worker 1 sends 100 x its pseudo-gradient
     diloco local ... faults.worker=1 faults.bad_payload=noise  # worker 1 sends noise of its pseudo-gradient's norm
     diloco local ... faults.worker=1 faults.bad_payload=replay  # worker 1 sends its last round's one again
@@ -17,6 +18,7 @@ Faults wrap the real parts; nothing else in the code knows about them.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -234,8 +236,11 @@ def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> Co
 
 
 def slow_down(cfg: FaultConfig, worker_index: int) -> None:
-    """``faults.step_delay_s``: this worker computes as if on a slower machine."""
-    if cfg.step_delay_s > 0 and applies_to(cfg, worker_index):
+    """``faults.step_delay_s``: this worker computes as if on a slower machine, until the file
+    ``faults.step_delay_until`` names exists (a benchmark's paced run, released once its fault is
+    over)."""
+    released = bool(cfg.step_delay_until) and os.path.exists(cfg.step_delay_until)
+    if cfg.step_delay_s > 0 and applies_to(cfg, worker_index) and not released:
         time.sleep(cfg.step_delay_s)
 
 
