@@ -6,18 +6,58 @@ crash on a volunteer's machine) nothing of it runs to stop them: they would live
 holding its port, its memory and its place on the DHT. On Linux each child asks the kernel, as
 it starts, to be signalled when its parent dies (``PR_SET_PDEATHSIG``), so the whole tree goes
 with the process at its top. Elsewhere these calls do nothing.
+
+A launcher that stops its children on purpose does it with ``stop_all``: SIGTERM (a worker shuts
+its peers down), a grace period, then SIGKILL for each child's whole session.
 """
 
 from __future__ import annotations
 
 import asyncio.subprocess
+import contextlib
 import ctypes
 import functools
 import os
 import signal
+import subprocess
 import sys
+import time
+from collections.abc import Sequence
+from typing import Protocol
 
 _PR_SET_PDEATHSIG = 1
+GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
+
+
+class Stoppable(Protocol):
+    """A child as ``subprocess.Popen`` shows it (a forked one too: ``warm_start.WarmChild``),
+    started in a session of its own."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def stop_all(children: Sequence[Stoppable], grace_s: float = GRACE_S) -> None:
+    """SIGTERM each child (a worker shuts its peers down), then, after ``grace_s``, SIGKILL whatever
+    is left of its session (a worker's session holds its hivemind helpers and p2pd daemons too)."""
+    for child in children:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for child in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
 
 
 def terminate_with_parent() -> None:

@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diloco.lifetime import stop_all
+
 if TYPE_CHECKING:
     from diloco.tools.launcher import Child
 
@@ -182,8 +184,6 @@ class Cluster:
         return codes
 
     def close(self) -> None:
-        from diloco.tools.launcher import stop_all
-
         stop_all([*self.processes.values(), *self.others, self.bootstrap])
         for log in self._logs:
             log.close()

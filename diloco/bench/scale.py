@@ -41,6 +41,8 @@ import time
 from functools import partial
 from pathlib import Path
 
+from diloco.lifetime import stop_all
+
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 WORKERS = 2
 SIZES = {
@@ -200,7 +202,7 @@ def run_join(size: str, *, steps: int, sync_every: int, out: Path, timeout_s: fl
     from its log) and the seconds from its launch to its first step record; or why there are none."""
     from diloco.config import load_config
     from diloco.lifetime import terminate_with_parent
-    from diloco.tools.launcher import run_local, stop_all
+    from diloco.tools.launcher import run_local
 
     run_dir = out / f"{size}-join"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -285,8 +287,6 @@ def _start_peer(kind: str, rank: int, *, values: int, rounds: int, rendezvous: P
 def run_baseline(kind: str, *, values: int, rounds: int, out: Path) -> dict:
     """2 payload peers average ``values`` fp32 values ``rounds`` times through ``kind``; the median
     round (seconds, both peers, rounds after the first), or why there is none."""
-    from diloco.tools.launcher import stop_all
-
     rendezvous = out / f"{kind}-rendezvous"
     shutil.rmtree(rendezvous, ignore_errors=True)
     rendezvous.mkdir(parents=True)

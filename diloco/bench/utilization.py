@@ -32,6 +32,7 @@ from pathlib import Path
 
 from diloco.bench import numbers
 from diloco.bench.arms import default_data, finished_summary
+from diloco.lifetime import stop_all
 
 WORKERS, SYNC_EVERY = 4, 50
 PARTS = ("training", "allreduce")
@@ -153,7 +154,7 @@ def run_training(
 
 def run_allreduce(peers: int, rate: float, payload_mb: float, rounds: int, out: Path) -> dict:
     """``peers`` processes in a fresh testbed average ``payload_mb`` MB ``rounds`` times."""
-    from diloco.tools.launcher import start_bootstrap, stop_all
+    from diloco.tools.launcher import start_bootstrap
     from diloco.tools.testbed import Testbed
 
     log_dir = out / f"allreduce-{peers}peers"

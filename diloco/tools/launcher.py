@@ -15,13 +15,11 @@ workers' JSONL records. At the end the launcher writes ``summary.json`` and prin
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -34,7 +32,7 @@ import torch
 from diloco.comm.base import CommError
 from diloco.comm.hivemind.run_key import RUN_KEY_ENV
 from diloco.config import Config
-from diloco.lifetime import terminate_with_parent
+from diloco.lifetime import stop_all, terminate_with_parent
 from diloco.tools import warm_start
 from diloco.tools.testbed import Testbed
 from diloco.worker.metrics import format_duration, format_summary, write_summary
@@ -42,7 +40,6 @@ from diloco.worker.metrics import format_duration, format_summary, write_summary
 logger = logging.getLogger(__name__)
 Child = subprocess.Popen | warm_start.WarmChild  # a worker or helper this launcher started (start_child)
 
-GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
 REFRESH_S = 2.0  # progress refresh period
 HELPER_WAIT_S = 120.0  # how long a helper waits for the workers it starts beside to publish their roster
 
@@ -336,21 +333,3 @@ def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[
 def _state(child: Child) -> str:
     code = child.poll()
     return "running" if code is None else ("done" if code == 0 else f"exit {code}")
-
-
-def stop_all(children: list[Child]) -> None:
-    """SIGTERM each worker (it shuts its peers down), then SIGKILL whatever is left of its session."""
-    for child in children:
-        if child.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    for child in children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for child in children:
-        # the worker's session holds its hivemind helpers and p2pd daemons too
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=5)

@@ -33,7 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
-from diloco.lifetime import die_with_parent
+from diloco.lifetime import die_with_parent, stop_all
 from diloco.tools.testbed import enter_namespace
 
 # what the server imports once, so that no child does: the command line, a worker's and a helper's
@@ -135,16 +135,7 @@ def _stop_the_live_ones() -> None:
     """At this process's exit: what a child started with ``Popen`` would get when its launcher dies
     (SIGTERM), then SIGKILL for its session after ``SESSION_WAIT_S``; multiprocessing would
     otherwise wait for every child to end on its own."""
-    live = [child for child in _started if child.poll() is None]
-    for child in live:
-        with contextlib.suppress(ProcessLookupError):
-            child.terminate()
-    deadline = time.monotonic() + SESSION_WAIT_S
-    for child in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.pid, signal.SIGKILL)
+    stop_all([child for child in _started if child.poll() is None], grace_s=SESSION_WAIT_S)
 
 
 def _untie_from_the_server() -> None:

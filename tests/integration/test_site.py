@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from diloco.config import load_config
-from diloco.tools.launcher import simulate, start_bootstrap, stop_all
+from diloco.lifetime import stop_all
+from diloco.tools.launcher import simulate, start_bootstrap
 from diloco.worker.checkpoint import read_checkpoint
 from tests.conftest import TINY, read_records
 
