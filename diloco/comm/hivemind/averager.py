@@ -47,6 +47,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import BannedException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -529,6 +530,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
     def run(self):
         # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)
         die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
+        logging.getLogger("hivemind.averaging.averager").addFilter(drop_handed_over_tracebacks)
         super().run()
 
     def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
@@ -643,6 +645,14 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             except Exception:  # whatever a peer put there, it is not usable
                 found[peer] = {}
         return found, tuple(modes)
+
+
+def drop_handed_over_tracebacks(record: logging.LogRecord) -> bool:
+    """A logging filter for hivemind's averager: it logs a failed step's exception with its
+    traceback, then hands the exception to the step's caller, and the worker reports the round's
+    failure in one line (core/outer.py). The traceback of an expected failure (no group found,
+    a group that broke up) is left out; any other stays."""
+    return not (record.exc_info and isinstance(record.exc_info[1], (AllreduceException, MatchmakingException)))
 
 
 def _serialize(state: dict) -> io.BytesIO:
