@@ -42,19 +42,27 @@ MIN_FOR_DIRECTION = 3  # contributions the coordinate-wise median needs to tell 
 @dataclass(frozen=True)
 class ScreeningRules:
     """The run's screening settings (``comm.max_norm_ratio``, ``comm.clip_to_median``,
-    ``comm.max_weight_ratio``, ``comm.min_cosine``, and across rounds ``comm.exclude_after``:
-    ``scores.py``); the defaults screen nothing."""
+    ``comm.max_weight_ratio``, ``comm.min_cosine``, and across rounds ``comm.exclude_after`` and
+    ``comm.readmit_after``: ``scores.py``); the defaults screen nothing."""
 
     max_norm_ratio: float = 0.0  # 0 = off
     clip_to_median: bool = False
     max_weight_ratio: float = 0.0  # 0 = off
     min_cosine: float = -1.0  # -1 = off (no cosine is below it)
     exclude_after: int = 0  # 0 = off
+    readmit_after: int = 0  # 0 = never
 
     @classmethod
     def of(cls, comm) -> ScreeningRules:
         """The rules a run's ``comm`` config section sets."""
-        return cls(comm.max_norm_ratio, comm.clip_to_median, comm.max_weight_ratio, comm.min_cosine, comm.exclude_after)
+        return cls(
+            comm.max_norm_ratio,
+            comm.clip_to_median,
+            comm.max_weight_ratio,
+            comm.min_cosine,
+            comm.exclude_after,
+            comm.readmit_after,
+        )
 
 
 NO_SCREENING = ScreeningRules()

@@ -123,13 +123,14 @@ class SimulatedGroup:
         """The round's mean of the contributions of the workers not excluded, in worker order (the
         same sum on every run); the round's verdicts counted in ``scores``."""
         codec, numels, rules = self._reducer
-        self.scores = self.scores or Scores(rules.exclude_after)
-        taken = [c for _, c in sorted(self._arrived.items()) if not self.scores.is_excluded(c.worker)]
+        self.scores = self.scores or Scores(rules.exclude_after, rules.readmit_after)
+        arrived = [c for _, c in sorted(self._arrived.items())]
+        taken = [c for c in arrived if not self.scores.is_excluded(c.worker)]
         self._index.update({c.worker: w for w, c in self._arrived.items()})
         verdicts = Verdicts()
         averaged = average_payloads(codec, taken, numels, round_index=self._round_done, rules=rules, verdicts=verdicts)
         context = f"round {self._round_done + 1}: "
-        self.scores.record_round([c.worker for c in taken], verdicts.left_out, verdicts.clipped, context=context)
+        self.scores.record_round([c.worker for c in arrived], verdicts.left_out, verdicts.clipped, context=context)
         return averaged
 
     def excluded(self) -> tuple[int, ...]:

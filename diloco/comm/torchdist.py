@@ -70,7 +70,8 @@ class TorchDistAveraging(Averaging):
     def __init__(self, cfg: CommConfig, *, num_workers: int, device: torch.device, codec: Codec):
         self.device, self.codec, self.num_workers = device, codec, num_workers
         self.rules = ScreeningRules.of(cfg)  # by norm and weight (a run that screens by direction is refused)
-        self.scores = Scores(self.rules.exclude_after)  # by rank: every rank sees the same, and decides alike
+        # by rank: every rank sees the same, and decides alike
+        self.scores = Scores(self.rules.exclude_after, self.rules.readmit_after)
 
     @torch.no_grad()
     def all_reduce_mean(
@@ -93,7 +94,7 @@ class TorchDistAveraging(Averaging):
             logger.warning("round %d: dropped the contribution of rank %d: %s", round_index + 1, rank, reason)
         self._record(
             round_index,
-            [f"rank {r}" for r in taken],
+            [f"rank {r}" for r in range(self.num_workers)],
             {f"rank {r}": reason for r, reason in screening.dropped.items()},
             [f"rank {r}" for r, scale in screening.scales.items() if scale != 1.0],
         )
@@ -134,20 +135,21 @@ class TorchDistAveraging(Averaging):
             dist.all_gather(weights, torch.tensor([float(weight)], dtype=torch.float64, device=self.device))
         except RuntimeError as error:
             return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
+        ranks = [f"rank {rank}" for rank in range(self.num_workers)]
         contributions = [
             Contribution(
-                f"rank {rank}",
+                ranks[rank],
                 _split(gathered[rank][: int(lengths[rank].item())].cpu().numpy().tobytes(), self.codec, numels),
                 weights[rank].item(),
             )
             for rank in range(self.num_workers)
-            if not self.scores.is_excluded(f"rank {rank}")
+            if not self.scores.is_excluded(ranks[rank])
         ]
         verdicts = Verdicts()
         means, used = average_payloads(
             self.codec, contributions, numels, round_index=round_index, rules=self.rules, verdicts=verdicts
         )
-        self._record(round_index, [c.worker for c in contributions], verdicts.left_out, verdicts.clipped)
+        self._record(round_index, ranks, verdicts.left_out, verdicts.clipped)
         if not used:
             return SyncResult(False, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):

@@ -141,11 +141,15 @@ def _check_faults(cfg: Config) -> None:
 
 
 def _check_screening(cfg: Config) -> None:
-    """``comm.max_weight_ratio``, ``comm.min_cosine`` and ``comm.exclude_after``, and the transports
-    that can apply them."""
+    """``comm.max_weight_ratio``, ``comm.min_cosine``, ``comm.exclude_after`` and
+    ``comm.readmit_after``, and the transports that can apply them."""
     require(
         cfg.comm.exclude_after >= 0,
         f"comm.exclude_after={cfg.comm.exclude_after} must be 0 (never) or a number of rounds",
+    )
+    require(
+        cfg.comm.readmit_after >= 0,
+        f"comm.readmit_after={cfg.comm.readmit_after} must be 0 (never) or a number of rounds",
     )
     require(
         cfg.comm.max_weight_ratio == 0 or cfg.comm.max_weight_ratio >= 1,

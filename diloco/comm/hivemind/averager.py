@@ -506,7 +506,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         self.traffic, self.codec = _TrafficCounters(), codec
         self.rules = rules
         # comm.exclude_after, across this peer's rounds (saved to ``standings``, read back on a restart)
-        self.exclusions = Exclusions(rules.exclude_after, standings)
+        self.exclusions = Exclusions(rules.exclude_after, standings, readmit_after=rules.readmit_after)
         self._shared_state: tuple[dict, StateReader] | None = None
         super().__init__(
             averaged_tensors,

@@ -37,17 +37,17 @@ logger = logging.getLogger(__name__)
 class Exclusions:
     """The standings (``comm/scores.py``) of the peers this one averaged with, keyed ``peer <id>``."""
 
-    def __init__(self, exclude_after: int, path: Path | None = None):
-        self.scores = Scores(exclude_after)
+    def __init__(self, exclude_after: int, path: Path | None = None, *, readmit_after: int = 0):
+        self.scores = Scores(exclude_after, readmit_after)
         self.path = path  # where the standings outlive the process: a restarted worker reads them back
         if path is not None and path.is_file():
             try:
                 self.scores.load_json(json.loads(path.read_text()))
             except (OSError, ValueError):
                 logger.warning("could not read the standings in %s: starting a new tally", path)
-        self._newly = mp.SimpleQueue()  # from the averager's process to the worker's
-        # in the worker's process: the excluded peers it was told of (those read back from ``path`` first)
-        self._known = {who.removeprefix("peer ") for who in self.scores.excluded()}
+        self._changes = mp.SimpleQueue()  # the excluded peers after each round, from the averager's process
+        # in the worker's process: the excluded peers it was last told of (those read back from ``path`` first)
+        self._known = self._excluded_ids()
         self._draining = threading.Lock()  # fragments' rounds end on threads of their own
 
     def of(self, peers: Sequence, *, own) -> set:
@@ -62,10 +62,10 @@ class Exclusions:
         return dataclasses.replace(screening, excluded=frozenset(excluded)) if excluded else screening
 
     def record(self, senders: Sequence, screening: Screening, excluded: set, runner, *, own) -> None:
-        """Count a finished round for the ``senders`` (by sender index) not excluded, ``own`` aside
-        (our reducer judging our own parts does not make us refuse them): left out when the
-        screening dropped them, their payload was unusable, or our reducer left them out of at
-        least half of the parts of theirs it averaged."""
+        """Count a finished round for the ``senders`` (by sender index), ``own`` aside (our reducer
+        judging our own parts does not make us refuse them): those not excluded are left out when
+        the screening dropped them, their payload was unusable, or our reducer left them out of at
+        least half of the parts of theirs it averaged; those excluded serve a round of their term."""
         left_out = {peer: reason for peer, reason in screening.dropped.items()}
         left_out.update(runner.payload_dropped)
         reducer = runner.tensor_part_reducer
@@ -73,11 +73,16 @@ class Exclusions:
             for index, reasons in reducer.left_out.items():
                 if len(reasons) >= reducer.kept_parts.get(index, 0):
                     left_out.setdefault(senders[index], reasons[0])
-        taken = [f"peer {peer}" for peer in senders if peer not in excluded and peer != own]
-        named = {f"peer {peer}": reason for peer, reason in left_out.items()}
-        for who in self.scores.record_round(taken, named):
-            self._newly.put(who.removeprefix("peer "))
+        sent = [f"peer {peer}" for peer in senders if peer != own]
+        named = {f"peer {peer}": reason for peer, reason in left_out.items() if peer not in excluded}
+        before = self._excluded_ids()
+        self.scores.record_round(sent, named)
+        if (now := self._excluded_ids()) != before:
+            self._changes.put(now)
         self._save()
+
+    def _excluded_ids(self) -> set[str]:
+        return {who.removeprefix("peer ") for who in self.scores.excluded()}
 
     def _save(self) -> None:
         """The standings to ``path`` (a temp file, then a rename: never half written)."""
@@ -92,9 +97,9 @@ class Exclusions:
             logger.warning("could not save the standings to %s", self.path, exc_info=True)
 
     def excluded_peers(self) -> set[str]:
-        """In the worker's process: the ids of every peer excluded so far (those read back from
-        ``path`` included)."""
+        """In the worker's process: the ids of the peers excluded now (those read back from ``path``
+        included, those re-admitted not)."""
         with self._draining:
-            while not self._newly.empty():
-                self._known.add(self._newly.get())
+            while not self._changes.empty():
+                self._known = self._changes.get()
             return set(self._known)

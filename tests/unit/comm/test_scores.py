@@ -27,7 +27,8 @@ def test_a_worker_left_out_of_exclude_after_rounds_in_a_row_is_excluded_once_and
     assert _play(scores, rounds) == [[], [], ["d"], []]
     assert scores.excluded() == {"d": "left out of 3 rounds in a row, the last: far from the median"}
     assert scores.is_excluded("d") and not scores.is_excluded("a")
-    assert scores.standings["d"] == Standing(kept=0, left_out=3, in_a_row=3, excluded=scores.excluded()["d"])
+    expected = Standing(left_out=3, in_a_row=3, excluded=scores.excluded()["d"], exclusions=1, rounds_excluded=1)
+    assert scores.standings["d"] == expected
     assert scores.standings["a"].kept == 4  # a round after d's exclusion counts only for the others
 
 
@@ -62,39 +63,83 @@ def test_clipped_rounds_count_as_kept_and_the_exclusion_is_logged_once(caplog):
     assert caplog.messages == ["round 2: excluded d from the run's means: left out of 2 rounds in a row, the last: x"]
 
 
+def test_an_excluded_worker_is_readmitted_on_probation_after_its_term_and_excluded_for_twice_as_long_after():
+    scores = Scores(exclude_after=2, readmit_after=3)
+    bad, good = {"d": "against the others"}, {}
+    # excluded in round 2; rounds 3-5 serve its term (its contributions left out before any screening)
+    assert _play(scores, [bad, bad, bad, good, bad]) == [[], ["d"], [], [], []]
+    assert not scores.is_excluded("d") and scores.standings["d"].in_a_row == 1  # on probation
+    assert _play(scores, [bad]) == [["d"]]  # left out once more: excluded again, now for 6 rounds
+    assert _play(scores, [good] * 5) == [[]] * 5 and scores.is_excluded("d")
+    assert _play(scores, [good, good]) == [[], []] and not scores.is_excluded("d")
+    assert scores.standings["d"].in_a_row == 0 and scores.standings["d"].exclusions == 2  # kept: a clean streak
+    # rounds it did not send in do not count towards its term
+    absent = Scores(exclude_after=1, readmit_after=2)
+    absent.record_round(["d"], bad)
+    absent.record_round(["a", "b"], good)
+    absent.record_round(["a", "b"], good)
+    assert absent.is_excluded("d")
+
+
+def test_readmission_is_logged_once_with_the_next_term(caplog):
+    scores = Scores(exclude_after=1, readmit_after=2)
+    with caplog.at_level(logging.WARNING, logger="diloco.comm.scores"):
+        for index, left_out in enumerate([{"d": "x"}, {}, {}, {}], start=1):
+            scores.record_round(WORKERS, left_out, context=f"round {index}: ")
+    assert caplog.messages[1:] == [
+        "round 3: re-admitted d to the run's means after 2 rounds excluded, on probation: "
+        "left out once more, it is excluded for 4 rounds"
+    ]
+
+
 def test_a_negative_exclude_after_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"comm.exclude_after=-1 must be 0 \(never\) or a number of rounds"):
         load_config(None, ["comm.exclude_after=-1"])
+    with pytest.raises(ConfigError, match=r"comm.readmit_after=-2 must be 0 \(never\) or a number of rounds"):
+        load_config(None, ["comm.readmit_after=-2"])
 
 
 def _records(run_dir, worker: int) -> list[dict]:
     return [json.loads(line) for line in (run_dir / f"worker-{worker}.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("exclude_after", [2, 0])
-def test_a_simulated_attacker_is_excluded_after_two_rounds_and_the_records_of_every_worker_say_so(
-    tmp_path, exclude_after
-):
+def _simulated_attack(run_dir, *overrides: str) -> list[list[dict]]:
+    """Every worker's round records of a simulated run in which worker 3 sends minus 9 x its pseudo-gradient."""
     cfg = load_config(
         None,
         [
             *TINY,
             "comm.backend=simulator",
-            "inner.steps=20",
             "outer.sync_every=5",
             "checkpoint.every_rounds=0",
-            f"run.dir={tmp_path}",
+            f"run.dir={run_dir}",
             "faults.worker=3",
             "faults.bad_payload=scaled",
             "faults.payload_scale=-9",
             "comm.min_cosine=0",
-            f"comm.exclude_after={exclude_after}",
+            *overrides,
         ],
     )
     summary = simulate(cfg, workers=4)
     assert summary["params_agree"] and summary["failed_workers"] == [], summary
-    for worker in range(4):
-        rounds = [r for r in _records(tmp_path, worker) if r["event"] == "round"]
+    return [[r for r in _records(run_dir, worker) if r["event"] == "round"] for worker in range(4)]
+
+
+@pytest.mark.parametrize("exclude_after", [2, 0])
+def test_a_simulated_attacker_is_excluded_after_two_rounds_and_the_records_of_every_worker_say_so(
+    tmp_path, exclude_after
+):
+    for rounds in _simulated_attack(tmp_path, "inner.steps=20", f"comm.exclude_after={exclude_after}"):
         assert [r["peers"] for r in rounds] == [3, 3, 3, 3], rounds  # left out of every round either way
         expected = [[], [3], [3], [3]] if exclude_after else [[]] * 4
         assert [r.get("excluded", []) for r in rounds] == expected, rounds
+
+
+def test_a_simulated_attacker_readmitted_on_probation_is_excluded_again_at_its_next_round_for_twice_as_long(
+    tmp_path,
+):
+    overrides = ("inner.steps=30", "comm.exclude_after=2", "comm.readmit_after=1")
+    for rounds in _simulated_attack(tmp_path, *overrides):
+        assert [r["peers"] for r in rounds] == [3] * 6, rounds  # left out of every round, excluded or screened
+        # excluded in round 2, back after round 3 (its term: 1 round), excluded again in round 4 for 2 rounds
+        assert [r.get("excluded", []) for r in rounds] == [[], [3], [], [3], [3], []], rounds

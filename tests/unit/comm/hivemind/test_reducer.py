@@ -208,3 +208,15 @@ def test_the_standings_outlive_the_process_and_a_restarted_worker_keeps_excludin
     with caplog.at_level(logging.WARNING):
         assert Exclusions(exclude_after=2, path=path).of(peers, own=peers[0]) == set()  # a new tally
     assert "could not read the standings" in caplog.text
+
+
+def test_a_readmitted_peer_is_no_longer_excluded_in_the_workers_process():
+    peers = [_Peer(f"peer{i}") for i in range(4)]
+    exclusions = Exclusions(exclude_after=1, readmit_after=2)
+    flipped = Screening(dropped={peers[3]: "against the others"})
+    exclusions.record(peers, flipped, set(), _runner(None), own=peers[0])
+    assert exclusions.excluded_peers() == {"peer3"}
+    for _ in range(2):  # its term: rounds it sent in while excluded
+        excluded = exclusions.of(peers, own=peers[0])
+        exclusions.record(peers, Exclusions.screened(Screening(), excluded), excluded, _runner(None), own=peers[0])
+    assert exclusions.of(peers, own=peers[0]) == set() and exclusions.excluded_peers() == set()
