@@ -37,6 +37,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,10 +274,12 @@ def _split(run: Injection) -> None:
     finally:
         run.testbed.heal()
     run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)}")
-    run.cluster.wait_for(0, lambda: _merge(run)[1] is not None, run.plan.timeout_s, "see the run one model again")
+    with contextlib.suppress(TimeoutError):  # then the notes say "never one model again"
+        merged = functools.partial(_missed_and_merged, run)
+        run.cluster.wait_for(0, lambda: merged()[1] is not None, run.plan.timeout_s, "see the run one model again")
 
 
-def _merge(run: Injection) -> tuple[list[int], int | None]:
+def _missed_and_merged(run: Injection) -> tuple[list[int], int | None]:
     """split: the rounds whose records missed a side, and the first round after them that every
     worker ended on the same params (one model again; None while there is none)."""
     hashes: dict[int, dict[int, str]] = {}  # round -> worker -> params digest
@@ -299,7 +302,7 @@ def _merge(run: Injection) -> tuple[list[int], int | None]:
 
 
 def _merge_notes(run: Injection) -> None:
-    missed, merged = _merge(run)
+    missed, merged = _missed_and_merged(run)
     if not missed:
         run.notes.append("no record missed a side")
         return
@@ -323,7 +326,10 @@ def _join(run: Injection) -> None:
     joiner = run.cluster.join(slot=plan.workers, log_name=f"worker-{plan.workers}.log", only_address=True)
     run.cluster.processes[plan.workers] = joiner
     # the fault is over once the newcomer has averaged with others
-    run.cluster.wait_for_record(plan.workers, lambda record: record["peers"] > 1, plan.timeout_s)
+    try:
+        run.cluster.wait_for_record(plan.workers, lambda record: record.get("peers", 1) > 1, plan.timeout_s)
+    except TimeoutError:
+        run.notes.append("the newcomer never averaged with others")
 
 
 def _intrude(run: Injection) -> None:
@@ -372,7 +378,7 @@ class Scenario:
     inject: Callable[[Injection], None] = _nothing  # once every worker is started
     faulty: Callable[[FaultRun], set[int]] = lambda plan: set()  # workers counted apart from the healthy
     worker_overrides: Callable[[FaultRun, int], list[str]] = _no_overrides  # a worker's own settings
-    least_run_s: Callable[[FaultRun], float] = lambda plan: 0.0  # the run paced to last this long, until
+    pacing: Callable[[FaultRun], float] = lambda plan: 0.0  # seconds the run is paced to last at least, until
     # its fault is over (``inject`` has returned); 0 = not paced
     after: Callable[[Injection], None] = _nothing  # once every worker has ended
     run_key: str = ""
@@ -420,14 +426,12 @@ TABLE = {
     for scenario in (
         Scenario("crash", inject=_crash, faulty=_last),
         Scenario("cut", inject=_cut_off, faulty=_last),
-        Scenario("split", inject=_split, least_run_s=_outlive_the_split, after=_merge_notes, needs_testbed=True),
+        Scenario("split", inject=_split, pacing=_outlive_the_split, after=_merge_notes, needs_testbed=True),
         Scenario("slow", inject=_slow_down, faulty=_last, worker_overrides=_declared_rates, needs_testbed=True),
         # the joiner's first round may wait for it: counted apart
-        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, least_run_s=_outlive_the_joiners_start),
+        Scenario("join", inject=_join, faulty=lambda plan: {plan.workers}, pacing=_outlive_the_joiners_start),
         Scenario("bad", faulty=lambda plan: {1, 2}, worker_overrides=_bad_payloads),
-        Scenario(
-            "wrong_key", inject=_intrude, least_run_s=_outlive_the_attempts, after=_intruder_rounds, run_key=RUN_KEY
-        ),
+        Scenario("wrong_key", inject=_intrude, pacing=_outlive_the_attempts, after=_intruder_rounds, run_key=RUN_KEY),
     )
 }
 SCENARIOS = tuple(TABLE)
@@ -439,9 +443,9 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
 
     scenario = TABLE.get(name, NO_FAULT)
     run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier run's records would end its pacing at once
     release = run_dir / "fault-over"  # the paced run's release (faults.step_delay_until)
-    release.unlink(missing_ok=True)
-    least_run_s = scenario.least_run_s(plan)
+    paced_s = scenario.pacing(plan)
     slots = plan.workers + 1  # room for a joiner, or a wrong-key peer
     overrides = [
         *plan.overrides,
@@ -451,7 +455,7 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
         f"outer.sync_every={plan.sync_every}",
         "checkpoint.every_rounds=1",
         f"comm.run_id=faults_{name}",
-        *(_paced(least_run_s, plan, release) if least_run_s else []),
+        *(_paced(paced_s, plan, release) if paced_s else []),
     ]
     use_testbed = plan.rate_mbit > 0 or scenario.needs_testbed
     if use_testbed and (reason := testbed_unavailable()) is not None:
@@ -464,8 +468,10 @@ def run_scenario(name: str, plan: FaultRun, out: Path) -> ScenarioResult:
             for i in range(plan.workers):
                 cluster.start(i, scenario.worker_overrides(plan, i) + keyed)
             run = Injection(cluster, testbed, plan, run_dir, keyed, notes)
-            scenario.inject(run)
-            release.touch()
+            try:
+                scenario.inject(run)
+            finally:
+                release.touch()
             codes = cluster.wait_all(plan.timeout_s)
             scenario.after(run)
     finally:

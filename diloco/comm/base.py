@@ -61,7 +61,7 @@ class CommConfig:
     clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
     max_weight_ratio: float = 4.0  # at most this x the round's median weight (more for sites of many ranks); 0 = off
     min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this (0); -1 = off
-    exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of every later one; 0 = never
+    exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of the later ones; 0 = never
     readmit_after: int = 20  # an excluded worker is back on probation after this many rounds (x 2 each time); 0 = never
     hivemind: HivemindConfig = field(default_factory=HivemindConfig)  # the hivemind transport's own settings
 
@@ -96,7 +96,7 @@ class SyncResult:
     missing: tuple[int, ...] = ()
     # the group the round waited for: the live workers the roster expected (0 = not known)
     expected: int = 0
-    # workers excluded from the run's means so far (comm.exclude_after, comm/scores.py), by index
+    # workers excluded from the run's means now (comm.exclude_after, comm/scores.py), by index
     excluded: tuple[int, ...] = ()
     # nobody could reduce the round (every live worker a client, no helper live): a blocking round
     # then takes no outer step, and the worker's steps count toward the next round (core/outer.py)

@@ -3,8 +3,8 @@
 The screening (``robust.py``) decides round by round: a contribution far above the median norm,
 pointing against the others, or unreadable is left out of that round. ``Scores`` keeps the tally
 across rounds: how often each worker's contribution was kept, clipped or left out. A worker whose
-contribution was left out of ``comm.exclude_after`` rounds in a row is excluded: from then on its
-contributions are left out before any screening, with one log line naming it and the reason, and
+contribution was left out of ``comm.exclude_after`` rounds in a row is excluded: from then on, until
+it is re-admitted, its contributions are left out before any screening, with one log line naming it and the reason, and
 the round records list it (``excluded``). An honest worker is left out of a round now and then at
 most (a slow one only weighs less; nothing about speed counts against it): a streak resets with
 every round in which its contribution is kept.
@@ -17,9 +17,9 @@ back; an attacker gets a round in which it is screened as any worker, ever more 
 
 The tally is made by whoever reduces: the simulator's group and every torch.distributed rank for
 the whole vector, the same decision for every worker; over hivemind every peer from what it saw of
-the round (``hivemind/exclusion.py``). An exclusion lasts as long as the tally: the run's process
-for the simulator and torch.distributed; over hivemind the excluding worker's run (its standings
-are saved beside its checkpoints and read back on a restart). A round of a fragment (streaming
+the round (``hivemind/exclusion.py``). The tally lasts the run's process for the simulator and
+torch.distributed; over hivemind the excluding worker's run (its standings are saved beside its
+checkpoints and read back on a restart). A round of a fragment (streaming
 overlap) counts as a round.
 """
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class Standing:
     """One worker's tally: rounds its contribution was kept (``clipped`` of them scaled down), left
     out, left out in a row up to now; why it is excluded ("" while it is not), how many times it
-    was, and the rounds it sent in while excluded this time."""
+    was, and the rounds of its term it served (rounds it sent in while excluded this time)."""
 
     kept: int = 0
     clipped: int = 0
@@ -44,7 +44,7 @@ class Standing:
     in_a_row: int = 0
     excluded: str = ""
     exclusions: int = 0
-    rounds_excluded: int = 0
+    term_served: int = 0
 
 
 class Scores:
@@ -110,11 +110,12 @@ class Scores:
     def _serve(self, who: Hashable, standing: Standing, context: str) -> None:
         """A round ``who`` sent in while excluded; once it has served its term, it is re-admitted on
         probation (one more round left out excludes it again, for twice as long)."""
-        standing.rounds_excluded += 1
-        term = self.readmit_after * 2 ** max(0, standing.exclusions - 1)
-        if not self.readmit_after or standing.rounds_excluded < term:
+        standing.term_served += 1
+        standing.exclusions = max(1, standing.exclusions)  # an exclusion read from an older tally
+        term = self.readmit_after * 2 ** (standing.exclusions - 1)
+        if not self.readmit_after or standing.term_served < term:
             return
-        standing.excluded, standing.rounds_excluded = "", 0
+        standing.excluded, standing.term_served = "", 0
         standing.in_a_row = max(0, self.exclude_after - 1)
         logger.warning(
             "%sre-admitted %s to the run's means after %d rounds excluded, on probation: left out once more, "

@@ -239,8 +239,9 @@ def slow_down(cfg: FaultConfig, worker_index: int) -> None:
     """``faults.step_delay_s``: this worker computes as if on a slower machine, until the file
     ``faults.step_delay_until`` names exists (a benchmark's paced run, released once its fault is
     over)."""
-    released = bool(cfg.step_delay_until) and os.path.exists(cfg.step_delay_until)
-    if cfg.step_delay_s > 0 and applies_to(cfg, worker_index) and not released:
+    if cfg.step_delay_s <= 0 or not applies_to(cfg, worker_index):
+        return
+    if not (cfg.step_delay_until and os.path.exists(cfg.step_delay_until)):
         time.sleep(cfg.step_delay_s)
 
 

@@ -530,7 +530,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
     def run(self):
         # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)
         die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
-        logging.getLogger("hivemind.averaging.averager").addFilter(drop_handed_over_tracebacks)
+        logging.getLogger("hivemind.averaging.averager").addFilter(drop_expected_step_failures)
         super().run()
 
     def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
@@ -647,11 +647,11 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         return found, tuple(modes)
 
 
-def drop_handed_over_tracebacks(record: logging.LogRecord) -> bool:
+def drop_expected_step_failures(record: logging.LogRecord) -> bool:
     """A logging filter for hivemind's averager: it logs a failed step's exception with its
     traceback, then hands the exception to the step's caller, and the worker reports the round's
-    failure in one line (core/outer.py). The traceback of an expected failure (no group found,
-    a group that broke up) is left out; any other stays."""
+    failure in one line with the exception's message (core/outer.py). hivemind's record of an
+    expected failure (no group found, a group that broke up) is left out; any other stays."""
     return not (record.exc_info and isinstance(record.exc_info[1], (AllreduceException, MatchmakingException)))
 
 

@@ -1,5 +1,5 @@
 """``comm.exclude_after`` over hivemind: each peer's standing across rounds, kept in the averager's
-process from what this peer saw, and the peers excluded so far handed to the worker's process.
+process from what this peer saw, and the peers excluded now handed to the worker's process.
 
 What a peer sees of a round: the norm screening's verdicts, which every peer reaches alike from the
 norms declared at matchmaking; the payloads its reducer could not use; and the direction verdicts of
@@ -51,7 +51,7 @@ class Exclusions:
         self._draining = threading.Lock()  # fragments' rounds end on threads of their own
 
     def of(self, peers: Sequence, *, own) -> set:
-        """Those of ``peers`` excluded so far (never ``own``, this peer: see ``record``)."""
+        """Those of ``peers`` excluded now (never ``own``, this peer: see ``record``)."""
         return {peer for peer in peers if peer != own and self.scores.is_excluded(f"peer {peer}")}
 
     @staticmethod

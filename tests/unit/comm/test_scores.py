@@ -27,7 +27,7 @@ def test_a_worker_left_out_of_exclude_after_rounds_in_a_row_is_excluded_once_and
     assert _play(scores, rounds) == [[], [], ["d"], []]
     assert scores.excluded() == {"d": "left out of 3 rounds in a row, the last: far from the median"}
     assert scores.is_excluded("d") and not scores.is_excluded("a")
-    expected = Standing(left_out=3, in_a_row=3, excluded=scores.excluded()["d"], exclusions=1, rounds_excluded=1)
+    expected = Standing(left_out=3, in_a_row=3, excluded=scores.excluded()["d"], exclusions=1, term_served=1)
     assert scores.standings["d"] == expected
     assert scores.standings["a"].kept == 4  # a round after d's exclusion counts only for the others
 

@@ -7,7 +7,7 @@ import sys
 
 from hivemind.averaging.allreduce import AllreduceException
 
-from diloco.comm.hivemind.averager import drop_handed_over_tracebacks
+from diloco.comm.hivemind.averager import drop_expected_step_failures
 
 
 def _record_of(error: Exception) -> logging.LogRecord:
@@ -19,7 +19,7 @@ def _record_of(error: Exception) -> logging.LogRecord:
 
 
 def test_a_step_that_found_no_group_is_left_to_the_workers_one_line_and_a_bug_keeps_its_traceback():
-    assert not drop_handed_over_tracebacks(_record_of(AllreduceException("could not find a group")))
-    assert drop_handed_over_tracebacks(_record_of(AssertionError("a bug")))
+    assert not drop_expected_step_failures(_record_of(AllreduceException("could not find a group")))
+    assert drop_expected_step_failures(_record_of(AssertionError("a bug")))
     plain = logging.LogRecord("hivemind.averaging.averager", logging.ERROR, __file__, 1, "a message", (), None)
-    assert drop_handed_over_tracebacks(plain)
+    assert drop_expected_step_failures(plain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import logging
 from types import SimpleNamespace
 
@@ -220,3 +221,16 @@ def test_a_readmitted_peer_is_no_longer_excluded_in_the_workers_process():
         excluded = exclusions.of(peers, own=peers[0])
         exclusions.record(peers, Exclusions.screened(Screening(), excluded), excluded, _runner(None), own=peers[0])
     assert exclusions.of(peers, own=peers[0]) == set() and exclusions.excluded_peers() == set()
+
+
+def test_an_exclusion_in_standings_written_before_readmission_existed_serves_the_first_term(tmp_path):
+    peers = [_Peer(f"peer{i}") for i in range(4)]
+    path = tmp_path / "standings.json"
+    old = {"kept": 0, "clipped": 0, "left_out": 3, "in_a_row": 3, "excluded": "left out of 3 rounds in a row"}
+    path.write_text(json.dumps({"peer peer3": old}))
+    exclusions = Exclusions(exclude_after=3, path=path, readmit_after=2)
+    assert exclusions.excluded_peers() == {"peer3"}
+    for _ in range(2):
+        excluded = exclusions.of(peers, own=peers[0])
+        exclusions.record(peers, Exclusions.screened(Screening(), excluded), excluded, _runner(None), own=peers[0])
+    assert exclusions.excluded_peers() == set() and exclusions.scores.standings["peer peer3"].exclusions == 1
