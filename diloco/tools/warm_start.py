@@ -43,7 +43,8 @@ PRELOAD = ["torch", "torch._dynamo", "diloco.cli", "diloco.worker.build", "diloc
 MODULES = {"diloco.cli"}  # the modules whose ``python -m`` command lines start warm
 # ``DILOCO_WARM_START=0`` starts every command as a fresh interpreter instead
 AVAILABLE = sys.platform == "linux" and os.environ.get("DILOCO_WARM_START", "1") != "0"
-SESSION_WAIT_S = 10.0  # the most a child takes to be in its own session; at exit, the stop's grace
+SESSION_WAIT_S = 10.0  # the most a child takes to be in its own session
+EXIT_GRACE_S = 10.0  # at this process's exit: how long a live child has between SIGTERM and SIGKILL
 
 
 def starts_warm(command: list[str]) -> bool:
@@ -133,9 +134,9 @@ def _wait_for_its_session(child: WarmChild) -> None:
 
 def _stop_the_live_ones() -> None:
     """At this process's exit: what a child started with ``Popen`` would get when its launcher dies
-    (SIGTERM), then SIGKILL for its session after ``SESSION_WAIT_S``; multiprocessing would
+    (SIGTERM), then SIGKILL for its session after ``EXIT_GRACE_S``; multiprocessing would
     otherwise wait for every child to end on its own."""
-    stop_all([child for child in _started if child.poll() is None], grace_s=SESSION_WAIT_S)
+    stop_all([child for child in _started if child.poll() is None], grace_s=EXIT_GRACE_S)
 
 
 def _untie_from_the_server() -> None:
