@@ -571,7 +571,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         if self._shared_state is None:
             return {}, [], None
         metadata, read = self._shared_state
-        serialized = read(_serialize)
+        serialized = read(serialize_state)
         if serialized is None:  # an outer step changed the state since it was offered
             return {}, [], None
         return metadata, [torch.frombuffer(serialized.getbuffer(), dtype=torch.uint8)], None
@@ -655,7 +655,8 @@ def drop_expected_step_failures(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], (AllreduceException, MatchmakingException)))
 
 
-def _serialize(state: dict) -> io.BytesIO:
+def serialize_state(state: dict) -> io.BytesIO:
+    """A worker's state as ``torch.save`` writes it: what a peer that downloads it receives."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer

@@ -195,15 +195,19 @@ class HivemindAveraging(Averaging):
         if self._serving_others() != 0 or not self._roster.no_server_seen():
             return result
         # a client, no group, and no worker that could reduce: every client is in the same place
-        # (a helper, if any, is gone or late), so every one postpones alike
-        if not self._said_unreachable_run and not self._helpers():
+        # (a helper, if any, is gone or late, or its group formed without us), so every one postpones alike
+        helpers = self._helpers()
+        if not self._said_unreachable_run and not helpers:
             self._said_unreachable_run = True
             logger.warning(
                 "no worker of the run that can be dialled is live: clients alone cannot average; "
                 "forward a port and set comm.hivemind.announce_host, or start one worker on a public address, "
                 "or a helper (diloco helper) there"
             )
-        error = "no worker or helper that can be dialled is live: the round is postponed"
+        if helpers:  # its group formed without us, or broke: the others' state comes through the helper
+            error = "no group with a helper found: the round is postponed"
+        else:
+            error = "no worker or helper that can be dialled is live: the round is postponed"
         return dataclasses.replace(result, postponed=True, error=error)
 
     def _serving_others(self) -> int | None:

@@ -4,7 +4,8 @@
 - ``membership.py``      its roster record and its view of who is live (``roster.py``)
 - ``averaging.py``       a round's averaging: one averager per fragment, the retry, the round
                          alone; one attempt in a group is ``group_round.py``
-- ``state_exchange.py``  its state offered to peers and taken from them (``state_offers.py``)
+- ``state_exchange.py``  its state offered to peers and taken from them (``state_offers.py``);
+                         in a run of clients, through a helper (``state_relay.py``)
 - ``redial.py``          its peers found again after the network between them healed
 
 With a run key (``run_key.py``) only key holders can write the run's DHT records or join its groups.
@@ -20,13 +21,14 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
-from diloco.comm.hivemind.helper_record import live_helpers
+from diloco.comm.hivemind.helper_record import live_helper_ids, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.redial import Redial
 from diloco.comm.hivemind.roster import Roster
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
+from diloco.comm.hivemind.state_relay import StateUploader, StateWants
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class HivemindBackend(CommBackend):
         )
         roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers))
         averagers, flats = [], []
+        self._uploader = None
         try:  # should a part not start, what started is stopped again
             for fragment, indices in enumerate(fragments):
                 flat, views = flat_views([templates[i] for i in indices])
@@ -94,6 +97,7 @@ class HivemindBackend(CommBackend):
             roster.start()
             membership = HivemindMembership(roster, peer, num_workers=num_workers)
             offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
+            wants = StateWants(peer.call, cfg.run_id, str(peer.peer_id)) if peer.client_mode else None
             # the first fragment's averager also serves the worker's state
             states = HivemindStateExchange(
                 server=averagers[0],
@@ -102,7 +106,10 @@ class HivemindBackend(CommBackend):
                 num_workers=num_workers,
                 client_mode=peer.client_mode,
                 linger_s=cfg.hivemind.matchmaking_s,
+                wants=wants,
+                helpers=lambda: live_helpers(peer.call, cfg.run_id),
             )
+            self._uploader = _start_uploader(cfg, peer, wants, offers, states) if wants else None
             averaging = HivemindAveraging(
                 cfg,
                 peer=peer,
@@ -118,7 +125,7 @@ class HivemindBackend(CommBackend):
                 helpers=lambda: live_helpers(peer.call, cfg.run_id),
             )
         except BaseException:
-            _shut_down(roster, plane, averagers, peer)
+            _shut_down(roster, plane, averagers, peer, self._uploader)
             raise
         super().__init__(averaging, states=states, membership=membership)
         self._closed = False
@@ -131,12 +138,32 @@ class HivemindBackend(CommBackend):
         if self._closed:
             return
         self._closed = True
-        _shut_down(self._roster, self.averaging.plane, self.averaging.averagers, self.peer)
+        _shut_down(self._roster, self.averaging.plane, self.averaging.averagers, self.peer, self._uploader)
 
 
-def _shut_down(roster: Roster, plane, averagers: Sequence, peer: Peer) -> None:
-    """Stop the heartbeat, then the data plane, the averagers and the DHT peer."""
+def _start_uploader(
+    cfg: CommConfig, peer: Peer, wants: StateWants, offers: StateOffers, states: HivemindStateExchange
+) -> StateUploader:
+    """A client's uploader: a client asks for a state through the run's helpers (``wants``), and
+    uploads its own to one for a worker that asks (state_relay.py)."""
+    uploader = StateUploader(
+        peer.dht,
+        cfg.run_id,
+        wants=wants,
+        offers=offers.read,
+        published=states.published_state,
+        helpers=lambda: live_helper_ids(peer.call, cfg.run_id),
+        timeout_s=cfg.deadline_s,
+    )
+    uploader.start()
+    return uploader
+
+
+def _shut_down(roster: Roster, plane, averagers: Sequence, peer: Peer, uploader: StateUploader | None) -> None:
+    """Stop the heartbeat and the state uploader, then the data plane, the averagers and the DHT peer."""
     roster.stop()
+    if uploader is not None:
+        uploader.close()
     if plane is not None:
         plane.close()
     for part in (*averagers, peer):

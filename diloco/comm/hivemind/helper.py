@@ -8,15 +8,18 @@ the group of round ``r`` it looks for it too, under the same key (``group_round.
 it declares itself a helper, so that every worker leaves it out of the round's contributors
 (``helper_record.contributors``), and hivemind gives it the parts it reduces in proportion to the
 bandwidth it declares (``comm.bandwidth_mbps``). It keeps a record fresh under the run's helpers
-key (``helper_record.py``), from which workers size the group a round waits for. It holds no training
-state and serves none: the tensors it is built on only give the shapes of what the workers send
-(which its join request must present, as theirs do).
+key (``helper_record.py``), from which workers size the group a round waits for. It trains
+nothing: the tensors it is built on only give the shapes of what the workers send (which its join
+request must present, as theirs do). In a run of clients, where no worker serves a state, it
+relays one: a client that holds a state a worker asks for uploads it, and the helper offers it
+(``state_relay.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import logging
 import threading
 import time
@@ -32,6 +35,8 @@ from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributor
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import TTL_S, Roster
+from diloco.comm.hivemind.state_offers import priority
+from diloco.comm.hivemind.state_relay import RelayedStates, UploadServer
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -67,7 +72,8 @@ class Helper:
     def __init__(self, cfg: CommConfig, *, shapes: Sequence[Sequence[int]], codec: Codec, planned: int):
         self.cfg = cfg
         self.peer = Peer(cfg.hivemind, run_key=cfg.run_key)
-        self.averager = self.record = None
+        self.averager = self.record = self.uploads = None
+        self.relayed = RelayedStates()
         try:
             if self.peer.client_mode:
                 raise CommError(
@@ -84,6 +90,8 @@ class Helper:
                 self.peer.call, run_id=cfg.run_id, peer_id=str(self.peer.peer_id), addresses=self.addresses
             )
             self.record.start()
+            self.uploads = UploadServer(self.peer.dht, cfg.run_id, self.relayed)
+            self.uploads.start()
         except BaseException:
             self.shutdown()
             raise
@@ -99,6 +107,7 @@ class Helper:
         done: set[int] = set()  # the rounds it joined (or gave up on)
         live_at = time.monotonic()
         while not stop.wait(_POLL_S):
+            self._offer_relayed()
             try:
                 entries = {i: e for i, e in self.roster.entries().items() if not e.leaving}
             except Exception:  # the DHT did not answer this time: the next read may
@@ -119,6 +128,15 @@ class Helper:
             announced = max(entry.group for entry in looking if entry.round == round_index)
             report(self._reduce(round_index, announced=announced))
         return "stopped"
+
+    def _offer_relayed(self) -> None:
+        """Offer the newest state a client uploaded, as a worker offers its own."""
+        taken = self.relayed.take()
+        if taken is None:
+            return
+        offer, metadata, blob = taken
+        self.averager.allow_state_sharing = True
+        self.averager.share_state(metadata, lambda _serialize: io.BytesIO(blob), priority=priority(*offer))
 
     def _reduce(self, round_index: int, *, announced: int) -> Reduced:
         """Join round ``round_index``'s group: of the size the workers announced, or (a worker that
@@ -144,7 +162,11 @@ class Helper:
             )
             control = averager.step(gather={HELPER: True}, timeout=timeout_s, wait=False)
             gathered = await_result(
-                control, limit=started + round_limit_s(timeout_s), pointless=lambda: self._past(round_index)
+                control,
+                limit=started + round_limit_s(timeout_s),
+                pointless=lambda: self._past(round_index),
+                # a state a client uploads now may be what a worker of this very group waits for
+                stage=lambda _stage: self._offer_relayed(),
             )
             if gathered is None:
                 error = "no group found before the deadline"
@@ -170,6 +192,8 @@ class Helper:
         """Say it is gone (no round waits for it), then stop its averager and its peer."""
         if self.record is not None:
             self.record.leave()
+        if self.uploads is not None:
+            self.uploads.close()
         for part in (self.averager, self.peer):
             try:
                 if part is not None:

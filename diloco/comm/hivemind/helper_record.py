@@ -78,12 +78,21 @@ class HelperRecord:
 def live_helpers(dht_call, run_id: str) -> int:
     """How many helpers of run ``run_id`` have a fresh record and are not leaving; 0 when the DHT
     does not answer (a round then waits for the workers only)."""
+    return len(live_helper_ids(dht_call, run_id))
+
+
+def live_helper_ids(dht_call, run_id: str) -> list[str]:
+    """The peer ids of the helpers of run ``run_id`` that have a fresh record and are not leaving;
+    none when the DHT does not answer."""
     try:
         found = dht_call(lambda dht: dht.get(helpers_key(run_id), latest=True, return_future=True))
     except Exception:
         logger.debug("helpers read failed", exc_info=True)
-        return 0
+        return []
     if found is None or not isinstance(found.value, dict):
-        return 0
-    values = [getattr(item, "value", None) for item in found.value.values()]
-    return sum(1 for value in values if isinstance(value, dict) and not value.get("leaving"))
+        return []
+    return [
+        str(subkey)
+        for subkey, item in found.value.items()
+        if isinstance(getattr(item, "value", None), dict) and not item.value.get("leaving")
+    ]

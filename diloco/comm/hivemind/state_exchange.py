@@ -5,7 +5,9 @@ whoever asks, highest priority first (``state_offers.py``: round, then group siz
 params' fingerprint). A worker whose round failed, was partial, or ran in a smaller group looks
 for a better state of that round (``fetch_state``), and takes it only when no better one can still
 come: see ``OfferReading`` for the rule. After its last round a worker stays a moment while a
-peer may still need its state (``linger``).
+peer may still need its state (``linger``). In a run of clients, where nobody serves a state, a
+worker asks for one and a client that holds it uploads it to a helper, which offers it
+(``state_relay.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,7 @@ from diloco.comm.base import PeerState, StateCheck, StateExchange, StateRank, St
 from diloco.comm.hivemind.roster import live_counts
 from diloco.comm.hivemind.state_download import SERVED_BY
 from diloco.comm.hivemind.state_offers import Offer, StateOffers, priority, same_offer
+from diloco.comm.hivemind.state_relay import Published, StateWants, Wanted
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +71,35 @@ class HivemindStateExchange(StateExchange):
     """``server`` is the averager that serves our state and downloads a peer's (hivemind's
     ``share_state`` / ``load_state_from_peers``); ``offers`` reads the others' offers; ``roster``
     tells who is live and serves state (``roster.py``); ``client_mode``: nobody can dial us, so we
-    serve nothing; ``linger_s``: the most a worker stays after its last round for a peer behind."""
+    serve nothing; ``linger_s``: the most a worker stays after its last round for a peer behind.
+    ``wants`` (clients) asks for a state when no peer serves one while ``helpers()`` (how many are
+    live) says a helper can relay it."""
 
-    def __init__(self, *, server, offers: StateOffers, roster, num_workers: int, client_mode: bool, linger_s: float):
+    def __init__(
+        self,
+        *,
+        server,
+        offers: StateOffers,
+        roster,
+        num_workers: int,
+        client_mode: bool,
+        linger_s: float,
+        wants: StateWants | None = None,
+        helpers: Callable[[], int] = lambda: 0,
+    ):
         self._server, self._offers, self._roster = server, offers, roster
         self.num_workers, self.client_mode, self.linger_s = num_workers, client_mode, linger_s
+        self._wants, self._helpers = wants, helpers
         self.published: tuple[int, StateRank] | None = None  # (round, rank) of the state we offer
+        self._reader: StateReader | None = None
+
+    def published_state(self) -> Published | None:
+        """(round, rank, reader) of the state we offer (a client's too: a helper can relay it)."""
+        published, reader = self.published, self._reader
+        return None if published is None or reader is None else (*published, reader)
 
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        self.published = (round_index, rank)
+        self.published, self._reader = (round_index, rank), state
         if self.client_mode:  # nobody can dial us to download it (hivemind refuses to share in client mode)
             return
         self._server.share_state(  # serialized only when a peer asks for it
@@ -93,6 +117,26 @@ class HivemindStateExchange(StateExchange):
         newer: bool = False,
         check: StateCheck | None = None,
     ) -> PeerState | None:
+        # nobody but a helper can serve us (clients only): we ask, a client that holds it uploads it to a helper
+        relayed = self._wants is not None and self._helpers() > 0
+        try:
+            return self._search(
+                round_index, better_than, timeout_s=timeout_s, newer=newer, check=check, relayed=relayed
+            )
+        finally:
+            if relayed:
+                self._wants.withdraw()
+
+    def _search(
+        self,
+        round_index: int,
+        better_than: StateRank,
+        *,
+        timeout_s: float,
+        newer: bool,
+        check: StateCheck | None,
+        relayed: bool,
+    ) -> PeerState | None:
         deadline = time.monotonic() + timeout_s
         refused: set[str] = set()  # peers whose state ``check`` refused: not asked again in this search
         # a live peer that has not offered by half the time is a straggler (stuck in a sync of its
@@ -102,15 +146,18 @@ class HivemindStateExchange(StateExchange):
         download_failed = False
         while time.monotonic() < deadline:
             reading = self._read(round_index, better_than, newer, patient_until=patient_until, refused=refused)
-            if reading.others == 0 and (not reading.offers or download_failed):
+            relay = relayed and reading.others == 0
+            if reading.others == 0 and not relay and (not reading.offers or download_failed):
                 return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
+            if relay:
+                self._wants.ask(Wanted(round_index, reading.ours, newer))
             if reading.any_wanted:
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
                 found = self._download(reading, max(1.0, deadline - time.monotonic()), check, refused)
                 if found is not None:
                     return found
                 download_failed = True
-            elif reading.everyone_offered:
+            elif reading.everyone_offered and not relay:
                 # none ranks above us. A peer still in its outer step has not offered this round
                 # yet: wait for it rather than take the others' offers (a dropped peer's, say)
                 return None

@@ -1,0 +1,304 @@
+"""Relayed states: a run whose workers are all clients keeps one model through its helpers.
+
+A client serves no state (nobody can dial it), so in a run of clients alone a worker left out of a
+round, one whose group held another model, or a newcomer finds nobody to take the run's state
+from. Clients can dial out, and a helper can be dialled, so the state goes through a helper:
+
+1. The worker that looks for a state and finds no peer serving one, while a helper is live, asks
+   for it: it declares under the run's wanted key the round it is after and the rank to beat
+   (``StateWants.ask``).
+2. A client whose state after that round ranks higher (``Wanted.served_by``) uploads it to a live
+   helper (``StateUploader``, a thread of its own), unless a helper already offers one as good.
+3. The helper keeps the best state uploaded (the newest round, then the best rank:
+   ``RelayedStates``) and offers it as any peer offers its own, at its uploader's round and rank.
+   The worker downloads it as it downloads any state, and checks it the same way: its params must
+   be those a majority of the run's live workers declared after that round (core/recovery.py), so
+   a helper or an uploader cannot hand it other params.
+
+What it costs: a state crosses the uploader's link once and the helper's twice, only when a
+worker asks; two clients that answer one request at once both upload (the helper keeps one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import iter_as_aiter
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from diloco.comm.base import StateRank, StateReader
+from diloco.comm.hivemind.averager import serialize_state
+from diloco.comm.hivemind.state_offers import Offer, priority
+
+logger = logging.getLogger(__name__)
+
+WANTED_TTL_S = 15.0  # a request lives this long unless asked again (the asker asks every ASK_EVERY_S)
+ASK_EVERY_S = 5.0
+POLL_S = 1.0  # how often a client reads the requests
+Published = tuple[int, StateRank, StateReader]  # a worker's state: after which round, its rank, its reader
+
+
+def wanted_key(run_id: str) -> str:
+    return f"{run_id}.state_wanted"
+
+
+def upload_handler(run_id: str) -> str:
+    return f"{run_id}.state_upload"
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A worker's request: a state after round ``round`` that ranks above ``rank``, or (``newer``)
+    after any later round."""
+
+    round: int
+    rank: StateRank
+    newer: bool = False
+
+    def served_by(self, offer: Offer) -> bool:
+        offered_round, rank = offer
+        return (self.newer and offered_round > self.round) or (offered_round == self.round and rank > self.rank)
+
+
+class StateWants:
+    """The run's requests for a state, in the DHT under ``wanted_key`` (subkey: the asker's peer id).
+    ``call(fn)`` is a bounded DHT request (``peer.bounded_dht_call``)."""
+
+    def __init__(self, call: Callable, run_id: str, own_id: str):
+        self._call, self.key, self.own_id = call, wanted_key(run_id), own_id
+        self._asked: tuple[Wanted, float] | None = None
+
+    def ask(self, wanted: Wanted) -> None:
+        """Declare ``wanted`` (again only after ``ASK_EVERY_S``, unless it changed)."""
+        if self._asked and self._asked[0] == wanted and time.monotonic() - self._asked[1] < ASK_EVERY_S:
+            return
+        if self._store([wanted.round, wanted.rank.peers, wanted.rank.fingerprint, wanted.newer]):
+            self._asked = (wanted, time.monotonic())
+
+    def withdraw(self) -> None:
+        """Take back our request, if any (we found a state, or gave up): no client uploads for it."""
+        if self._asked is not None and self._store([]):  # a later record than the request's, read as none
+            self._asked = None
+
+    def _store(self, value: list) -> bool:
+        now = get_dht_time()
+        try:
+            self._call(
+                lambda dht: dht.store(
+                    self.key, subkey=self.own_id, value=value, expiration_time=now + WANTED_TTL_S, return_future=True
+                )
+            )
+            return True
+        except Exception:  # asked again shortly; a request not withdrawn expires
+            logger.debug("declaring a state request failed", exc_info=True)
+            return False
+
+    def read(self) -> list[Wanted]:
+        """The other peers' live requests; none when the DHT did not answer."""
+        try:
+            entry = self._call(lambda dht: dht.get(self.key, latest=True, return_future=True))
+        except Exception:
+            logger.debug("reading the state requests failed", exc_info=True)
+            return []
+        if entry is None or not isinstance(entry.value, dict):
+            return []
+        wants = []
+        for subkey, item in entry.value.items():
+            value = getattr(item, "value", None)
+            if subkey == self.own_id or not (isinstance(value, list) and len(value) == 4):
+                continue
+            try:
+                wants.append(Wanted(int(value[0]), StateRank(int(value[1]), float(value[2])), bool(value[3])))
+            except (TypeError, ValueError):  # whatever a peer put there, it is no request
+                continue
+        return wants
+
+
+class RelayedStates:
+    """A helper's store: the best state uploaded so far (the newest round, then the best rank).
+    ``take`` hands out a state not handed out before, for the helper to offer."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._best: tuple[Offer, dict, bytes] | None = None
+        self._fresh = False
+
+    def put(self, metadata: dict, blob: bytes) -> bool:
+        """Keep this uploaded state if it beats the one held; returns whether it did."""
+        rank = StateRank(int(metadata.get("peers", 0)), float(metadata.get("fingerprint", 0.0)))
+        offer = (int(metadata.get("round", -1)), rank)
+        with self._lock:
+            if self._best is not None and priority(*offer) <= priority(*self._best[0]):
+                return False
+            self._best, self._fresh = (offer, metadata, blob), True
+            return True
+
+    def take(self) -> tuple[Offer, dict, bytes] | None:
+        with self._lock:
+            if not self._fresh:
+                return None
+            self._fresh = False
+            return self._best
+
+
+def _messages(metadata: dict, blob: bytes) -> list[averaging_pb2.DownloadData]:
+    tensor = serialize_torch_tensor(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    parts = list(split_for_streaming(tensor))
+    serialized = MSGPackSerializer.dumps(metadata)
+    return [
+        averaging_pb2.DownloadData(tensor_part=part, metadata=serialized if i == 0 else b"")
+        for i, part in enumerate(parts)
+    ]
+
+
+async def _received(stream: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[dict, bytes]:
+    metadata, parts = None, []
+    async for message in stream:
+        if message.metadata:
+            metadata = MSGPackSerializer.loads(message.metadata)
+        parts.append(message.tensor_part)
+    if not isinstance(metadata, dict) or not parts:
+        raise ValueError("an upload without metadata or state")
+    return metadata, deserialize_torch_tensor(combine_from_streaming(parts)).numpy().tobytes()
+
+
+class _LoopThread:
+    """A thread running an asyncio loop on which ``main`` runs until ``stop`` is set."""
+
+    def __init__(self, name: str, main: Callable[[threading.Event], object]):
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(main(self.stop)), name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.stop.set()
+        self._thread.join(timeout=timeout_s)
+
+
+class UploadServer:
+    """A helper's end: takes the states clients upload (``dht``'s peer, handler ``upload_handler``)
+    into ``store``."""
+
+    def __init__(self, dht, run_id: str, store: RelayedStates):
+        self._dht, self._name, self.store = dht, upload_handler(run_id), store
+        self._loop = _LoopThread("diloco-state-relay", self._serve)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def close(self) -> None:
+        self._loop.close()
+
+    async def _serve(self, stop: threading.Event) -> None:
+        try:
+            p2p = await self._dht.replicate_p2p()
+            await p2p.add_protobuf_handler(self._name, self._take, averaging_pb2.DownloadData, stream_input=True)
+        except Exception as error:  # the helper still reduces; a worker that asks for a state waits out its bound
+            logger.warning("this helper relays no state: %r", error)
+            return
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+
+    async def _take(self, stream, context: P2PContext) -> averaging_pb2.DownloadRequest:
+        try:
+            metadata, blob = await _received(stream)
+            kept = self.store.put(metadata, blob)
+        except Exception as error:  # a broken upload is the uploader's problem; the next one may do
+            logger.warning("an upload of a state from peer %s failed: %r", context.remote_id, error)
+            return averaging_pb2.DownloadRequest()
+        if kept:
+            logger.info(
+                "holding the state after round %d uploaded by peer %s (%d bytes) for the run's workers",
+                int(metadata.get("round", -1)) + 1,
+                context.remote_id,
+                len(blob),
+            )
+        return averaging_pb2.DownloadRequest()
+
+
+class StateUploader:
+    """A client's end: every ``POLL_S`` it reads the run's requests (``wants``) and, where its own
+    state (``published()``: round, rank, reader; None before its first round) would serve one and
+    no peer offers one as good (``offers()``: (round, rank) of each offer, the helpers' included),
+    uploads it to a live helper (``helpers()``: their peer ids) through ``dht``'s peer, within
+    ``timeout_s``."""
+
+    def __init__(
+        self,
+        dht,
+        run_id: str,
+        *,
+        wants: StateWants,
+        offers: Callable[[], list[Offer]],
+        published: Callable[[], Published | None],
+        helpers: Callable[[], list[str]],
+        timeout_s: float,
+    ):
+        self._dht, self._name = dht, upload_handler(run_id)
+        self._wants, self._offers, self._published, self._helpers = wants, offers, published, helpers
+        self.timeout_s = timeout_s
+        self._loop = _LoopThread("diloco-state-upload", self._run)
+
+    def start(self) -> None:
+        self._loop.start()
+
+    def close(self) -> None:
+        self._loop.close()
+
+    def due(self) -> tuple[Published, str] | None:
+        """Our state and the helper to upload it to, if a request wants it and nobody offers it yet."""
+        published = self._published()
+        if published is None:
+            return None
+        offered_round, rank, _ = published
+        ours = (offered_round, rank)
+        if not any(wanted.served_by(ours) for wanted in self._wants.read()):
+            return None
+        if any(priority(*offer) >= priority(*ours) for offer in self._offers()):
+            return None  # a helper (or a peer that serves) already offers it, or a better one
+        helpers = self._helpers()
+        return (published, helpers[0]) if helpers else None
+
+    async def _run(self, stop: threading.Event) -> None:
+        p2p = None
+        while not stop.is_set():
+            await asyncio.sleep(POLL_S)
+            try:
+                due = self.due()
+                if due is None:
+                    continue
+                p2p = p2p or await self._dht.replicate_p2p()
+                await asyncio.wait_for(self._upload(p2p, *due), timeout=self.timeout_s)
+            except Exception as error:  # the asker asks again; the next poll may do
+                logger.warning("uploading our state to a helper failed: %r", error)
+
+    async def _upload(self, p2p, published: Published, helper: str) -> None:
+        offered_round, rank, read = published
+        serialized = read(serialize_state)
+        if serialized is None:  # an outer step changed it since: the next poll sees the new one
+            return
+        metadata = {"round": offered_round, "peers": rank.peers, "fingerprint": rank.fingerprint}
+        messages = _messages(metadata, serialized.getvalue())
+        started = time.monotonic()
+        await p2p.call_protobuf_handler(
+            PeerID.from_base58(helper), self._name, iter_as_aiter(messages), averaging_pb2.DownloadRequest
+        )
+        logger.info(
+            "uploaded our state after round %d to helper %s for a peer that asked (%.2f s)",
+            offered_round + 1,
+            helper,
+            time.monotonic() - started,
+        )

@@ -1,0 +1,179 @@
+"""A state relayed through a helper in a run of clients (logic only: the DHT, the roster, the offers
+and the download are stand-ins handed to the real parts; tests/integration/test_helper.py runs the
+real thing in network namespaces)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from types import SimpleNamespace
+
+import torch
+
+from diloco.comm.base import StateRank
+from diloco.comm.hivemind.roster import RosterEntry
+from diloco.comm.hivemind.state_exchange import HivemindStateExchange
+from diloco.comm.hivemind.state_relay import RelayedStates, StateUploader, StateWants, Wanted, _messages, _received
+
+
+class _Dht:
+    """A DHT of one key's subkeys, the latest expiration winning, as hivemind's keeps them."""
+
+    def __init__(self):
+        self.items: dict = {}
+
+    def store(self, key, *, subkey, value, expiration_time, return_future):
+        held = self.items.get((key, subkey))
+        if held is None or held.expiration_time < expiration_time:
+            self.items[(key, subkey)] = SimpleNamespace(value=value, expiration_time=expiration_time)
+        return True
+
+    def get(self, key, *, latest, return_future):
+        found = {subkey: item for (k, subkey), item in self.items.items() if k == key}
+        return SimpleNamespace(value=found) if found else None
+
+
+def _wants(dht: _Dht, peer: str) -> StateWants:
+    return StateWants(lambda fn: fn(dht), "run", peer)
+
+
+def test_a_request_is_served_by_a_better_state_of_its_round_or_with_newer_by_any_later_one():
+    wanted = Wanted(4, StateRank(1, -1.0))
+    assert wanted.served_by((4, StateRank(1, 0.2)))  # a state of the same size: any served one wins for a client
+    assert wanted.served_by((4, StateRank(2, 0.0)))
+    assert not wanted.served_by((4, StateRank(1, -1.0)))
+    assert not wanted.served_by((5, StateRank(3, 0.0)))  # a later round only when asked for
+    assert Wanted(4, StateRank(1 << 30), newer=True).served_by((5, StateRank(1, 0.0)))
+    assert not Wanted(4, StateRank(1 << 30), newer=True).served_by((3, StateRank(3, 0.0)))
+
+
+def test_a_request_is_read_by_the_other_peers_not_by_the_asker_and_is_gone_once_withdrawn():
+    dht = _Dht()
+    asker, other = _wants(dht, "asker"), _wants(dht, "other")
+    wanted = Wanted(2, StateRank(1, -1.0), newer=True)
+    asker.ask(wanted)
+    assert other.read() == [wanted] and asker.read() == []
+    dht.store("run.state_wanted", subkey="junk", value=["a", 1], expiration_time=1e18, return_future=True)
+    assert other.read() == [wanted]  # whatever else a peer put there is no request
+    asker.withdraw()
+    assert other.read() == []
+
+
+def test_the_helper_keeps_the_newest_state_then_the_best_ranked_and_offers_each_once():
+    relayed = RelayedStates()
+    assert relayed.take() is None
+    assert relayed.put({"round": 3, "peers": 2, "fingerprint": 0.5}, b"a")
+    assert not relayed.put({"round": 3, "peers": 2, "fingerprint": 0.5}, b"again")  # the same offer: kept once
+    assert not relayed.put({"round": 2, "peers": 3, "fingerprint": 0.0}, b"older")
+    assert relayed.take() == ((3, StateRank(2, 0.5)), {"round": 3, "peers": 2, "fingerprint": 0.5}, b"a")
+    assert relayed.take() is None  # offered already
+    assert relayed.put({"round": 3, "peers": 3, "fingerprint": 0.0}, b"bigger group")
+    assert relayed.take()[2] == b"bigger group"
+
+
+def test_an_upload_arrives_whole_with_its_metadata():
+    blob = bytes(range(256)) * 5000  # spans several streamed parts
+    metadata = {"round": 7, "peers": 3, "fingerprint": 0.25}
+
+    async def stream():
+        for message in _messages(metadata, blob):
+            yield message
+
+    assert asyncio.run(_received(stream())) == (metadata, blob)
+
+
+def _uploader(wants, *, offers=(), published=None, helpers=("helper",)) -> StateUploader:
+    return StateUploader(
+        None,
+        "run",
+        wants=wants,
+        offers=lambda: list(offers),
+        published=lambda: published,
+        helpers=lambda: list(helpers),
+        timeout_s=5.0,
+    )
+
+
+def test_a_client_uploads_only_a_state_that_a_peer_asked_for_and_that_no_helper_offers_yet():
+    dht = _Dht()
+    _wants(dht, "asker").ask(Wanted(2, StateRank(1, -1.0)))
+    wants = _wants(dht, "synced")
+    ours = (2, StateRank(2, 0.5), lambda use: use({}))
+    assert _uploader(wants, published=ours).due() == (ours, "helper")
+    assert _uploader(wants, published=None).due() is None  # nothing published yet
+    assert _uploader(wants, published=(1, StateRank(3, 0.0), ours[2])).due() is None  # not the round asked for
+    assert _uploader(wants, published=ours, offers=[(2, StateRank(2, 0.5))]).due() is None  # the helper has it
+    assert _uploader(wants, published=ours, helpers=()).due() is None  # no helper to take it
+    assert _uploader(_wants(_Dht(), "synced"), published=ours).due() is None  # nobody asked
+
+
+class _ClientsRoster:
+    """Three live workers, all clients: nobody serves a state."""
+
+    worker_index = 0
+
+    def own_entries(self):
+        return {i: RosterEntry(i, 3, 60, serves_state=False) for i in range(3)}
+
+
+class _HelperServes:
+    """What the helper serves once a client uploaded it."""
+
+    def load_state_from_peers(self, timeout, exclude=()):
+        buffer = io.BytesIO()
+        torch.save({"global_params": [torch.full((1,), 2.0)]}, buffer)
+        metadata = {"round": 2, "peers": 2, "fingerprint": 0.5, "served_by": "helper"}
+        return metadata, [torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)]
+
+
+class _RecordingWants(StateWants):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.asked: list[Wanted] = []
+
+    def ask(self, wanted: Wanted) -> None:
+        self.asked.append(wanted)
+        super().ask(wanted)
+
+
+def test_a_client_that_nobody_can_serve_asks_through_the_helpers_takes_the_relayed_state_and_withdraws():
+    dht = _Dht()
+    # the helper's offer appears once a client uploaded the state (the third reading)
+    readings = iter([[], [], [(2, StateRank(2, 0.5))]])
+    latest: list = []
+
+    def read(exclude=()):
+        nonlocal latest
+        latest = next(readings, latest)
+        return list(latest)
+
+    wants = _RecordingWants(lambda fn: fn(dht), "run", "lagging")
+    states = HivemindStateExchange(
+        server=_HelperServes(),
+        offers=SimpleNamespace(read=read),
+        roster=_ClientsRoster(),
+        num_workers=3,
+        client_mode=True,
+        linger_s=0.0,
+        wants=wants,
+        helpers=lambda: 1,
+    )
+    found = states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=10.0)
+    assert found is not None and found.rank == StateRank(2, 0.5) and found.served_by == "helper"
+    # asked, as a client: any served state of its size wins over its own
+    assert set(wants.asked) == {Wanted(2, StateRank(1, -1.0))}
+    assert _wants(dht, "synced").read() == []  # and withdrawn once found
+
+
+def test_without_a_live_helper_a_client_that_nobody_can_serve_gives_up_at_once():
+    states = HivemindStateExchange(
+        server=_HelperServes(),
+        offers=SimpleNamespace(read=lambda exclude=(): []),
+        roster=_ClientsRoster(),
+        num_workers=3,
+        client_mode=True,
+        linger_s=0.0,
+        wants=_wants(_Dht(), "lagging"),
+        helpers=lambda: 0,
+    )
+    assert states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=30.0) is None
