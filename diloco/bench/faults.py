@@ -149,6 +149,13 @@ class Cluster:
         self.others.append(process)
         return process
 
+    def helper(self, slot: int, *, log_name: str = "") -> Child:
+        """``diloco helper`` through the bootstrap peer, in the testbed namespace ``slot``."""
+        argv = [sys.executable, "-m", "diloco.cli", "helper", "--peers", self.peers[0], *self._common(1)]
+        process = self._spawn(slot, argv, log_name=log_name or f"helper-{slot}.log")
+        self.others.append(process)
+        return process
+
     def signal(self, index: int, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.processes[index].pid, signum)

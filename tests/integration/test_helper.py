@@ -1,7 +1,8 @@
 """A run whose workers are all behind NAT averages through public helpers (``diloco helper``), in
 real network namespaces with masquerading NAT: a worker that sits out a round takes the run's state
-through a helper, and the run goes on through the second helper once the first is killed. Root and
-iptables only; skipped elsewhere with the testbed's reason."""
+through a helper, and the run goes on through the second helper once the first is killed; a volunteer
+behind NAT joins such a run mid-way, taking its state through a helper. Root and iptables only;
+skipped elsewhere with the testbed's reason."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from diloco.bench.faults import Cluster
 from diloco.tools import testbed as nets
-from diloco.tools.testbed import leftovers
+from diloco.tools.testbed import Testbed, leftovers
 from tests.conftest import TINY, round_records
 
 pytestmark = [
@@ -105,4 +107,41 @@ def test_a_run_of_clients_averages_through_helpers_relays_a_state_and_outlives_a
     # through helper 1 at the next round); the run ends averaged by all three, on one model
     last = [worker[-1] for worker in rounds]
     assert all(r["ok"] and r["peers"] == 3 for r in last) and len({r["param_sha256"] for r in last}) == 1, last
+    assert set(leftovers()) <= before
+
+
+def test_a_volunteer_behind_nat_joins_a_run_of_clients_mid_way_taking_its_state_through_a_helper(tmp_path):
+    run_dir = tmp_path / "run"
+    joined = run_dir / "joined"  # the workers train paced until the newcomer averaged with them
+    overrides = [
+        *FAST, "comm.hivemind.matchmaking_s=15", "comm.deadline_s=30", "comm.run_id=clients",
+        "worker.count=2", "worker.slots=3", "inner.steps=200", "outer.sync_every=20",
+        "faults.step_delay_s=0.1", f"faults.step_delay_until={joined}",
+    ]  # fmt: skip
+    before = set(leftovers())
+    # workers 0 and 1 and the newcomer (2) behind NAT, the helper (3) public
+    with (
+        Testbed(4, up_mbit=0, down_mbit=0, nat=[0, 1, 2]) as testbed,
+        Cluster(overrides, run_dir, slots=4, testbed=testbed) as cluster,
+    ):
+        cluster.start(0)
+        cluster.start(1)
+        cluster.helper(3, log_name="helper.log")
+        cluster.wait_for_step(0, 3 * 20, 120)
+        cluster.processes[2] = cluster.join(slot=2, log_name="worker-2.log", only_address=True)
+        try:
+            cluster.wait_for_record(2, lambda record: record["ok"] and record["peers"] == 3, 120)
+        finally:
+            joined.touch()
+        codes = cluster.wait_all(120)
+    logs = {name: (run_dir / f"{name}.log").read_text() for name in ("worker-0", "worker-1", "worker-2", "helper")}
+    assert codes == {0: 0, 1: 0, 2: 0}, (codes, logs["worker-2"][-3000:])
+    assert "not reachable from outside" in logs["worker-2"], logs["worker-2"][-3000:]  # a client
+    # nobody serves a state in a run of clients: it came through the helper
+    assert "took the state after round" in logs["worker-2"], logs["worker-2"][-3000:]
+    assert "holding the state after round" in logs["helper"], logs["helper"][-3000:]
+    rounds = [round_records(run_dir, worker) for worker in range(3)]
+    last = [worker[-1] for worker in rounds]
+    assert all(r["ok"] and r["peers"] == 3 for r in last), last
+    assert len({r["param_sha256"] for r in last}) == 1, last
     assert set(leftovers()) <= before
