@@ -109,7 +109,7 @@ class HivemindBackend(CommBackend):
                 wants=wants,
                 helpers=lambda: live_helpers(peer.call, cfg.run_id),
             )
-            self._uploader = _start_uploader(cfg, peer, wants, offers, states) if wants else None
+            self._uploader = _start_uploader(cfg, peer, roster, wants, offers, states) if wants else None
             averaging = HivemindAveraging(
                 cfg,
                 peer=peer,
@@ -142,17 +142,18 @@ class HivemindBackend(CommBackend):
 
 
 def _start_uploader(
-    cfg: CommConfig, peer: Peer, wants: StateWants, offers: StateOffers, states: HivemindStateExchange
+    cfg: CommConfig, peer: Peer, roster: Roster, wants: StateWants, offers: StateOffers, states: HivemindStateExchange
 ) -> StateUploader:
     """A client's uploader: a client asks for a state through the run's helpers (``wants``), and
     uploads its own to one for a worker that asks (state_relay.py)."""
     uploader = StateUploader(
-        peer.dht,
+        peer.call,
         cfg.run_id,
         wants=wants,
         offers=offers.read,
         published=states.published_state,
         helpers=lambda: live_helper_ids(peer.call, cfg.run_id),
+        no_server=roster.no_server_seen,
         timeout_s=cfg.deadline_s,
     )
     uploader.start()

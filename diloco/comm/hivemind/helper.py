@@ -90,7 +90,9 @@ class Helper:
                 self.peer.call, run_id=cfg.run_id, peer_id=str(self.peer.peer_id), addresses=self.addresses
             )
             self.record.start()
-            self.uploads = UploadServer(self.peer.dht, cfg.run_id, self.relayed)
+            self.uploads = UploadServer(
+                self.peer.call, cfg.run_id, self.relayed, refuses=self._refuses_upload, timeout_s=cfg.deadline_s
+            )
             self.uploads.start()
         except BaseException:
             self.shutdown()
@@ -128,6 +130,15 @@ class Helper:
             announced = max(entry.group for entry in looking if entry.round == round_index)
             report(self._reduce(round_index, announced=announced))
         return "stopped"
+
+    def _refuses_upload(self, peer: str, offered_round: int) -> str:
+        """Why a state uploaded by ``peer`` after round ``offered_round`` must not be relayed ("" if not)."""
+        live = [entry for entry in self.roster.entries().values() if not entry.leaving]
+        if peer not in {entry.peer for entry in live}:
+            return "not a live worker of the run"
+        if offered_round >= max(entry.round for entry in live) + 1:  # records may lag by a round
+            return f"round {offered_round + 1}: no live worker has completed round {offered_round}"
+        return ""
 
     def _offer_relayed(self) -> None:
         """Offer the newest state a client uploaded, as a worker offers its own."""

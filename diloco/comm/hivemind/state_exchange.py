@@ -117,15 +117,11 @@ class HivemindStateExchange(StateExchange):
         newer: bool = False,
         check: StateCheck | None = None,
     ) -> PeerState | None:
-        # nobody but a helper can serve us (clients only): we ask, a client that holds it uploads it to a helper
-        relayed = self._wants is not None and self._helpers() > 0
         try:
-            return self._search(
-                round_index, better_than, timeout_s=timeout_s, newer=newer, check=check, relayed=relayed
-            )
+            return self._search(round_index, better_than, timeout_s=timeout_s, newer=newer, check=check)
         finally:
-            if relayed:
-                self._wants.withdraw()
+            if self._wants is not None:
+                self._wants.withdraw()  # nothing to take back unless we asked
 
     def _search(
         self,
@@ -135,7 +131,6 @@ class HivemindStateExchange(StateExchange):
         timeout_s: float,
         newer: bool,
         check: StateCheck | None,
-        relayed: bool,
     ) -> PeerState | None:
         deadline = time.monotonic() + timeout_s
         refused: set[str] = set()  # peers whose state ``check`` refused: not asked again in this search
@@ -144,9 +139,13 @@ class HivemindStateExchange(StateExchange):
         # takes the winner's state itself when it comes
         patient_until = time.monotonic() + timeout_s / 2
         download_failed = False
+        relayed: bool | None = None  # whether a helper can relay a state (read once, when nobody serves one)
         while time.monotonic() < deadline:
             reading = self._read(round_index, better_than, newer, patient_until=patient_until, refused=refused)
-            relay = relayed and reading.others == 0
+            if reading.others == 0 and relayed is None and self._wants is not None:
+                # nobody but a helper can serve us (clients only): we ask, a client that holds it uploads it there
+                relayed = self._helpers() > 0
+            relay = bool(relayed) and reading.others == 0
             if reading.others == 0 and not relay and (not reading.offers or download_failed):
                 return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
             if relay:

@@ -8,20 +8,23 @@ from. Clients can dial out, and a helper can be dialled, so the state goes throu
    for it: it declares under the run's wanted key the round it is after and the rank to beat
    (``StateWants.ask``).
 2. A client whose state after that round ranks higher (``Wanted.served_by``) uploads it to a live
-   helper (``StateUploader``, a thread of its own), unless a helper already offers one as good.
-3. The helper keeps the best state uploaded (the newest round, then the best rank:
-   ``RelayedStates``) and offers it as any peer offers its own, at its uploader's round and rank.
+   helper (``StateUploader``, a thread of its own), unless an offer serves the request already.
+3. The helper keeps the best state uploaded by a live worker of the run (the newest round, then the
+   best rank: ``RelayedStates``; a round no live worker has reached is refused) and offers it as
+   any peer offers its own, at its uploader's round and rank.
    The worker downloads it as it downloads any state, and checks it the same way: its params must
    be those a majority of the run's live workers declared after that round (core/recovery.py), so
    a helper or an uploader cannot hand it other params.
 
 What it costs: a state crosses the uploader's link once and the helper's twice, only when a
-worker asks; two clients that answer one request at once both upload (the helper keeps one).
+worker asks; clients that answer one request at once all upload (the helper keeps one). A client
+reads the requests once a second while no worker that serves a state has been seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -29,8 +32,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
+from hivemind import DHT
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import iter_as_aiter
@@ -188,12 +192,28 @@ class _LoopThread:
         self._thread.join(timeout=timeout_s)
 
 
-class UploadServer:
-    """A helper's end: takes the states clients upload (``dht``'s peer, handler ``upload_handler``)
-    into ``store``."""
+async def _replica(call: Callable) -> P2P:
+    """A client of the peer's p2p daemon on this thread's loop; the daemon's address is asked for
+    through ``call`` (the DHT handle is used under its lock, within its bound)."""
+    address = call(lambda dht: dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True))
+    return await P2P.replicate(address)
 
-    def __init__(self, dht, run_id: str, store: RelayedStates):
-        self._dht, self._name, self.store = dht, upload_handler(run_id), store
+
+async def _until(stop: threading.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+
+
+class UploadServer:
+    """A helper's end: takes the states clients upload (handler ``upload_handler`` on the daemon of
+    the peer that ``call`` reaches, ``peer.bounded_dht_call``) into ``store``, each read within
+    ``timeout_s``; ``refuses(peer, round)`` says why an upload must not be kept ("" to keep it)."""
+
+    def __init__(
+        self, call: Callable, run_id: str, store: RelayedStates, *, refuses: Callable[[str, int], str], timeout_s: float
+    ):
+        self._call, self._name, self.store = call, upload_handler(run_id), store
+        self._refuses, self.timeout_s = refuses, timeout_s
         self._loop = _LoopThread("diloco-state-relay", self._serve)
 
     def start(self) -> None:
@@ -204,52 +224,65 @@ class UploadServer:
 
     async def _serve(self, stop: threading.Event) -> None:
         try:
-            p2p = await self._dht.replicate_p2p()
+            p2p = await _replica(self._call)
             await p2p.add_protobuf_handler(self._name, self._take, averaging_pb2.DownloadData, stream_input=True)
         except Exception as error:  # the helper still reduces; a worker that asks for a state waits out its bound
             logger.warning("this helper relays no state: %r", error)
             return
-        while not stop.is_set():
-            await asyncio.sleep(0.2)
+        try:
+            await _until(stop)
+        finally:
+            with contextlib.suppress(Exception):  # the daemon may be gone first
+                await p2p.remove_protobuf_handler(self._name, stream_input=True)
+            await p2p.shutdown()  # this client of the daemon only
 
     async def _take(self, stream, context: P2PContext) -> averaging_pb2.DownloadRequest:
+        peer = context.remote_id.to_base58()
         try:
-            metadata, blob = await _received(stream)
-            kept = self.store.put(metadata, blob)
+            metadata, blob = await asyncio.wait_for(_received(stream), timeout=self.timeout_s)
+            offered_round = int(metadata.get("round", -1))
+            why = self._refuses(peer, offered_round)
+            kept = not why and self.store.put(metadata, blob)
         except Exception as error:  # a broken upload is the uploader's problem; the next one may do
-            logger.warning("an upload of a state from peer %s failed: %r", context.remote_id, error)
+            logger.warning("an upload of a state from peer %s failed: %r", peer, error)
             return averaging_pb2.DownloadRequest()
-        if kept:
+        if why:
+            logger.warning("refused a state uploaded by peer %s: %s", peer, why)
+        elif kept:
             logger.info(
                 "holding the state after round %d uploaded by peer %s (%d bytes) for the run's workers",
-                int(metadata.get("round", -1)) + 1,
-                context.remote_id,
+                offered_round + 1,
+                peer,
                 len(blob),
             )
         return averaging_pb2.DownloadRequest()
 
 
 class StateUploader:
-    """A client's end: every ``POLL_S`` it reads the run's requests (``wants``) and, where its own
-    state (``published()``: round, rank, reader; None before its first round) would serve one and
-    no peer offers one as good (``offers()``: (round, rank) of each offer, the helpers' included),
-    uploads it to a live helper (``helpers()``: their peer ids) through ``dht``'s peer, within
-    ``timeout_s``."""
+    """A client's end: every ``POLL_S``, while no worker that serves a state has been seen
+    (``no_server()``: the run is of clients), it reads the run's requests (``wants``) and, where its
+    own state (``published()``: round, rank, reader; None before its first round) would serve one
+    that no offer serves yet (``offers()``: (round, rank) of each, the helpers' included), uploads
+    it to a live helper (``helpers()``: their peer ids) through the daemon of the peer that ``call``
+    reaches, within ``timeout_s``: each state once, to the next helper if an upload failed."""
 
     def __init__(
         self,
-        dht,
+        call: Callable,
         run_id: str,
         *,
         wants: StateWants,
         offers: Callable[[], list[Offer]],
         published: Callable[[], Published | None],
         helpers: Callable[[], list[str]],
+        no_server: Callable[[], bool],
         timeout_s: float,
     ):
-        self._dht, self._name = dht, upload_handler(run_id)
+        self._call, self._name = call, upload_handler(run_id)
         self._wants, self._offers, self._published, self._helpers = wants, offers, published, helpers
-        self.timeout_s = timeout_s
+        self._no_server, self.timeout_s = no_server, timeout_s
+        self._sent: dict[float, float] = {}  # priority -> when, of the states uploaded: each goes up once
+        self._failed: set[tuple[float, str]] = set()  # (priority, helper) of the uploads that failed
         self._loop = _LoopThread("diloco-state-upload", self._run)
 
     def start(self) -> None:
@@ -259,31 +292,41 @@ class StateUploader:
         self._loop.close()
 
     def due(self) -> tuple[Published, str] | None:
-        """Our state and the helper to upload it to, if a request wants it and nobody offers it yet."""
+        """Our state and the helper to upload it to, if a request wants it and no offer serves it yet."""
         published = self._published()
-        if published is None:
+        if published is None or not self._no_server():
             return None
         offered_round, rank, _ = published
         ours = (offered_round, rank)
-        if not any(wanted.served_by(ours) for wanted in self._wants.read()):
+        served = [wanted for wanted in self._wants.read() if wanted.served_by(ours)]
+        if not served:
             return None
-        if any(priority(*offer) >= priority(*ours) for offer in self._offers()):
-            return None  # a helper (or a peer that serves) already offers it, or a better one
-        helpers = self._helpers()
+        offers = self._offers()
+        if all(any(wanted.served_by(offer) for offer in offers) for wanted in served):
+            return None  # a helper (or a peer that serves) already offers what they want
+        now = time.monotonic()
+        self._sent = {sent: at for sent, at in self._sent.items() if now - at < WANTED_TTL_S}
+        if priority(*ours) in self._sent:  # the helper's offer may not show yet
+            return None
+        helpers = [helper for helper in self._helpers() if (priority(*ours), helper) not in self._failed]
         return (published, helpers[0]) if helpers else None
 
     async def _run(self, stop: threading.Event) -> None:
         p2p = None
-        while not stop.is_set():
-            await asyncio.sleep(POLL_S)
-            try:
-                due = self.due()
-                if due is None:
-                    continue
-                p2p = p2p or await self._dht.replicate_p2p()
-                await asyncio.wait_for(self._upload(p2p, *due), timeout=self.timeout_s)
-            except Exception as error:  # the asker asks again; the next poll may do
-                logger.warning("uploading our state to a helper failed: %r", error)
+        try:
+            while not stop.is_set():
+                await asyncio.sleep(POLL_S)
+                try:
+                    due = self.due()
+                    if due is None:
+                        continue
+                    p2p = p2p or await _replica(self._call)
+                    await asyncio.wait_for(self._upload(p2p, *due), timeout=self.timeout_s)
+                except Exception as error:  # the asker asks again; the next poll may do
+                    logger.warning("uploading our state to a helper failed: %r", error)
+        finally:
+            if p2p is not None:
+                await p2p.shutdown()  # this client of the daemon only
 
     async def _upload(self, p2p, published: Published, helper: str) -> None:
         offered_round, rank, read = published
@@ -292,10 +335,15 @@ class StateUploader:
             return
         metadata = {"round": offered_round, "peers": rank.peers, "fingerprint": rank.fingerprint}
         messages = _messages(metadata, serialized.getvalue())
-        started = time.monotonic()
-        await p2p.call_protobuf_handler(
-            PeerID.from_base58(helper), self._name, iter_as_aiter(messages), averaging_pb2.DownloadRequest
-        )
+        started, key = time.monotonic(), priority(offered_round, rank)
+        try:
+            await p2p.call_protobuf_handler(
+                PeerID.from_base58(helper), self._name, iter_as_aiter(messages), averaging_pb2.DownloadRequest
+            )
+        except BaseException:  # the next poll tries the next helper
+            self._failed.add((key, helper))
+            raise
+        self._sent[key] = time.monotonic()
         logger.info(
             "uploaded our state after round %d to helper %s for a peer that asked (%.2f s)",
             offered_round + 1,

@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from diloco.comm.base import StateRank
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
-from diloco.comm.hivemind.state_relay import RelayedStates, StateUploader, StateWants, Wanted, _messages, _received
+from diloco.comm.hivemind.state_relay import (
+    RelayedStates,
+    StateUploader,
+    StateWants,
+    UploadServer,
+    Wanted,
+    _messages,
+    _received,
+)
 
 
 class _Dht:
@@ -82,7 +92,7 @@ def test_an_upload_arrives_whole_with_its_metadata():
     assert asyncio.run(_received(stream())) == (metadata, blob)
 
 
-def _uploader(wants, *, offers=(), published=None, helpers=("helper",)) -> StateUploader:
+def _uploader(wants, *, offers=(), published=None, helpers=("helper",), no_server=True) -> StateUploader:
     return StateUploader(
         None,
         "run",
@@ -90,11 +100,12 @@ def _uploader(wants, *, offers=(), published=None, helpers=("helper",)) -> State
         offers=lambda: list(offers),
         published=lambda: published,
         helpers=lambda: list(helpers),
+        no_server=lambda: no_server,
         timeout_s=5.0,
     )
 
 
-def test_a_client_uploads_only_a_state_that_a_peer_asked_for_and_that_no_helper_offers_yet():
+def test_a_client_uploads_only_a_state_that_a_peer_asked_for_and_that_no_offer_serves_yet():
     dht = _Dht()
     _wants(dht, "asker").ask(Wanted(2, StateRank(1, -1.0)))
     wants = _wants(dht, "synced")
@@ -103,8 +114,59 @@ def test_a_client_uploads_only_a_state_that_a_peer_asked_for_and_that_no_helper_
     assert _uploader(wants, published=None).due() is None  # nothing published yet
     assert _uploader(wants, published=(1, StateRank(3, 0.0), ours[2])).due() is None  # not the round asked for
     assert _uploader(wants, published=ours, offers=[(2, StateRank(2, 0.5))]).due() is None  # the helper has it
+    # an offer of a later round does not serve a request for this one: ours still goes up
+    assert _uploader(wants, published=ours, offers=[(3, StateRank(3, 0.0))]).due() == (ours, "helper")
     assert _uploader(wants, published=ours, helpers=()).due() is None  # no helper to take it
     assert _uploader(_wants(_Dht(), "synced"), published=ours).due() is None  # nobody asked
+    # a run where a worker serves its state: clients do not even read the requests
+    assert _uploader(wants, published=ours, no_server=False).due() is None
+
+
+def test_a_state_goes_up_once_and_to_the_next_helper_when_an_upload_fails():
+    dht = _Dht()
+    _wants(dht, "asker").ask(Wanted(2, StateRank(1, -1.0)))
+    ours = (2, StateRank(2, 0.5), lambda use: use({"global_params": [torch.ones(1)]}))
+    sent = []
+
+    class _P2P:
+        def __init__(self, fails: bool):
+            self.fails = fails
+
+        async def call_protobuf_handler(self, peer, name, messages, output_type):
+            sent.append((peer.to_base58(), name, [message async for message in messages]))
+            if self.fails:
+                raise ConnectionError("the helper is gone")
+
+    uploader = _uploader(_wants(dht, "synced"), published=ours, helpers=("12D3KooWfirst", "12D3KooWsecond"))
+    assert uploader.due() == (ours, "12D3KooWfirst")
+    with pytest.raises(ConnectionError):
+        asyncio.run(uploader._upload(_P2P(fails=True), *uploader.due()))
+    assert uploader.due() == (ours, "12D3KooWsecond")
+    asyncio.run(uploader._upload(_P2P(fails=False), *uploader.due()))
+    assert [(peer, name) for peer, name, _ in sent] == [
+        ("12D3KooWfirst", "run.state_upload"),
+        ("12D3KooWsecond", "run.state_upload"),
+    ]
+    assert uploader.due() is None  # up once: the helper's offer may not show yet
+
+
+def test_a_helper_refuses_an_upload_it_must_not_relay_and_keeps_the_others():
+    relayed = RelayedStates()
+    refusals = {"stranger": "not a live worker of the run"}
+    server = UploadServer(None, "run", relayed, refuses=lambda peer, _round: refusals.get(peer, ""), timeout_s=5.0)
+
+    def upload(peer: str, round_: int):
+        async def stream():
+            for message in _messages({"round": round_, "peers": 2, "fingerprint": 0.5}, b"state"):
+                yield message
+
+        context = SimpleNamespace(remote_id=SimpleNamespace(to_base58=lambda: peer))
+        return asyncio.run(server._take(stream(), context))
+
+    upload("stranger", 9)
+    assert relayed.take() is None
+    upload("worker", 2)
+    assert relayed.take()[0] == (2, StateRank(2, 0.5))
 
 
 class _ClientsRoster:
@@ -165,15 +227,42 @@ def test_a_client_that_nobody_can_serve_asks_through_the_helpers_takes_the_relay
     assert _wants(dht, "synced").read() == []  # and withdrawn once found
 
 
-def test_without_a_live_helper_a_client_that_nobody_can_serve_gives_up_at_once():
-    states = HivemindStateExchange(
+def _client_exchange(wants, *, roster, helpers) -> HivemindStateExchange:
+    return HivemindStateExchange(
         server=_HelperServes(),
         offers=SimpleNamespace(read=lambda exclude=(): []),
-        roster=_ClientsRoster(),
+        roster=roster,
         num_workers=3,
         client_mode=True,
         linger_s=0.0,
-        wants=_wants(_Dht(), "lagging"),
-        helpers=lambda: 0,
+        wants=wants,
+        helpers=helpers,
     )
+
+
+def test_without_a_live_helper_a_client_that_nobody_can_serve_gives_up_at_once_and_asks_nobody():
+    dht = _Dht()
+    states = _client_exchange(_wants(dht, "lagging"), roster=_ClientsRoster(), helpers=lambda: 0)
+    started = time.monotonic()
     assert states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=30.0) is None
+    assert time.monotonic() - started < 5.0 and not dht.items
+
+
+class _ServingRoster:
+    """Three live workers: this client, another client, and a worker that serves its state."""
+
+    worker_index = 0
+
+    def own_entries(self):
+        return {i: RosterEntry(i, 3, 60, serves_state=i == 2) for i in range(3)}
+
+
+def test_a_client_of_a_run_where_a_worker_serves_states_never_asks_a_helper():
+    dht = _Dht()
+
+    def helpers() -> int:
+        raise AssertionError("the helpers are read only when nobody serves a state")
+
+    states = _client_exchange(_wants(dht, "lagging"), roster=_ServingRoster(), helpers=helpers)
+    assert states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=3.0) is None
+    assert not dht.items
