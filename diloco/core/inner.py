@@ -40,7 +40,7 @@ class InnerConfig:
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # clip the gradient norm to this; 0 = no clipping
-    muon_lr_scale: float = 2.0  # muon: its lr is inner.lr's schedule times this (its update matched to AdamW's RMS)
+    muon_lr_scale: float = 4.0  # muon: its lr is inner.lr's schedule times this (its update matched to AdamW's RMS)
     muon_momentum: float = 0.95  # muon: Nesterov momentum of the hidden matrices' gradients
     muon_ns_steps: int = 5  # muon: Newton-Schulz iterations that orthogonalise each update
 
