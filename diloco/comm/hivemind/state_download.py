@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
@@ -74,17 +75,24 @@ class StateDownload:
         started = time.monotonic()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, parts, tensors = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=timeout):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # the start of the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        metadata, tensors = await streamed_state(aiter_with_timeout(stream, timeout=timeout))
         if not isinstance(metadata, dict) or not metadata:  # nothing offered now (a stale offer): the next peer
             return None
         logger.info("downloaded the state of peer %s in %.3f s", peer, time.monotonic() - started)
         return {**metadata, SERVED_BY: peer.to_base58()}, tensors
+
+
+async def streamed_state(messages: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[object, list]:
+    """(metadata, tensors) of a state streamed as hivemind's averagers stream one: the metadata with
+    the first message, each tensor in parts, a part that carries a dtype starting the next tensor."""
+    metadata, parts, tensors = None, [], []
+    async for message in messages:
+        if message.metadata:
+            metadata = MSGPackSerializer.loads(message.metadata)
+        if message.tensor_part.dtype and parts:  # the start of the next tensor
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            parts = []
+        parts.append(message.tensor_part)
+    if parts:
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    return metadata, tensors

@@ -90,16 +90,19 @@ class HivemindStateExchange(StateExchange):
         self._server, self._offers, self._roster = server, offers, roster
         self.num_workers, self.client_mode, self.linger_s = num_workers, client_mode, linger_s
         self._wants, self._helpers = wants, helpers
-        self.published: tuple[int, StateRank] | None = None  # (round, rank) of the state we offer
-        self._reader: StateReader | None = None
+        self._offered: Published | None = None  # (round, rank, reader) of the state we offer
+
+    @property
+    def published(self) -> tuple[int, StateRank] | None:
+        """(round, rank) of the state we offer."""
+        return None if self._offered is None else self._offered[:2]
 
     def published_state(self) -> Published | None:
         """(round, rank, reader) of the state we offer (a client's too: a helper can relay it)."""
-        published, reader = self.published, self._reader
-        return None if published is None or reader is None else (*published, reader)
+        return self._offered
 
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        self.published, self._reader = (round_index, rank), state
+        self._offered = (round_index, rank, state)
         if self.client_mode:  # nobody can dial us to download it (hivemind refuses to share in client mode)
             return
         self._server.share_state(  # serialized only when a peer asks for it

@@ -33,16 +33,17 @@ from dataclasses import dataclass
 
 import torch
 from hivemind import DHT
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import iter_as_aiter
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import split_for_streaming
 
 from diloco.comm.base import StateRank, StateReader
 from diloco.comm.hivemind.averager import serialize_state
+from diloco.comm.hivemind.state_download import streamed_state
 from diloco.comm.hivemind.state_offers import Offer, priority
 
 logger = logging.getLogger(__name__)
@@ -167,14 +168,10 @@ def _messages(metadata: dict, blob: bytes) -> list[averaging_pb2.DownloadData]:
 
 
 async def _received(stream: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[dict, bytes]:
-    metadata, parts = None, []
-    async for message in stream:
-        if message.metadata:
-            metadata = MSGPackSerializer.loads(message.metadata)
-        parts.append(message.tensor_part)
-    if not isinstance(metadata, dict) or not parts:
-        raise ValueError("an upload without metadata or state")
-    return metadata, deserialize_torch_tensor(combine_from_streaming(parts)).numpy().tobytes()
+    metadata, tensors = await streamed_state(stream)
+    if not isinstance(metadata, dict) or len(tensors) != 1:
+        raise ValueError("an upload without metadata, or not one serialized state")
+    return metadata, tensors[0].numpy().tobytes()
 
 
 class _LoopThread:
