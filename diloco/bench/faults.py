@@ -75,7 +75,9 @@ class FaultRun:
     outage_s: float = 20.0
     join_round: int = 5
     key_attempts: int = 3  # wrong_key: how many times the intruder tries diloco join
-    sides: tuple[tuple[int, ...], ...] = ()  # split: the workers on each side (default: two halves)
+    # split: the cuts, one after another, each given as the workers on each side of it (default: one
+    # cut into two halves); the next cut comes once the run is one model again
+    cuts: tuple[tuple[tuple[int, ...], ...], ...] = ()
     rate_mbit: float = 0.0  # testbed link rate; 0 = loopback (no testbed)
     split_run_s: float = SPLIT_RUN_S  # split: the least the run lasts, its steps paced to it
     timeout_s: float = 900.0
@@ -256,34 +258,43 @@ def _cut_off(run: Injection) -> None:
     _cut(run.cluster, run.testbed, run.victim, down=False)
 
 
-def split_sides(plan: FaultRun) -> list[list[int]]:
-    """split: the workers on each side of the cut; the first side keeps the bootstrap peer. By
-    default the first half of the workers and the rest."""
-    if plan.sides:
-        return [list(side) for side in plan.sides]
+def split_cuts(plan: FaultRun) -> list[list[list[int]]]:
+    """split: each cut's sides, the workers on each; the first side keeps the bootstrap peer. By
+    default one cut: the first half of the workers and the rest."""
+    if plan.cuts:
+        return [[list(side) for side in sides] for sides in plan.cuts]
     half = plan.workers // 2
-    return [list(range(half)), list(range(half, plan.workers))]
+    return [[list(range(half)), list(range(half, plan.workers))]]
 
 
 def _split(run: Injection) -> None:
-    """Cut the network between the sides in round 3; heal it ``outage_s`` after every worker has
-    recorded the workers of the other sides missing (the split seen); the fault is over once the
-    run is one model again."""
-    sides = split_sides(run.plan)
-    run.cluster.wait_for_step(0, run.mid_round, run.plan.timeout_s)
-    run.testbed.split(sides)
-    try:
-        for side in sides:
-            others = set(range(run.plan.workers)) - set(side)
-            for worker in side:
-                run.cluster.wait_for_record(worker, functools.partial(_misses, others), run.plan.timeout_s)
-        time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
-    finally:
-        run.testbed.heal()
-    run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)}")
-    with contextlib.suppress(TimeoutError):  # then the notes say "never one model again"
-        merged = functools.partial(_missed_and_merged, run)
-        run.cluster.wait_for(0, lambda: merged()[1] is not None, run.plan.timeout_s, "see the run one model again")
+    """Each cut in turn: cut the network between its sides in the middle of a round (round 3 for the
+    first); heal it ``outage_s`` after every worker has recorded the workers of the other sides
+    missing (the split seen); the next cut once the run is one model again. The fault is over once
+    the run is one model after the last cut."""
+    step = run.mid_round
+    for sides in split_cuts(run.plan):
+        if step >= run.plan.steps:
+            run.notes.append("no round left for the next cut")
+            return
+        run.cluster.wait_for_step(0, step, run.plan.timeout_s)
+        cut_round = step // run.plan.sync_every + 1
+        run.testbed.split(sides)
+        try:
+            for side in sides:
+                others = set(range(run.plan.workers)) - set(side)
+                for worker in side:
+                    seen = functools.partial(_misses_since, cut_round, others)
+                    run.cluster.wait_for_record(worker, seen, run.plan.timeout_s)
+            time.sleep(run.plan.outage_s)  # the outage itself, not synchronisation
+        finally:
+            run.testbed.heal()
+        run.notes.append(f"split {' / '.join(','.join(map(str, side)) for side in sides)} in round {cut_round}")
+        try:
+            run.cluster.wait_for(0, functools.partial(_one_model_again, run), run.plan.timeout_s, "see one model again")
+        except TimeoutError:
+            return  # the notes say "never one model again"
+        step = (latest_step(run.run_dir, 0) // run.plan.sync_every + 1) * run.plan.sync_every + run.plan.sync_every // 2
 
 
 def _missed_and_merged(run: Injection) -> tuple[list[int], int | None]:
@@ -308,6 +319,10 @@ def _missed_and_merged(run: Injection) -> tuple[list[int], int | None]:
     return missed, merged
 
 
+def _one_model_again(run: Injection) -> bool:
+    return _missed_and_merged(run)[1] is not None
+
+
 def _merge_notes(run: Injection) -> None:
     missed, merged = _missed_and_merged(run)
     if not missed:
@@ -317,8 +332,8 @@ def _merge_notes(run: Injection) -> None:
     run.notes.append(f"{seen}; one model again from round {merged}" if merged else f"{seen}; never one model again")
 
 
-def _misses(workers: set[int], record: dict) -> bool:
-    return workers <= set(record.get("missing", ()))
+def _misses_since(first_round: int, workers: set[int], record: dict) -> bool:
+    return record["round"] >= first_round and workers <= set(record.get("missing", ()))
 
 
 def _slow_down(run: Injection) -> None:
