@@ -245,8 +245,9 @@ class HivemindStateExchange(StateExchange):
     def linger(self) -> None:
         """After the last round nobody would serve a peer that lost part of it: stay while a live peer
         offers an older state or a worse one of that round (it may be fetching ours), or a live
-        client has not finished our rounds, at most ``linger_s``."""
-        if self.published is None or self.client_mode:  # a client serves no state: nobody waits on it
+        client has not finished our rounds, at most ``linger_s``. A client stays only where a helper
+        can relay its state (a run where no live worker serves one): it uploads it when asked."""
+        if self.published is None or (self.client_mode and not self._relays()):
             return
         last_round, rank = self.published
         deadline = time.monotonic() + self.linger_s
@@ -255,6 +256,14 @@ class HivemindStateExchange(StateExchange):
             or self._clients_behind()
         ):
             time.sleep(0.5)
+
+    def _relays(self) -> bool:
+        """Whether a helper can relay our state, a client's, to a peer behind: no other live worker
+        serves a state and a helper is live (state_relay.py)."""
+        if self._wants is None:
+            return False
+        live = live_counts(self._roster)
+        return live is not None and live[0] == 0 and self._helpers() > 0
 
     def _clients_behind(self) -> bool:
         """Whether a live client has not finished the rounds we have: it offers no state, so only its

@@ -266,3 +266,54 @@ def test_a_client_of_a_run_where_a_worker_serves_states_never_asks_a_helper():
     states = _client_exchange(_wants(dht, "lagging"), roster=_ServingRoster(), helpers=helpers)
     assert states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=3.0) is None
     assert not dht.items
+
+
+class _LaggingRoster:
+    """Three live clients; worker 2 finishes our last round (3) at its ``caught_up_at``-th reading."""
+
+    worker_index = 0
+    rounds_done = 3
+
+    def __init__(self, caught_up_at: int):
+        self.readings, self.caught_up_at = 0, caught_up_at
+
+    def own_entries(self):
+        self.readings += 1
+        behind = 2 if self.readings < self.caught_up_at else 3
+        return {i: RosterEntry(i, behind if i == 2 else 3, 60, serves_state=False) for i in range(3)}
+
+
+def _lingering(roster, *, helpers: int, linger_s: float = 30.0) -> HivemindStateExchange:
+    states = HivemindStateExchange(
+        server=_HelperServes(),
+        offers=SimpleNamespace(read=lambda exclude=(): []),
+        roster=roster,
+        num_workers=3,
+        client_mode=True,
+        linger_s=linger_s,
+        wants=_wants(_Dht(), "done"),
+        helpers=lambda: helpers,
+    )
+    states.publish_state(2, StateRank(3, 0.5), lambda: {})
+    return states
+
+
+def test_a_client_of_a_run_of_clients_stays_after_its_last_round_while_another_is_behind_and_a_helper_can_relay():
+    roster = _LaggingRoster(caught_up_at=4)
+    _lingering(roster, helpers=1).linger()  # returns once worker 2 has finished round 3 (its 4th reading)
+    assert roster.readings >= 4
+    # bounded: a worker that never catches up is waited for linger_s at most
+    started = time.monotonic()
+    _lingering(_LaggingRoster(caught_up_at=10**9), helpers=1, linger_s=1.0).linger()
+    assert time.monotonic() - started < 5.0
+    # without a live helper nobody could take a client's state: it leaves at once
+    alone = _LaggingRoster(caught_up_at=10**9)
+    started = time.monotonic()
+    _lingering(alone, helpers=0).linger()
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_client_of_a_run_with_a_worker_that_serves_states_leaves_at_once_after_its_last_round():
+    started = time.monotonic()
+    _lingering(_ServingRoster(), helpers=1).linger()  # the serving worker stays for the peers behind
+    assert time.monotonic() - started < 1.0
