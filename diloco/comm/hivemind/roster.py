@@ -350,3 +350,15 @@ def live_counts(roster: Roster) -> tuple[int, int] | None:
         return None
     live = [(i, e) for i, e in entries.items() if not e.leaving]
     return sum(1 for i, e in live if i != roster.worker_index and e.serves_state), len(live)
+
+
+def live_peer_ids(roster: Roster) -> set[str] | None:
+    """The peer ids of the live workers (ours included), from one read of the records; None when the
+    DHT did not answer, or a live worker's record names no peer (one that does not say)."""
+    try:
+        entries = roster.own_entries()
+    except Exception:
+        logger.debug("roster read failed", exc_info=True)
+        return None
+    peers = {e.peer for e in entries.values() if not e.leaving}
+    return None if "" in peers else peers

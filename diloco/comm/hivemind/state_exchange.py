@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.comm.base import PeerState, StateCheck, StateExchange, StateRank, StateReader, StateVerdict
-from diloco.comm.hivemind.roster import live_counts
+from diloco.comm.hivemind.roster import live_counts, live_peer_ids
 from diloco.comm.hivemind.state_download import SERVED_BY
 from diloco.comm.hivemind.state_offers import Offer, StateOffers, priority, same_offer
 from diloco.comm.hivemind.state_relay import Published, StateWants, Wanted
@@ -251,11 +251,16 @@ class HivemindStateExchange(StateExchange):
             return
         last_round, rank = self.published
         deadline = time.monotonic() + self.linger_s
-        while time.monotonic() < deadline and (
-            any(r < last_round or (r == last_round and o < rank) for r, o in self._offers.read())
-            or self._clients_behind()
-        ):
+        while time.monotonic() < deadline and (self._live_offer_behind(last_round, rank) or self._clients_behind()):
             time.sleep(0.5)
+
+    def _live_offer_behind(self, last_round: int, rank: StateRank) -> bool:
+        """Whether a live peer offers an older state than ours, or a worse one of our last round: it
+        may be fetching ours. The offer of a peer gone without leaving (killed, then restarted
+        under a new peer id) stays in the DHT until it expires: it is nobody's, and not waited for."""
+        live = live_peer_ids(self._roster)
+        offers = self._offers.read() if live is None else self._offers.read(only=live)
+        return any(r < last_round or (r == last_round and o < rank) for r, o in offers)
 
     def _relays(self) -> bool:
         """Whether a helper can relay our state, a client's, to a peer behind: no other live worker

@@ -40,9 +40,11 @@ class StateOffers:
     def __init__(self, call: Callable, key: str, own_id: bytes):
         self._call, self._key, self._own_id = call, key, own_id
 
-    def read(self, exclude: Collection[str] = ()) -> list[Offer]:
+    def read(self, exclude: Collection[str] = (), only: Collection[str] | None = None) -> list[Offer]:
         """(round, rank) of the state each other live peer offers, but those of the peers in
-        ``exclude`` (ids in base58); empty when the DHT did not answer."""
+        ``exclude`` (ids in base58); with ``only``, those of the peers in it alone (a peer gone
+        without leaving leaves its offer in the DHT until it expires); empty when the DHT did not
+        answer."""
         try:
             entry = self._call(lambda dht: dht.get(self._key, latest=True, return_future=True))
         except TimeoutError as error:  # no offers seen this time; the callers ask again or give up at their bound
@@ -53,6 +55,8 @@ class StateOffers:
         offers = []
         for subkey, declared in entry.value.items():
             if subkey == self._own_id or (exclude and _base58(subkey) in exclude):
+                continue
+            if only is not None and _base58(subkey) not in only:
                 continue
             value = getattr(declared, "value", None)
             if isinstance(value, int | float) and value > 0:

@@ -9,11 +9,12 @@ import time
 from types import SimpleNamespace
 
 import torch
+from hivemind.p2p import PeerID
 
 from diloco.comm.base import StateRank
 from diloco.comm.hivemind.roster import PartialRead, RosterEntry, live_counts
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
-from diloco.comm.hivemind.state_offers import offer_of, priority
+from diloco.comm.hivemind.state_offers import StateOffers, offer_of, priority
 
 
 class _Averager:
@@ -243,3 +244,53 @@ def test_stale_offers_of_peers_gone_are_given_up_after_one_failed_download():
     started = time.monotonic()
     assert states.fetch_state(3, better_than=StateRank(0, 0.1), timeout_s=10.0) is None
     assert time.monotonic() - started < 2
+
+
+_OURS, _KILLED, _RESTARTED = (
+    PeerID.from_base58(text)
+    for text in (
+        "12D3KooWNhkSDCdeCiJdc2t8ck8sFkYnh4DgQ2hCkgx1dA4ymVXf",
+        "12D3KooWEwUrpn8Dxd3kSP2PK2pGxronXW3DYsh8Le4i2eLvU1c5",
+        "12D3KooWJQUNSUazB4Xv4biiJrMcanevs3B3BE2DYYj1J9NAKGe6",
+    )
+)
+
+
+class _RestartedRoster:
+    """Two live workers: this one and worker 1, restarted under a new peer id after it was killed."""
+
+    worker_index, rounds_done = 0, 3
+
+    def own_entries(self):
+        return {
+            0: RosterEntry(0, 3, 30, peer=_OURS.to_base58()),
+            1: RosterEntry(1, 3, 30, peer=_RESTARTED.to_base58()),
+        }
+
+
+def _lingering_after(declared: dict, linger_s: float) -> HivemindStateExchange:
+    """A worker that offers its state after round 2 (2 peers), the DHT holding the ``declared`` offers."""
+    entry = SimpleNamespace(value={peer.to_bytes(): SimpleNamespace(value=p) for peer, p in declared.items()})
+    states = HivemindStateExchange(
+        server=SimpleNamespace(share_state=lambda *args, **kwargs: None),
+        offers=StateOffers(lambda fn: entry, "run.all_averagers", _OURS.to_bytes()),
+        roster=_RestartedRoster(),
+        num_workers=2,
+        client_mode=False,
+        linger_s=linger_s,
+    )
+    states.publish_state(2, StateRank(2, 0.5), lambda: {})
+    return states
+
+
+def test_the_end_linger_waits_for_a_live_peer_behind_not_for_the_offer_a_killed_peer_left_behind():
+    ours = priority(2, StateRank(2, 0.5))
+    older = priority(1, StateRank(2, 0.5))
+    started = time.monotonic()
+    # the killed worker's offer of round 1 is still in the DHT; the restarted one offers what we do
+    _lingering_after({_KILLED: older, _RESTARTED: ours}, linger_s=30.0).linger()
+    assert time.monotonic() - started < 1.0
+    # a live peer behind: it may be fetching our state, waited for up to the linger's bound
+    started = time.monotonic()
+    _lingering_after({_RESTARTED: older}, linger_s=1.0).linger()
+    assert 1.0 <= time.monotonic() - started < 5.0

@@ -230,7 +230,7 @@ def test_a_client_that_nobody_can_serve_asks_through_the_helpers_takes_the_relay
 def _client_exchange(wants, *, roster, helpers) -> HivemindStateExchange:
     return HivemindStateExchange(
         server=_HelperServes(),
-        offers=SimpleNamespace(read=lambda exclude=(): []),
+        offers=SimpleNamespace(read=lambda exclude=(), only=None: []),
         roster=roster,
         num_workers=3,
         client_mode=True,
@@ -286,7 +286,7 @@ class _LaggingRoster:
 def _lingering(roster, *, helpers: int, linger_s: float = 30.0) -> HivemindStateExchange:
     states = HivemindStateExchange(
         server=_HelperServes(),
-        offers=SimpleNamespace(read=lambda exclude=(): []),
+        offers=SimpleNamespace(read=lambda exclude=(), only=None: []),
         roster=roster,
         num_workers=3,
         client_mode=True,
