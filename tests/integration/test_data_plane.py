@@ -29,13 +29,15 @@ def _tensors(index: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) * 0.01 for shape in SHAPES]
 
 
-def _peer(index: int, count: int, bootstrap: list[str], plane: str, bad: str, results: mp.Queue) -> None:
+def _peer(
+    index: int, count: int, bootstrap: list[str], plane: str, bad: str, deadline_s: float, results: mp.Queue
+) -> None:
     """One worker: a backend averages this worker's tensors once, then reports."""
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
     from diloco.comm.hivemind.backend import HivemindBackend
 
     hivemind = HivemindConfig(initial_peers=bootstrap, matchmaking_s=8, request_timeout_s=3, data_plane=plane)
-    cfg = CommConfig(run_id="plane", deadline_s=30, hivemind=hivemind)
+    cfg = CommConfig(run_id="plane", deadline_s=deadline_s, hivemind=hivemind)
     backend = HivemindBackend(cfg, templates=_tensors(0), num_workers=count, codec=_codec())
     try:
         tensors = _tensors(index)
@@ -48,7 +50,7 @@ def _peer(index: int, count: int, bootstrap: list[str], plane: str, bad: str, re
                 os.kill(os.getpid(), signal.SIGKILL)
 
             gloo_plane.DataPlane.all_reduce_sum = die
-        result = backend.averaging.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=30)
+        result = backend.averaging.all_reduce_mean(tensors, 1.0 + index, round_index=0, deadline_s=deadline_s)
         digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
         # numpy arrays, sent by value (a torch tensor would travel in this peer's shared memory)
         arrays = [t.numpy() for t in tensors]
@@ -63,7 +65,9 @@ def _codec():
     return NoCompression()
 
 
-def _run_peers(count: int, planes: list[str], bad: dict[int, str] | None = None, reports: int | None = None) -> dict:
+def _run_peers(
+    count: int, planes: list[str], bad: dict[int, str] | None = None, reports: int | None = None, deadline_s: float = 30
+) -> dict:
     from diloco.comm.hivemind.peer import start_dht, visible_addresses
 
     bad = bad or {}
@@ -71,7 +75,10 @@ def _run_peers(count: int, planes: list[str], bad: dict[int, str] | None = None,
     context = warm_start.context()  # a fresh process each, forked with torch and hivemind imported
     results = context.Queue()
     peers = [
-        context.Process(target=_peer, args=(i, count, visible_addresses(bootstrap), planes[i], bad.get(i, ""), results))
+        context.Process(
+            target=_peer,
+            args=(i, count, visible_addresses(bootstrap), planes[i], bad.get(i, ""), deadline_s, results),
+        )
         for i in range(count)
     ]
     try:
@@ -129,7 +136,8 @@ def test_a_group_with_a_peer_without_the_plane_averages_through_hivemind():
 
 
 def test_a_peer_killed_inside_the_all_reduce_fails_the_round_within_its_bound():
-    found = _run_peers(2, ["gloo"] * 2, bad={1: "die"}, reports=1)
+    # the survivor waits for the dead peer's part until the round's deadline: a short one
+    found = _run_peers(2, ["gloo"] * 2, bad={1: "die"}, reports=1, deadline_s=12)
     survivor = found[0]
     assert not survivor["ok"]
     assert survivor["error"], survivor
