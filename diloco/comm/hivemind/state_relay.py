@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -157,14 +157,15 @@ class RelayedStates:
             return self._best
 
 
-def _messages(metadata: dict, blob: bytes) -> list[averaging_pb2.DownloadData]:
-    tensor = serialize_torch_tensor(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-    parts = list(split_for_streaming(tensor))
+def _messages(metadata: dict, state) -> Iterator[averaging_pb2.DownloadData]:
+    """An upload's messages, made one at a time as they are sent. ``state`` is the serialized state,
+    a writable buffer (a ``BytesIO``'s ``getbuffer()``): it is copied once, into the protobuf the
+    parts are cut from, and let go of then (the caller holding no other reference frees it)."""
+    tensor = serialize_torch_tensor(torch.frombuffer(state, dtype=torch.uint8))
+    del state
     serialized = MSGPackSerializer.dumps(metadata)
-    return [
-        averaging_pb2.DownloadData(tensor_part=part, metadata=serialized if i == 0 else b"")
-        for i, part in enumerate(parts)
-    ]
+    for i, part in enumerate(split_for_streaming(tensor)):
+        yield averaging_pb2.DownloadData(tensor_part=part, metadata=serialized if i == 0 else b"")
 
 
 async def _received(stream: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[dict, bytes]:
@@ -331,7 +332,8 @@ class StateUploader:
         if serialized is None:  # an outer step changed it since: the next poll sees the new one
             return
         metadata = {"round": offered_round, "peers": rank.peers, "fingerprint": rank.fingerprint}
-        messages = _messages(metadata, serialized.getvalue())
+        messages = _messages(metadata, serialized.getbuffer())
+        del serialized  # the messages hold the one reference left: one copy of the state while it is sent
         started, key = time.monotonic(), priority(offered_round, rank)
         try:
             await p2p.call_protobuf_handler(

@@ -86,7 +86,7 @@ def test_an_upload_arrives_whole_with_its_metadata():
     metadata = {"round": 7, "peers": 3, "fingerprint": 0.25}
 
     async def stream():
-        for message in _messages(metadata, blob):
+        for message in _messages(metadata, bytearray(blob)):
             yield message
 
     assert asyncio.run(_received(stream())) == (metadata, blob)
@@ -157,7 +157,7 @@ def test_a_helper_refuses_an_upload_it_must_not_relay_and_keeps_the_others():
 
     def upload(peer: str, round_: int):
         async def stream():
-            for message in _messages({"round": round_, "peers": 2, "fingerprint": 0.5}, b"state"):
+            for message in _messages({"round": round_, "peers": 2, "fingerprint": 0.5}, bytearray(b"state")):
                 yield message
 
         context = SimpleNamespace(remote_id=SimpleNamespace(to_base58=lambda: peer))
