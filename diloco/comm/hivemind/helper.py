@@ -23,7 +23,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ from diloco.comm.hivemind.group_round import await_result, round_group_bits
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import TTL_S, Roster
+from diloco.comm.hivemind.roster import TTL_S, Roster, RosterEntry
 from diloco.comm.hivemind.state_offers import priority
 from diloco.comm.hivemind.state_relay import RelayedStates, UploadServer
 from diloco.compression import Codec
@@ -74,6 +74,7 @@ class Helper:
         self.peer = Peer(cfg.hivemind, run_key=cfg.run_key)
         self.averager = self.record = self.uploads = None
         self.relayed = RelayedStates()
+        self._offered: int | None = None  # the round of the relayed state it offers
         try:
             if self.peer.client_mode:
                 raise CommError(
@@ -120,6 +121,7 @@ class Helper:
                     return "no worker of the run is live any more"
                 continue
             live_at = time.monotonic()
+            self._withdraw_stale(entries.values())
             looking = [entry for entry in entries.values() if entry.phase == "matchmaking" and entry.round not in done]
             if not looking:
                 continue
@@ -148,6 +150,17 @@ class Helper:
         offer, metadata, blob = taken
         self.averager.allow_state_sharing = True
         self.averager.share_state(metadata, lambda _serialize: io.BytesIO(blob), priority=priority(*offer))
+        self._offered = offer[0]
+
+    def _withdraw_stale(self, live: Iterable[RosterEntry]) -> None:
+        """Stop offering the relayed state once every live worker is past its round: nobody behind
+        wants it any more, and a newcomer must not take it for the run's."""
+        if self._offered is None or not everyone_past(self._offered, live):
+            return
+        self.averager.allow_state_sharing = False
+        self.relayed.forget()
+        logger.info("withdrew the state after round %d: every live worker is past it", self._offered + 1)
+        self._offered = None
 
     def _reduce(self, round_index: int, *, announced: int) -> Reduced:
         """Join round ``round_index``'s group: of the size the workers announced, or (a worker that
@@ -211,3 +224,10 @@ class Helper:
                     part.shutdown()
             except Exception:  # shutting down a half-dead daemon must not hide the real error
                 logger.debug("error while shutting down %s", part, exc_info=True)
+
+
+def everyone_past(offered_round: int, live: Iterable[RosterEntry]) -> bool:
+    """Whether every live worker (``live``, their records) has completed a round after round
+    ``offered_round``, the one a relayed state comes from (a record counts the rounds completed)."""
+    rounds = [entry.round for entry in live]
+    return bool(rounds) and min(rounds) > offered_round + 1

@@ -149,6 +149,11 @@ class RelayedStates:
             self._best, self._fresh = (offer, metadata, blob), True
             return True
 
+    def forget(self) -> None:
+        """Let go of the state held (the helper offers it no more)."""
+        with self._lock:
+            self._best, self._fresh = None, False
+
     def take(self) -> tuple[Offer, dict, bytes] | None:
         with self._lock:
             if not self._fresh:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco.comm.base import StateRank
+from diloco.comm.hivemind.helper import everyone_past
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_relay import (
@@ -317,3 +318,18 @@ def test_a_client_of_a_run_with_a_worker_that_serves_states_leaves_at_once_after
     started = time.monotonic()
     _lingering(_ServingRoster(), helpers=1).linger()  # the serving worker stays for the peers behind
     assert time.monotonic() - started < 1.0
+
+
+def test_a_helper_withdraws_a_relayed_state_once_every_live_worker_is_past_its_round():
+    def live(*rounds: int) -> list[RosterEntry]:
+        return [RosterEntry(i, completed, 0) for i, completed in enumerate(rounds)]
+
+    # the state after round 4 (index 3): a worker that completed round 4 only may still want it
+    assert not everyone_past(3, live(5, 4))
+    assert everyone_past(3, live(5, 5, 6))
+    assert not everyone_past(3, [])  # nobody read: keep it
+    relayed = RelayedStates()
+    assert relayed.put({"round": 3, "peers": 2, "fingerprint": 0.5}, b"state") and relayed.take()
+    relayed.forget()
+    assert relayed.take() is None  # held no more: a later state of any rank is kept again
+    assert relayed.put({"round": 2, "peers": 1, "fingerprint": 0.0}, b"older")
