@@ -155,6 +155,7 @@ class Declared:
     digest: str  # the first 16 hex digits of its params' digest
     progress: int  # rounds it has completed: one more than ``rounds_done`` while it hashes, say
     peer: str = ""  # its peer's id (``PeerState.served_by``), to tell a state's server apart
+    peers: int = 0  # the workers its last round counted (1: it ended that round alone); 0 = not said
 
 
 class Averaging(abc.ABC):

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from diloco.comm.base import (
+    Declared,
     Membership,
     PeerState,
     StateExchange,
@@ -257,9 +258,11 @@ class Recovery:
         """What to make of ``found`` before taking it, from what the other live workers declared of
         their params (``Membership.declared_params``; the peer that served it does not vote).
 
-        The voters are the workers that have completed its round. Its params must be those a
-        majority of them declared after it: other params, or none, are refused. While a voter has
-        yet to declare that round (it is hashing), it cannot be told yet. A state of a round far
+        The voters are the workers that have completed its round, but those whose round counted
+        fewer workers than the state's (one that ended it alone, say) when the state claims a group
+        no bigger than the live run: such a worker would take that state itself. Its params must be
+        those a majority of the voters declared after it: other params, or none, are refused. While
+        a voter has yet to declare that round (it is hashing), it cannot be told yet. A state of a round far
         beyond what any worker's record shows (``FAR_AHEAD_ROUNDS``) is refused. It is taken
         unverified where nothing can tell: nobody declares (overlapped runs, sites), no record but
         its server's shows the round completed after ``records_lag_s`` (every other worker is
@@ -274,7 +277,12 @@ class Recovery:
         newest = max(d.progress for d in declared.values())
         if rounds_done > newest + FAR_AHEAD_ROUNDS:
             return StateVerdict(refuse=f"it claims round {rounds_done}, and no live worker has completed past {newest}")
-        voters = [d for d in declared.values() if d.progress >= rounds_done]
+        # a group no bigger than the live run: a bigger claim does not silence the smaller groups
+        live = self.membership.expected_peers()
+        plausible = live is not None and found.rank.peers <= live
+        voters = [
+            d for d in declared.values() if d.progress >= rounds_done and not (plausible and _outranked(d, found))
+        ]
         if not voters:  # the others' records may lag what they did (rounds can be quicker than a heartbeat)
             first_seen = self._unvoted.setdefault(found.served_by, time.monotonic())
             if time.monotonic() - first_seen < self.records_lag_s:
@@ -312,3 +320,9 @@ class Recovery:
         # checkpoints from before these were saved: in step
         self.standing = Standing.DRIFTED if state.get("drifted", False) else Standing.SYNCED
         self.averaged_with_others = bool(state.get("averaged_any", False))
+
+
+def _outranked(declared: Declared, found: PeerState) -> bool:
+    """Whether ``declared`` speaks of the round of ``found`` from a smaller group than the one
+    ``found`` was averaged in: that worker ranks below the state and would take it itself."""
+    return declared.rounds_done == found.round + 1 and 0 < declared.peers < found.rank.peers

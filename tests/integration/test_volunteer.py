@@ -80,18 +80,20 @@ def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_i
     assert "no other worker of the run is live" in (run_dir / "worker-0.log").read_text()
 
 
-def test_a_newcomer_joins_a_live_run_and_averages_with_others_from_its_first_round(tmp_path):
+def test_a_newcomer_joins_a_live_run_and_averages_with_others_within_its_first_rounds(tmp_path):
     result = run_scenario("join", _plan(steps=240), tmp_path)  # the scenario keeps it going until the newcomer is up
     _check_run(result, workers=4, steps=240)
     rounds = [r for r in read_records(tmp_path / "join", 3) if r["event"] == "round"]
-    first = rounds[0]
-    same_round = next(r for r in read_records(tmp_path / "join", 0) if r.get("round") == first["round"])
-    assert first["param_sha256"] == same_round["param_sha256"], (first, same_round)
-    # usually all 4 average together; hivemind's matchmaking may split a round into two groups of 2
-    # (seen once in CI), and then the groups agree on one group's average (outer.py, StateRank). When
-    # the others close the newcomer's first round a moment before it is ready (seen in CI on an idle
-    # machine), it takes their state and averages from its second round on
-    assert first["peers"] >= 2 or (first["recovered"] and rounds[1]["peers"] >= 2), rounds[:2]
+    others = {r["round"]: r for r in read_records(tmp_path / "join", 0) if r["event"] == "round"}
+    # usually all 4 average together in the newcomer's first round; hivemind's matchmaking may split
+    # a round into two groups of 2 (then the groups agree on one group's average: outer.py,
+    # StateRank), or the others close the newcomer's first round a moment before it is ready (it
+    # takes their state and averages from its second round on), or a part of that round is lost
+    # (seen once in CI: two workers retried as a pair, the newcomer and worker 0 ended the round
+    # alone; the next round met the two models and the run was one again the round after). In one
+    # of its first three rounds it averaged with others and ended on worker 0's params
+    agreed = [r for r in rounds[:3] if r["peers"] >= 2 and r["param_sha256"] == others[r["round"]]["param_sha256"]]
+    assert agreed, (rounds[:3], [others.get(r["round"]) for r in rounds[:3]])
     log = (tmp_path / "join" / "worker-3.log").read_text()
     assert "joining run 'faults_join' as worker 3" in log
     assert "took the run's config from a live peer (sha256 " in log  # it passed no config file, no model keys

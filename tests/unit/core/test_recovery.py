@@ -306,11 +306,11 @@ def _digest(value: float) -> str:
 
 
 def _after_failed_round_4(
-    served: float, declared: dict, records_lag_s: float = 0.0
+    served: float, declared: dict, records_lag_s: float = 0.0, live: int | None = None
 ) -> tuple[Recovery, _Peers, int | None]:
-    """A worker whose round 4 failed looks for a state; peer "S" serves ``served``; the others
-    declared ``declared`` ({worker: Declared})."""
-    peers = _Peers(served, declared=declared)
+    """A worker whose round 4 failed looks for a state; peer "S" serves ``served`` (a group of 2);
+    the others declared ``declared`` ({worker: Declared}); ``live`` workers (None: as planned)."""
+    peers = _Peers(served, declared=declared, live=live)
     recovery = Recovery(_Params(0.0), records_lag_s=records_lag_s)
     taken = _after_round(recovery, peers, SyncResult(ok=False, peers=1, total_weight=1.0), 3, expected=4)
     return recovery, peers, taken
@@ -362,3 +362,21 @@ def test_a_state_that_nothing_can_tell_is_taken_and_one_the_others_have_yet_to_d
     assert taken is None and peers.verdicts == [
         StateVerdict(refuse="it claims round 4, and no live worker has completed past -7")
     ]
+
+
+def test_a_worker_that_ended_the_round_alone_does_not_vote_against_the_state_of_a_bigger_group():
+    pair, alone = 1.0, 7.0
+    # the served state was averaged by 2 workers; worker 3 ended that round alone (1 worker): it
+    # ranks below the state and would take it itself, so it does not refuse it (it did: the only
+    # voter, its lone params were "the run's")
+    declared = {1: _done(pair, progress=3), 3: Declared(4, _digest(alone), 4, peers=1)}
+    _, peers, taken = _after_failed_round_4(pair, declared, live=4)
+    assert taken == 3 and peers.verdicts == [StateVerdict()]
+    # one that averaged in a group as big as the state's still votes
+    declared = {1: _done(pair, progress=3), 3: Declared(4, _digest(alone), 4, peers=2)}
+    _, peers, taken = _after_failed_round_4(pair, declared, live=4)
+    assert taken is None and peers.verdicts[0].refuse, peers.verdicts
+    # a state claiming a group bigger than the live run silences nobody (a poisoned offer claims 999)
+    declared = {1: _done(pair, progress=3), 3: Declared(4, _digest(alone), 4, peers=1)}
+    recovery = _connected(Recovery(_Params(0.0)), _Peers(pair, declared=declared, live=4))
+    assert recovery.check(PeerState(3, StateRank(999), {"value": pair}, served_by="S")).refuse
