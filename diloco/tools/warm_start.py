@@ -155,11 +155,27 @@ def _untie_from_the_server() -> None:
             setattr(owner, name, None)
 
 
+def own_hivemind_locks() -> None:
+    """hivemind makes its process-wide locks (an ``MPFuture``'s, its executor's) once, at import: in
+    the server, so every child forked from it would share them, and one child killed while holding
+    one would hang every later child (seen: a worker's DHT waiting forever to say it is ready, after
+    another child of the server was killed). A child calls this first, to make its own, as a process
+    started afresh has (hivemind not imported yet: its import makes them)."""
+    if "hivemind.utils.mpfuture" not in sys.modules:
+        return
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # hivemind's own: fresh locks, no backend thread of the server's
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+
+
 def _run(module: str, args: list[str], log: str, netns: str | None, server: int, cwd: str, environ: dict) -> None:
     """In the forked child: become the command's process, run ``python -m module args`` as the
     interpreter would (``runpy``), end as it would: non-daemon threads joined, then the exit
     handlers, with the command's status."""
     _untie_from_the_server()
+    own_hivemind_locks()
     os.setsid()
     die_with_parent(signal.SIGTERM, parent_pid=server)  # the server, which exits when the launcher does
     descriptor = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

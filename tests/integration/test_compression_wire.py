@@ -46,6 +46,7 @@ def _peer(
     """One worker: for each codec, a fresh backend averages this worker's tensors ``rounds`` times
     (each round from the same tensors). With ``compression.name=adaptive`` it declares the
     preference ``prefer``, as if its link said so."""
+    warm_start.own_hivemind_locks()  # as a warm command does: a peer killed holding one hangs no other
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
     from diloco.comm.hivemind.backend import HivemindBackend
     from diloco.worker.faults import BadPayloadCodec

@@ -33,6 +33,7 @@ def _peer(
     index: int, count: int, bootstrap: list[str], plane: str, bad: str, deadline_s: float, results: mp.Queue
 ) -> None:
     """One worker: a backend averages this worker's tensors once, then reports."""
+    warm_start.own_hivemind_locks()  # as a warm command does: a peer killed holding one hangs no other
     mp.set_start_method("fork", force=True)  # hivemind forks its averager, as in `diloco train`
     from diloco.comm.hivemind.backend import HivemindBackend
 

@@ -3,6 +3,7 @@ its output in its log, its exit status, its own session, a signal's status when 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -70,3 +71,20 @@ print(warm_start.start(command, Path({str(tmp_path / "bootstrap.log")!r})).pid, 
     assert done.returncode == 0, done.stderr[-2000:]
     with pytest.raises(ProcessLookupError):
         os.kill(int(done.stdout.split()[0]), 0)
+
+
+def test_a_child_killed_while_holding_a_hivemind_lock_leaves_it_free_for_every_other_child():
+    from hivemind.utils.mpfuture import MPFuture
+
+    def hold_it_and_die():  # as a worker SIGKILLed while its DHT reports to its parent
+        warm_start.own_hivemind_locks()
+        MPFuture._update_lock.acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    victim = multiprocessing.get_context("fork").Process(target=hold_it_and_die)
+    victim.start()
+    victim.join(timeout=30)
+    assert victim.exitcode == -signal.SIGKILL
+    # the lock the next child would start from (the server's) is free: it held its own
+    assert MPFuture._update_lock.acquire(timeout=5)
+    MPFuture._update_lock.release()
