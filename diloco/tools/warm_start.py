@@ -10,7 +10,8 @@ no thread running, forks a child that runs the command's module as ``python -m``
 see: its own session (the launcher stops its whole tree with ``killpg``), its log as stdout and
 stderr, the launcher's working directory and environment, SIGTERM when the launcher dies however
 it dies (the server exits with the launcher and the child dies with the server), the command's
-exit status and the exit handlers run.
+exit status and the exit handlers run, and its own of hivemind's process-wide locks
+(``own_hivemind_locks``: the server's would be shared by every child).
 
 A command for a testbed's network namespace enters it in the child, as ``ip netns exec`` would
 (``testbed.enter_namespace``). Other platforms, and any launcher run with ``DILOCO_WARM_START=0``,
