@@ -159,9 +159,9 @@ def _untie_from_the_server() -> None:
 def own_hivemind_locks() -> None:
     """hivemind makes its process-wide locks (an ``MPFuture``'s, its executor's) once, at import: in
     the server, so every child forked from it would share them, and one child killed while holding
-    one would hang every later child (seen: a worker's DHT waiting forever to say it is ready, after
-    another child of the server was killed). A child calls this first, to make its own, as a process
-    started afresh has (hivemind not imported yet: its import makes them)."""
+    one would hang every later child (a worker's DHT waiting forever to say it is ready). A child
+    calls this first, to make its own, as a process started afresh has (hivemind not imported yet:
+    its import makes them)."""
     if "hivemind.utils.mpfuture" not in sys.modules:
         return
     from hivemind.utils.asyncio import _AsyncContextWrapper

@@ -89,9 +89,9 @@ def test_a_newcomer_joins_a_live_run_and_averages_with_others_within_its_first_r
     # a round into two groups of 2 (then the groups agree on one group's average: outer.py,
     # StateRank), or the others close the newcomer's first round a moment before it is ready (it
     # takes their state and averages from its second round on), or a part of that round is lost
-    # (seen once in CI: two workers retried as a pair, the newcomer and worker 0 ended the round
-    # alone; the next round met the two models and the run was one again the round after). In one
-    # of its first three rounds it averaged with others and ended on worker 0's params
+    # (two workers retry as a pair, the newcomer and worker 0 end the round alone; the next round
+    # meets the two models and the run is one again the round after). In one of its first three
+    # rounds it averaged with others and ended on worker 0's params
     agreed = [r for r in rounds[:3] if r["peers"] >= 2 and r["param_sha256"] == others[r["round"]]["param_sha256"]]
     assert agreed, (rounds[:3], [others.get(r["round"]) for r in rounds[:3]])
     log = (tmp_path / "join" / "worker-3.log").read_text()
