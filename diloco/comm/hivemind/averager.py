@@ -40,6 +40,7 @@ import math
 import multiprocessing as mp
 import signal
 import time
+import typing
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -51,7 +52,14 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import BannedException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import (
+    achain,
+    aiter_with_timeout,
+    amap_in_executor,
+    as_aiter,
+    attach_event_on_finished,
+    azip,
+)
 from hivemind.utils.mpfuture import MPFuture
 
 from diloco.comm.base import StateReader
@@ -323,6 +331,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             part_index = 0
             async for message in aiter_with_timeout(self._count_received(stream), self.reducer_timeout):
                 if message.code != averaging_pb2.AVERAGED_PART:
+                    if message.code == averaging_pb2.BAD_GROUP_ID and peer_id in self.sender_peer_ids:
+                        await self._ban_sender(peer_id)  # not in this group: our share waits for none of its parts
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 if message.weight > 0:  # the reducer says over how many contributions it averaged the part
                     self.traffic.note_contributions(int(message.weight))
@@ -558,6 +568,27 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             if not future.done():
                 future.set_exception(error)
 
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:  # typing's: hivemind reads the handler's kind from them
+        # hivemind holds a part for a group it does not know until its own matchmaking ends: right
+        # when the leader's answer to us is merely late, but a leader can also count us in a group
+        # we had given up on (its answer came past our request's timeout), and then every sender
+        # waits its whole reducer timeout for our share while we look for a group all round. Past
+        # a bound we answer that the group is not ours, and the others go on without us at once.
+        request = await anext(stream)
+        if not await group_registered(
+            request.group_id,
+            self._running_groups,
+            self._pending_groups_registered,
+            UNKNOWN_GROUP_WAIT * self.request_timeout,
+        ):
+            logger.warning("a peer sent a part for a group we are not in (a leader counted us in late): refused")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
     def share_state(self, metadata: dict, state: StateReader, *, priority: float) -> None:
         """Serve the state ``state`` reads (with ``metadata``) to peers that download state; peers
         try the highest ``priority`` first. It is read and serialized only when a peer asks, under
@@ -645,6 +676,24 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             except Exception:  # whatever a peer put there, it is not usable
                 found[peer] = {}
         return found, tuple(modes)
+
+
+# how many of hivemind's request timeouts a part for a group we do not know waits for us to
+# register that group (the leader's answer to us on its way), before we refuse it
+UNKNOWN_GROUP_WAIT = 2
+
+
+async def group_registered(group_id: bytes, running: dict, registered: asyncio.Event, timeout_s: float) -> bool:
+    """Whether ``group_id`` is among the ``running`` groups, or is registered within ``timeout_s``:
+    hivemind clears ``registered`` while matchmaking and sets it once a group is registered (or
+    given up)."""
+    if group_id in running:
+        return True
+    try:
+        await asyncio.wait_for(registered.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return group_id in running
 
 
 def drop_expected_step_failures(record: logging.LogRecord) -> bool:
