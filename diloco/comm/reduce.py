@@ -85,7 +85,7 @@ def average_payloads(
         if i in screening.scales
     ]
     used = [_counted(c, screening.weight(c.weight)) for i, c in enumerate(used) if i in screening.scales]
-    against = {} if codec.gathers else against_the_others(decoded, rules.min_cosine)
+    against = against_the_others(decoded, rules.min_cosine)  # a codec that gathers: its sparse values, decoded
     for i, reason in against.items():
         _left_out(verdicts, round_index, used[i], reason)
     decoded = [values for i, values in enumerate(decoded) if i not in against]

@@ -18,7 +18,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ATTACKER = 3
 
 
-def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_every_reducer(tmp_path, diloco_cli):
+@pytest.mark.parametrize("outer", [[], ["outer.optimizer=sparseloco"]], ids=["averaged", "sparseloco-top-k-gathered"])
+def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_every_reducer(
+    tmp_path, diloco_cli, outer
+):
     run_dir = tmp_path / "run"
     done = diloco_cli(
         "local",
@@ -34,6 +37,7 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
         "faults.payload_scale=-9",
         "comm.min_cosine=0",
         "comm.exclude_after=2",
+        *outer,
     )
     assert done.returncode == 0, done.stdout[-4000:]
     logs = [(run_dir / f"worker-{w}.log").read_text() for w in range(4)]
@@ -49,8 +53,13 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
     # the records count the contributions in the mean: the attacker's is not (a part hivemind lost
     # makes a round partial or recovered, as in any run)
     assert all(r["peers"] <= 3 or not r["ok"] for r in rounds), rounds
-    assert any(r["ok"] and r["peers"] == 3 for r in rounds), rounds
-    assert read_records(run_dir, 0)[-1]["val_loss"] < 3.2  # learned; minus 9 x would have thrown it off
+    if not outer:
+        assert any(r["ok"] and r["peers"] == 3 for r in rounds), rounds
+    # top-k values of this tiny model, a part at a time, point the others' way only weakly: a part
+    # of the attacker's now and then is kept (the round is then partial), its own reducer's parts
+    # even once excluded (a peer never refuses its own); every peer holds the same mean all the same
+    # learned; minus 9 x would have thrown it off (unscreened: about 20 with top-k)
+    assert read_records(run_dir, 0)[-1]["val_loss"] < (4.0 if outer else 3.2)
     # left out of rounds 1 and 2 by every reducer: excluded by every honest peer from round 2 on (its
     # parts left out of every sum before any screening from round 3 on)
     for w in range(ATTACKER):

@@ -25,7 +25,9 @@ Every peer screens the same declared norms alike: a dropped sender is refused by
 (banned before it sends anything, so nobody waits for it), and drops itself as it would a payload
 it cannot decode; with ``comm.clip_to_median`` every reducer scales a sender's parts by the same
 factor. A reducer checks what it receives against the declared norm (the parts of a vector cannot
-be longer than the vector) and drops a sender that under-declared.
+be longer than the vector) and drops a sender that under-declared. By direction, and the senders
+its tally excludes, each reducer screens the parts of its share (``reducer.ScreeningReducer``);
+with a codec that gathers, it sends only the payloads of the senders it kept.
 """
 
 from __future__ import annotations
@@ -182,9 +184,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
         shapes, senders = self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
         excluded = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in self.screening.excluded)
-        self.tensor_part_reducer = reducer_for(
-            shapes, senders, self.screening.min_cosine, gathers=codec.gathers, excluded=excluded
-        )
+        self.tensor_part_reducer = reducer_for(shapes, senders, self.screening.min_cosine, excluded=excluded)
         self.norms = norms or {}
         self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
         self.payload_dropped: dict[PeerID, str] = {}  # senders whose parts we could not use, and why
@@ -247,11 +247,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         return await self._replies[part_index]
 
     async def _gathered(self, part_index: int, numel: int) -> tuple[list[gathered.Kept], torch.Tensor]:
-        """A codec that gathers: the contributions kept for one part of our share, as every sender
-        reads them, and their mean, which we keep ourselves (made once, once the part is complete).
-        Raises PayloadError if the mean is not finite."""
+        """A codec that gathers: the contributions kept for one part of our share (those our
+        reducer's screening kept), as every sender reads them, and their mean, which we keep
+        ourselves (made once, once the part is complete). Raises PayloadError if the mean is not finite."""
         if part_index not in self._replies:  # no await between the test and the set: one future per part
-            kept = gathered.as_received(list(self._kept.get(part_index, {}).values()))
+            screened = self.tensor_part_reducer.kept_in(part_index)
+            sent = self._kept.get(part_index, {})
+            kept = gathered.as_received([k for s, k in sent.items() if screened is None or s in screened])
             self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
                 None, lambda: (kept, gathered.mean(self.codec, kept, numel, self._scales_by_sender))
             )
@@ -620,8 +622,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             return
         norms = {peer: declared_norm(data) for peer, data in declared.items()}
         screening = screen(norms, self.rules, declared_weights(declared))  # the same on every peer
-        # then the peers our tally excludes (not with a codec that gathers: every recipient takes its mean)
-        excluded = set() if codec.gathers else self.exclusions.of(declared, own=self.peer_id)
+        excluded = self.exclusions.of(declared, own=self.peer_id)  # then the peers our tally excludes
         screening = self.exclusions.screened(screening, excluded)
         for peer, reason in screening.dropped.items():
             if peer == self.peer_id:

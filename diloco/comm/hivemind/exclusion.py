@@ -10,8 +10,8 @@ peer that joined later, or sat in another group, excludes it later. Peers that d
 on the same params: each part is reduced in one place, and a reducer that excludes a peer leaves
 its parts out of the sums (``reducer.ScreeningReducer``) and sends it the others' average, as to
 anyone. The norm screening itself is the same on every peer: exclusion comes after it. A peer
-that reduces nothing (a client) sees only the norm verdicts; a codec that gathers (top-k) is not
-excluded from (its mean is taken by every recipient alike, from the same contributions). The
+that reduces nothing (a client) sees only the norm verdicts. With a codec that gathers (top-k) a
+reducer screens and excludes alike: every recipient takes its mean of the senders it kept. The
 standings are saved after every round beside the worker's checkpoints, so a worker that restarts
 keeps its tally (the peers it excluded keep their ids unless they restart too).
 """

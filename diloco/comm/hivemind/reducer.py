@@ -35,6 +35,11 @@ class SenderlessEndingReducer(TensorPartReducer):
         self.contributions: dict[int, int] = {}  # part -> how many senders its average is over
         super().__init__(part_shapes, num_senders)
 
+    def kept_in(self, part_index: int) -> frozenset[int] | None:
+        """The senders (indices) whose contributions to a complete part count in its average;
+        None: every one that sent it."""
+        return None
+
     def check_current_part_finished(self):
         if self.current_part_accumulated_from == self.num_current_senders:
             self.contributions[self.current_part_index] = self.current_part_accumulated_from
@@ -57,7 +62,11 @@ class ScreeningReducer(SenderlessEndingReducer):
         self._held: dict[int, tuple[torch.Tensor, float]] = {}  # the current part: sender -> (values, weight)
         self.left_out: dict[int, list[str]] = {}
         self.kept_parts: dict[int, int] = {}  # sender -> parts of it kept
+        self._kept_in: dict[int, frozenset[int]] = {}  # part -> senders kept in it
         super().__init__(part_shapes, num_senders)
+
+    def kept_in(self, part_index: int) -> frozenset[int] | None:
+        return self._kept_in.get(part_index, frozenset())
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
@@ -102,11 +111,12 @@ class ScreeningReducer(SenderlessEndingReducer):
             self.left_out.setdefault(senders[i], []).append(reason)
         total = torch.zeros(self.part_shapes[self.current_part_index])
         weight = 0.0
-        for i, sender in enumerate(senders):
-            if i not in against:
-                total.add_(held[sender][0], alpha=held[sender][1])
-                weight += held[sender][1]
-                self.kept_parts[sender] = self.kept_parts.get(sender, 0) + 1
+        kept = [sender for i, sender in enumerate(senders) if i not in against]
+        for sender in kept:
+            total.add_(held[sender][0], alpha=held[sender][1])
+            weight += held[sender][1]
+            self.kept_parts[sender] = self.kept_parts.get(sender, 0) + 1
+        self._kept_in[self.current_part_index] = frozenset(kept)
         return total, weight, len(senders) - len(against)
 
 
@@ -115,12 +125,11 @@ def reducer_for(
     num_senders: int,
     min_cosine: float,
     *,
-    gathers: bool,
     excluded: frozenset = frozenset(),
 ):
     """The reducer of our share: one that screens where the run asks for it (by direction) or our
-    tally excludes senders (their indices); a codec that gathers is not averaged by the reducer:
-    nothing to screen there."""
-    if gathers or (min_cosine <= -1.0 and not excluded):
+    tally excludes senders (their indices). A codec that gathers is not averaged by the reducer, but
+    screened alike: each recipient takes its mean of the senders the reducer kept (``kept_in``)."""
+    if min_cosine <= -1.0 and not excluded:
         return SenderlessEndingReducer(part_shapes, num_senders)
     return ScreeningReducer(part_shapes, num_senders, min_cosine, excluded)

@@ -249,6 +249,23 @@ def test_the_direction_rule_needs_a_majority_and_reads_a_zero_contribution_as_co
     assert list(against_the_others(_vectors(honest, honest, free_rider), 0.1)) == [2]
 
 
+def test_a_codec_that_gathers_is_screened_by_direction_on_its_sparse_values_too():
+    # top-k as SparseLoCo runs it: each worker sends its own largest values, and the mean is gathered
+    codec = build_codec(CompressionConfig(name="topk", topk_mean="senders"))
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(4096, generator=generator)
+    vectors = [common + 0.5 * torch.randn(4096, generator=generator) for _ in range(3)]
+    vectors.append(-9 * vectors[0])
+    contributions = [Contribution(f"worker {i}", [codec.compress(v)], 1.0) for i, v in enumerate(vectors)]
+    rules = ScreeningRules(min_cosine=0.0)
+    means, used = average_payloads(codec, contributions, [4096], round_index=0, rules=rules)
+    assert [c.worker for c in used] == ["worker 0", "worker 1", "worker 2"]
+    honest, _ = average_payloads(codec, contributions[:3], [4096], round_index=0)
+    torch.testing.assert_close(means[0], honest[0])
+    _, all_used = average_payloads(codec, contributions[:3], [4096], round_index=0, rules=rules)
+    assert len(all_used) == 3  # no honest one left out
+
+
 def test_a_simulated_worker_sending_minus_nine_times_its_pseudo_gradient_is_dropped_by_direction(tmp_path, caplog):
     _, clean = _simulated_loss(tmp_path, "clean")
     attack = ["faults.worker=2", "faults.bad_payload=scaled", "faults.payload_scale=-9"]

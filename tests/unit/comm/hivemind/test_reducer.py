@@ -120,16 +120,27 @@ def test_the_screening_reducer_leaves_nobody_out_of_an_honest_round_or_one_of_tw
         assert left_out == {} and torch.allclose(averaged, expected, atol=1e-6)
 
 
-def test_only_a_run_that_screens_by_direction_holds_its_parts():
+def test_only_a_run_that_screens_by_direction_or_excludes_holds_its_parts():
     async def types() -> list[type]:
         shapes = [torch.Size([4])]
         return [
-            type(reducer_for(shapes, 2, -1.0, gathers=False)),
-            type(reducer_for(shapes, 2, 0.0, gathers=True)),  # the peers take the mean themselves
-            type(reducer_for(shapes, 2, 0.0, gathers=False)),
+            type(reducer_for(shapes, 2, -1.0)),
+            type(reducer_for(shapes, 2, 0.0)),
+            type(reducer_for(shapes, 2, -1.0, excluded=frozenset({1}))),
         ]
 
-    assert asyncio.run(types()) == [SenderlessEndingReducer, SenderlessEndingReducer, ScreeningReducer]
+    assert asyncio.run(types()) == [SenderlessEndingReducer, ScreeningReducer, ScreeningReducer]
+
+
+@pytest.mark.timeout(30)
+def test_each_part_names_the_senders_kept_in_it_which_a_codec_that_gathers_takes_its_mean_of():
+    reducer = asyncio.run(_reduced_round())  # the flipped sender 3 left out of both parts
+    assert [reducer.kept_in(part) for part in range(2)] == [frozenset({0, 1, 2})] * 2
+
+    async def every_sender() -> frozenset | None:  # hivemind's reducer needs an event loop
+        return SenderlessEndingReducer([torch.Size([4])], 2).kept_in(0)
+
+    assert asyncio.run(every_sender()) is None  # every sender counts
 
 
 async def _reduced_round() -> ScreeningReducer:
@@ -175,7 +186,7 @@ def test_every_peer_that_reduced_the_flipped_senders_parts_excludes_it_after_exc
 @pytest.mark.timeout(30)
 def test_an_excluded_sender_is_left_out_of_every_part_and_still_gets_the_others_average():
     async def reduce() -> list[torch.Tensor]:
-        reducer = reducer_for([torch.Size([4])], 3, -1.0, gathers=False, excluded=frozenset({2}))
+        reducer = reducer_for([torch.Size([4])], 3, -1.0, excluded=frozenset({2}))
         assert isinstance(reducer, ScreeningReducer)  # holds its parts even with the direction rule off
         values = [torch.full((4,), 1.0), torch.full((4,), 3.0), torch.full((4,), 100.0)]
         averages = await asyncio.gather(*(reducer.accumulate_part(s, 0, values[s]) for s in range(3)))
