@@ -27,6 +27,7 @@ screening's cost on an honest run.
 
     diloco bench attacks                          # every arm, 3 seeds (about 25 min on 2 cores, --jobs 2)
     diloco bench attacks --arms minus-9x --seeds 1
+    diloco bench attacks --arms minus-9x,sign-flip outer.optimizer=sparseloco   # SparseLoCo's top-k
 """
 
 from __future__ import annotations
