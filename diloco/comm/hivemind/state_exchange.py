@@ -155,10 +155,10 @@ class HivemindStateExchange(StateExchange):
                 self._wants.ask(Wanted(round_index, reading.ours, newer))
             if reading.any_wanted:
                 # hivemind downloads from the highest priority first: the newest round, then the best rank
-                found = self._download(reading, max(1.0, deadline - time.monotonic()), check, refused)
+                found, pending = self._download(reading, max(1.0, deadline - time.monotonic()), check, refused)
                 if found is not None:
                     return found
-                download_failed = True
+                download_failed = download_failed or not pending  # one that cannot be checked yet did not fail
             elif reading.everyone_offered and not relay:
                 # none ranks above us. A peer still in its outer step has not offered this round
                 # yet: wait for it rather than take the others' offers (a dropped peer's, say)
@@ -193,18 +193,19 @@ class HivemindStateExchange(StateExchange):
 
     def _download(
         self, reading: OfferReading, timeout_s: float, check: StateCheck | None, refused: set[str]
-    ) -> PeerState | None:
+    ) -> tuple[PeerState | None, bool]:
         """The best state offered by a peer not in ``refused``, if it is still one ``reading`` wants
-        once downloaded and ``check`` does not refuse it (its peer then joins ``refused``)."""
+        once downloaded and ``check`` does not refuse it (its peer then joins ``refused``); and
+        whether one was downloaded that ``check`` cannot tell yet (to be downloaded again)."""
         started = time.monotonic()
         found = self._download_best(timeout_s, refused)
         if found is None:
-            return None
+            return None, False
         metadata, tensors = found
         offered_round = metadata.get("round", -1)
         rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
         if not (reading.wanted(offered_round, rank) and tensors):
-            return None
+            return None, False
         logger.info(
             "downloaded the state of a peer after round %d: %d bytes in %.2f s",
             offered_round + 1,
@@ -222,7 +223,7 @@ class HivemindStateExchange(StateExchange):
             logger.info("the state of peer %s after round %d cannot be checked yet: %s", peer, offered_round + 1,
                         verdict.wait)  # fmt: skip
             time.sleep(min(_CHECK_AGAIN_S, max(0.0, timeout_s - (time.monotonic() - started))))
-        return found if verdict.take else None
+        return (found if verdict.take else None), bool(verdict.wait)
 
     def _download_best(self, timeout_s: float, refused: set[str]):
         """The download of the best state offered by a peer not in ``refused`` (state_download.py),

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diloco.comm.base import StateRank
+from diloco.comm.base import StateRank, StateVerdict
 from diloco.comm.hivemind.helper import everyone_past
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
@@ -333,3 +333,37 @@ def test_a_helper_withdraws_a_relayed_state_once_every_live_worker_is_past_its_r
     relayed.forget()
     assert relayed.take() is None  # held no more: a later state of any rank is kept again
     assert relayed.put({"round": 2, "peers": 1, "fingerprint": 0.0}, b"older")
+
+
+class _FlickeringRoster:
+    """A joiner's view (worker 2, a client) of a run whose public worker 0 serves its state: the
+    second read misses worker 0's record (a DHT read under load), the others find it."""
+
+    worker_index = 2
+
+    def __init__(self):
+        self.reads = 0
+
+    def own_entries(self):
+        self.reads += 1
+        entries = {i: RosterEntry(i, 3, 60, serves_state=i == 0) for i in range(3)}
+        return {i: e for i, e in entries.items() if i != 0} if self.reads == 2 else entries
+
+
+def test_a_state_that_cannot_be_checked_yet_is_downloaded_again_though_a_roster_read_misses_its_server():
+    verdicts = iter([StateVerdict(wait="no other live worker's record shows round 3 completed yet")])
+    states = HivemindStateExchange(
+        server=_HelperServes(),
+        offers=SimpleNamespace(read=lambda exclude=(), only=None: [(2, StateRank(2, 0.5))]),
+        roster=_FlickeringRoster(),
+        num_workers=3,
+        client_mode=True,
+        linger_s=0.0,
+        wants=_wants(_Dht(), "joiner"),
+        helpers=lambda: 0,
+    )
+    found = states.fetch_state(
+        0, better_than=StateRank(1 << 30), timeout_s=20.0, newer=True, check=lambda _: next(verdicts, StateVerdict())
+    )
+    # before, the wait counted as a failed download, and the read without a server ended the search
+    assert found is not None and found.round == 2
