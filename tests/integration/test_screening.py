@@ -65,7 +65,9 @@ def test_a_worker_sending_minus_nine_times_its_pseudo_gradient_is_left_out_by_ev
     for w in range(ATTACKER):
         assert f"excluded peer {ids[ATTACKER]} from the run's means: left out of 2 rounds in a row" in logs[w]
         excluded = [r.get("excluded", []) for r in read_records(run_dir, w) if r["event"] == "round"]
-        assert excluded[2:] == [[ATTACKER], [ATTACKER]], excluded
+        # rounds 3 and 4: the last two records (a worker that lost a round and took a peer's state
+        # after the next one has a record fewer)
+        assert excluded[-2:] == [[ATTACKER], [ATTACKER]], excluded
 
 
 def test_a_poisoned_state_offer_is_refused_by_the_worker_that_looks_for_a_state_and_an_honest_one_taken(tmp_path):

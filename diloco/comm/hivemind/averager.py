@@ -43,7 +43,7 @@ import multiprocessing as mp
 import signal
 import time
 import typing
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -333,7 +333,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             part_index = 0
             async for message in aiter_with_timeout(self._count_received(stream), self.reducer_timeout):
                 if message.code != averaging_pb2.AVERAGED_PART:
-                    if message.code == averaging_pb2.BAD_GROUP_ID and peer_id in self.sender_peer_ids:
+                    if message.code == averaging_pb2.BAD_GROUP_ID and self._never_sent(peer_id):
                         await self._ban_sender(peer_id)  # not in this group: our share waits for none of its parts
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 if message.weight > 0:  # the reducer says over how many contributions it averaged the part
@@ -357,6 +357,10 @@ class ExactAllReduceRunner(AllReduceRunner):
                 logger.debug("caught %r when communicating with %s", error, peer_id, exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    def _never_sent(self, peer_id: PeerID) -> bool:
+        """Whether ``peer_id`` is a sender of this group that has not begun sending us its parts."""
+        return peer_id in self.sender_peer_ids and peer_id not in self.active_senders
 
     async def rpc_aggregate_part(self, stream, context: P2PContext):
         self.traffic.serving(+1)
@@ -576,16 +580,22 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         # hivemind holds a part for a group it does not know until its own matchmaking ends: right
         # when the leader's answer to us is merely late, but a leader can also count us in a group
         # we had given up on (its answer came past our request's timeout), and then every sender
-        # waits its whole reducer timeout for our share while we look for a group all round. Past
-        # a bound we answer that the group is not ours, and the others go on without us at once.
+        # waits its whole reducer timeout for our share while we look for a group all round. Once
+        # we follow no leader and hold no group, past a bound, we answer that the group is not ours
+        # and the others go on without us at once.
         request = await anext(stream)
+        matchmaking = self._matchmaking
         if not await group_registered(
             request.group_id,
             self._running_groups,
             self._pending_groups_registered,
             UNKNOWN_GROUP_WAIT * self.request_timeout,
+            joining=lambda: matchmaking.current_leader is not None or matchmaking.assembled_group.done(),
         ):
-            logger.warning("a peer sent a part for a group we are not in (a leader counted us in late): refused")
+            logger.warning(
+                "peer %s sent a part for a group we are not in (a leader counted us in after we left it): refused",
+                context.remote_id,
+            )
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
@@ -684,16 +694,30 @@ class ExactAverager(StateDownload, DecentralizedAverager):
 UNKNOWN_GROUP_WAIT = 2
 
 
-async def group_registered(group_id: bytes, running: dict, registered: asyncio.Event, timeout_s: float) -> bool:
-    """Whether ``group_id`` is among the ``running`` groups, or is registered within ``timeout_s``:
+_JOINING_POLL_S = 0.25  # how often a wait past its bound asks whether we are still joining a group
+
+
+async def group_registered(
+    group_id: bytes,
+    running: Mapping[bytes, asyncio.Future],
+    registered: asyncio.Event,
+    timeout_s: float,
+    *,
+    joining: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Whether ``group_id`` is among the ``running`` groups, or is registered before we give up:
     hivemind clears ``registered`` while matchmaking and sets it once a group is registered (or
-    given up)."""
+    given up). We give up past ``timeout_s`` once ``joining()`` is false (we follow no leader and
+    hold no assembled group: a group that counts us in is not one we can still register)."""
     if group_id in running:
         return True
-    try:
-        await asyncio.wait_for(registered.wait(), timeout_s)
-    except TimeoutError:
-        return False
+    deadline = time.monotonic() + timeout_s
+    while not registered.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 and not joining():
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(registered.wait(), remaining if remaining > 0 else _JOINING_POLL_S)
     return group_id in running
 
 

@@ -66,7 +66,7 @@ class ScreeningReducer(SenderlessEndingReducer):
         super().__init__(part_shapes, num_senders)
 
     def kept_in(self, part_index: int) -> frozenset[int] | None:
-        return self._kept_in.get(part_index, frozenset())
+        return self._kept_in[part_index]  # asked once the part is complete: a KeyError is a bug
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
