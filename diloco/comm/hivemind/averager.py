@@ -692,8 +692,6 @@ class ExactAverager(StateDownload, DecentralizedAverager):
 # how many of hivemind's request timeouts a part for a group we do not know waits for us to
 # register that group (the leader's answer to us on its way), before we refuse it
 UNKNOWN_GROUP_WAIT = 2
-
-
 _JOINING_POLL_S = 0.25  # how often a wait past its bound asks whether we are still joining a group
 
 

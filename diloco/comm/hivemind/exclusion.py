@@ -71,7 +71,7 @@ class Exclusions:
         reducer = runner.tensor_part_reducer
         if isinstance(reducer, ScreeningReducer):
             for index, reasons in reducer.left_out.items():
-                if len(reasons) >= reducer.kept_parts.get(index, 0):
+                if len(reasons) >= reducer.kept_parts(index):
                     left_out.setdefault(senders[index], reasons[0])
         sent = [f"peer {peer}" for peer in senders if peer != own]
         named = {f"peer {peer}": reason for peer, reason in left_out.items() if peer not in excluded}

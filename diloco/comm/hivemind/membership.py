@@ -49,9 +49,9 @@ class HivemindMembership(Membership):
             if index == self.roster.worker_index:  # what we hold is not evidence of what the run holds
                 continue
             digest, rounds_done = entry.stats.get("params"), entry.stats.get("params_round")
-            peers = entry.stats.get("peers")
             if isinstance(digest, str) and digest and isinstance(rounds_done, int):
-                peers = peers if isinstance(peers, int) and not isinstance(peers, bool) else 0
+                peers = entry.stats.get("peers")
+                peers = peers if type(peers) is int else 0  # not said, or not a count (a bool is no count)
                 found[index] = Declared(rounds_done, digest, entry.round, peer_of(entry.addresses), peers)
         return found
 

@@ -61,12 +61,15 @@ class ScreeningReducer(SenderlessEndingReducer):
         self.min_cosine, self.excluded = min_cosine, excluded  # excluded: sender indices left out of every part
         self._held: dict[int, tuple[torch.Tensor, float]] = {}  # the current part: sender -> (values, weight)
         self.left_out: dict[int, list[str]] = {}
-        self.kept_parts: dict[int, int] = {}  # sender -> parts of it kept
         self._kept_in: dict[int, frozenset[int]] = {}  # part -> senders kept in it
         super().__init__(part_shapes, num_senders)
 
     def kept_in(self, part_index: int) -> frozenset[int] | None:
         return self._kept_in[part_index]  # asked once the part is complete: a KeyError is a bug
+
+    def kept_parts(self, sender_index: int) -> int:
+        """How many of the parts reduced so far kept ``sender_index``'s contribution."""
+        return sum(sender_index in kept for kept in self._kept_in.values())
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
@@ -115,9 +118,8 @@ class ScreeningReducer(SenderlessEndingReducer):
         for sender in kept:
             total.add_(held[sender][0], alpha=held[sender][1])
             weight += held[sender][1]
-            self.kept_parts[sender] = self.kept_parts.get(sender, 0) + 1
         self._kept_in[self.current_part_index] = frozenset(kept)
-        return total, weight, len(senders) - len(against)
+        return total, weight, len(kept)
 
 
 def reducer_for(
