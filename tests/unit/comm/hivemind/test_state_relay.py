@@ -365,5 +365,5 @@ def test_a_state_that_cannot_be_checked_yet_is_downloaded_again_though_a_roster_
     found = states.fetch_state(
         0, better_than=StateRank(1 << 30), timeout_s=20.0, newer=True, check=lambda _: next(verdicts, StateVerdict())
     )
-    # before, the wait counted as a failed download, and the read without a server ended the search
+    # the wait is no failed download: the read without a server does not end the search
     assert found is not None and found.round == 2
