@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,12 @@ StateReader = Callable[[Callable[[dict], object]], object]
 StateCheck = Callable[["PeerState"], "StateVerdict"]
 
 logger = logging.getLogger(__name__)
+RUN_KEY_ENV = "DILOCO_RUN_KEY"  # the run key, kept out of config files and shell history
+
+
+def resolve_run_key(configured: str) -> str:
+    """``comm.run_key`` if set, else ``$DILOCO_RUN_KEY``, else "" (an open run)."""
+    return configured or os.environ.get(RUN_KEY_ENV, "")
 
 
 @dataclass
@@ -57,10 +64,13 @@ class CommConfig:
     deadline_s: float = 60.0  # a round gives up on peers that have not arrived after this many seconds
     bandwidth_mbps: float = 0.0  # link rate each way: the simulator models it; hivemind reduces less if slow; 0 unknown
     latency_ms: float = 0.0  # the simulator's link model: one-way latency added to each phase of a round
+    trust: str = "trusted"  # who the workers are: trusted / open / keyed (key required); the last two screen more
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
-    clip_to_median: bool = False  # scale every kept contribution whose norm is above the round's median down to it
+    clip_to_median: bool = False  # scale every kept contribution above the round's median norm down to it (comm.trust)
     max_weight_ratio: float = 4.0  # at most this x the round's median weight (more for sites of many ranks); 0 = off
-    min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this (0); -1 = off
+    min_cosine: float = (
+        -1.0
+    )  # drop a contribution whose cosine to the others' median is below this; -1 = off (comm.trust)
     exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of the later ones; 0 = never
     readmit_after: int = 20  # an excluded worker is back on probation after this many rounds (x 2 each time); 0 = never
     hivemind: HivemindConfig = field(default_factory=HivemindConfig)  # the hivemind transport's own settings

@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
+from diloco.comm.base import RUN_KEY_ENV, resolve_run_key
 from diloco.compression import ADAPTIVE, validate_compression_config
 from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, FORGED_PAYLOADS, SITE_SHARDINGS, WANDB_MODES, Config
+from diloco.config.trust import TRUST_LEVELS
 from diloco.core.inner import PRECISIONS, validate_inner_config
 from diloco.core.outer import validate_outer_config
 from diloco.core.overlap import validate_overlap_config
@@ -162,17 +164,27 @@ def _check_screening(cfg: Config) -> None:
     require(
         cfg.comm.min_cosine == -1 or cfg.comm.backend != "torchdist",
         "comm.min_cosine screens whole contributions, and comm.backend=torchdist sums them in one all-reduce: "
-        "set comm.min_cosine=-1 with it (ranks of one torchrun trust each other)",
+        "set comm.trust=trusted (or comm.min_cosine=-1) with it: ranks of one torchrun trust each other",
     )
     require(
         cfg.comm.min_cosine == -1 or cfg.outer.sync_every != 0,
         "comm.min_cosine screens pseudo-gradients; outer.sync_every=0 (the data-parallel baseline) averages "
-        "one step's gradients, too noisy to judge: set comm.min_cosine=-1 with it",
+        "one step's gradients, too noisy to judge: set comm.trust=trusted (or comm.min_cosine=-1) with it",
     )
     require(
         cfg.comm.min_cosine == -1 or cfg.comm.hivemind.data_plane != "gloo",
         "comm.min_cosine screens what a reducer receives, and comm.hivemind.data_plane=gloo sums vectors nobody "
-        "sees: set comm.min_cosine=-1 with it (between sites that trust each other)",
+        "sees: set comm.trust=trusted (or comm.min_cosine=-1) with it, between sites that trust each other",
+    )
+
+
+def _check_trust(cfg: Config) -> None:
+    """``comm.trust``: a known level, and a keyed run holds its key."""
+    trust = cfg.comm.trust
+    require(trust in TRUST_LEVELS, f"comm.trust={trust!r} is not one of {', '.join(TRUST_LEVELS)}")
+    require(
+        trust != "keyed" or cfg.comm.backend != "hivemind" or resolve_run_key(cfg.comm.run_key),
+        f"comm.trust=keyed needs the run's key: set comm.run_key or ${RUN_KEY_ENV}",
     )
 
 
@@ -185,6 +197,7 @@ def _check_comm(cfg: Config) -> None:
         cfg.comm.max_norm_ratio == 0 or cfg.comm.max_norm_ratio > 1,
         f"comm.max_norm_ratio={cfg.comm.max_norm_ratio} must be 0 (off) or above 1",
     )
+    _check_trust(cfg)
     _check_screening(cfg)
     require(cfg.comm.backend in BACKENDS, f"comm.backend={cfg.comm.backend!r} is not one of {', '.join(BACKENDS)}")
     require(cfg.comm.run_id.isidentifier(), f"comm.run_id={cfg.comm.run_id!r} must be letters, digits and _")

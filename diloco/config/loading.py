@@ -20,6 +20,7 @@ from diloco.comm import HivemindConfig
 from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
+from diloco.config.trust import trust_defaults
 from diloco.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(schema, *layers)
-        defaults = rule_defaults(merged.outer.optimizer)
-        if defaults:  # an outer rule's defaults for other sections, under what the user set
-            merged = OmegaConf.merge(schema, defaults, *layers)
+        # an outer rule's and the trust level's defaults for other sections, under what the user set
+        defaults = [rule_defaults(merged.outer.optimizer), trust_defaults(merged.comm.trust)]
+        if any(defaults):
+            merged = OmegaConf.merge(schema, *defaults, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None

@@ -154,3 +154,41 @@ def test_the_simulators_earlier_name_is_still_read_as_the_simulator(tmp_path):
     saved = tmp_path / "config.yaml"
     saved.write_text("comm:\n  backend: inproc\n")  # a run directory's config.yaml from before
     assert load_config(saved).comm.backend == "simulator"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "screened"),
+    [
+        ([], False),  # trusted by default
+        (["comm.trust=open"], True),
+        (["comm.trust=keyed", "comm.run_key=k"], True),
+        (["comm.trust=open", "comm.backend=simulator"], True),  # the attack benchmark's runs
+    ],
+)
+def test_the_trust_level_picks_the_screening_defaults(overrides, screened):
+    cfg = load_config(None, overrides)
+    assert (cfg.comm.min_cosine, cfg.comm.clip_to_median) == ((0.0, True) if screened else (-1.0, False))
+
+
+def test_a_screening_key_set_by_the_user_wins_over_the_trust_level_and_a_written_config_keeps_its_own(tmp_path):
+    cfg = load_config(None, ["comm.min_cosine=0.2", "comm.trust=open"])
+    assert (cfg.comm.min_cosine, cfg.comm.clip_to_median) == (0.2, True)
+    save_config(load_config(None, ["comm.trust=open", "comm.clip_to_median=false"]), tmp_path / "config.yaml")
+    resumed = load_config(tmp_path / "config.yaml")
+    assert (resumed.comm.trust, resumed.comm.min_cosine, resumed.comm.clip_to_median) == ("open", 0.0, False)
+
+
+def test_a_keyed_run_needs_its_key_and_a_level_the_transport_cannot_apply_is_refused(monkeypatch):
+    monkeypatch.delenv("DILOCO_RUN_KEY", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"comm.trust=keyed needs the run's key: set comm.run_key or \$DILOCO_RUN_KEY"
+    ):
+        load_config(None, ["comm.trust=keyed"])
+    load_config(None, ["comm.trust=keyed", "comm.backend=simulator"])  # one process: no key to hold
+    monkeypatch.setenv("DILOCO_RUN_KEY", "k")
+    load_config(None, ["comm.trust=keyed"])
+    with pytest.raises(ConfigError, match="comm.trust='strangers' is not one of trusted, keyed, open"):
+        load_config(None, ["comm.trust=strangers"])
+    for transport in ("comm.hivemind.data_plane=gloo", "comm.backend=torchdist", "outer.sync_every=0"):
+        with pytest.raises(ConfigError, match="set comm.trust=trusted"):
+            load_config(None, ["comm.trust=open", transport])

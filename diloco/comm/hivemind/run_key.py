@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-RUN_KEY_ENV = "DILOCO_RUN_KEY"
+from diloco.comm.base import RUN_KEY_ENV as RUN_KEY_ENV  # importers take them from here too
+from diloco.comm.base import resolve_run_key as resolve_run_key
+
 _TAG_BYTES = 32
-
-
-def resolve_run_key(configured: str) -> str:
-    """``comm.run_key`` if set, else ``$DILOCO_RUN_KEY``, else "" (an open run)."""
-    return configured or os.environ.get(RUN_KEY_ENV, "")
 
 
 def _tag(key: bytes, record: DHTRecord, value: bytes) -> bytes:

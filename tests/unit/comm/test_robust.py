@@ -285,7 +285,7 @@ def test_config_checks_the_screening_settings():
     with pytest.raises(ConfigError, match=r"comm.min_cosine=1.0 must be in \[-1, 1\)"):
         load_config(None, ["comm.min_cosine=1"])
     with pytest.raises(
-        ConfigError, match="comm.hivemind.data_plane=gloo sums vectors nobody sees: set comm.min_cosine=-1 with it"
+        ConfigError, match="comm.hivemind.data_plane=gloo sums vectors nobody sees: set comm.trust=trusted"
     ):
         load_config(None, ["comm.min_cosine=0", "comm.hivemind.data_plane=gloo"])
     with pytest.raises(ConfigError, match="comm.backend=torchdist sums them in one all-reduce"):
