@@ -68,9 +68,7 @@ class CommConfig:
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution above the round's median norm down to it (comm.trust)
     max_weight_ratio: float = 4.0  # at most this x the round's median weight (more for sites of many ranks); 0 = off
-    min_cosine: float = (
-        -1.0
-    )  # drop a contribution whose cosine to the others' median is below this; -1 = off (comm.trust)
+    min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this; -1 off
     exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of the later ones; 0 = never
     readmit_after: int = 20  # an excluded worker is back on probation after this many rounds (x 2 each time); 0 = never
     hivemind: HivemindConfig = field(default_factory=HivemindConfig)  # the hivemind transport's own settings
