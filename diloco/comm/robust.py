@@ -2,7 +2,9 @@
 how much its weight may count.
 
 By norm (``screen``): a contribution whose norm is far beyond the others' (more than
-``comm.max_norm_ratio`` x the median norm of the round) is dropped; with ``comm.clip_to_median``
+``comm.max_norm_ratio`` x the median norm of the round) is dropped, and so is one far below what
+its claimed samples warrant (its norm per sample under ``1 / comm.max_norm_ratio`` of the round's
+median norm per sample: a free rider's zeros); with ``comm.clip_to_median
 every kept contribution above the median is scaled down to it; no weight counts for more than
 ``comm.max_weight_ratio`` x the median weight of the round (a claim above it is cut to it). The
 decision depends on the declared norms and weights alone, so every reducer that screens the same
@@ -97,6 +99,8 @@ def screen(
     weight counts for is that x the median (low) of the positive finite ``weights``."""
     finite = [float(n) for n in norms.values() if math.isfinite(n)]
     median = statistics.median_low(finite) if finite else math.nan
+    max_weight = _max_weight(weights or {}, rules)
+    too_small = _too_small_for_their_samples(norms, weights, max_weight, rules.max_norm_ratio)
     dropped, scales = {}, {}
     for who, norm in norms.items():
         norm = float(norm)
@@ -105,11 +109,37 @@ def screen(
         elif rules.max_norm_ratio > 0 and median > 0 and norm > rules.max_norm_ratio * median:
             ratio = rules.max_norm_ratio
             dropped[who] = f"its norm {norm:.4g} is more than {ratio:g} x the median norm {median:.4g}"
+        elif who in too_small:
+            dropped[who] = too_small[who]
         elif rules.clip_to_median and median > 0 and norm > median:
             scales[who] = median / norm
         else:
             scales[who] = 1.0
-    return Screening(dropped, scales, median, _max_weight(weights or {}, rules), rules.min_cosine)
+    return Screening(dropped, scales, median, max_weight, rules.min_cosine)
+
+
+def _too_small_for_their_samples(
+    norms: Mapping[Hashable, float], weights: Mapping[Hashable, float] | None, max_weight: float, ratio: float
+) -> dict:
+    """The contributions whose norm per sample counted is below ``1 / ratio`` of the round's median
+    norm per sample (``median_low``): a free rider's zeros, or noise too faint to carry anything,
+    sent with a claim of honest samples. Nothing without weights, with ``ratio`` 0, or when the
+    median is 0. An honest worker that trained on fewer samples (a slower one, in time-budgeted
+    rounds) moved its params by less, but by more per sample, never less: updates add up less
+    than in proportion as they pile up."""
+    per_sample = {}
+    for who, norm in norms.items():
+        weight = min(float((weights or {}).get(who, math.nan)), max_weight)
+        if math.isfinite(norm) and math.isfinite(weight) and weight > 0:
+            per_sample[who] = float(norm) / weight
+    if ratio <= 0 or not per_sample or (median := statistics.median_low(per_sample.values())) <= 0:
+        return {}
+    return {
+        who: f"its norm {norms[who]:.4g} is less than 1/{ratio:g} of what its samples warrant "
+        f"({value:.4g} a sample, the median {median:.4g})"
+        for who, value in per_sample.items()
+        if value * ratio < median
+    }
 
 
 def _max_weight(weights: Mapping[Hashable, float], rules: ScreeningRules) -> float:

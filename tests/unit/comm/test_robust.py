@@ -56,6 +56,26 @@ def test_a_zero_median_leaves_every_finite_contribution_in():
     assert not decision.dropped and decision.scales == {"a": 1.0, "b": 1.0, "c": 1.0}
 
 
+def test_a_contribution_far_below_what_its_samples_warrant_is_dropped_but_a_slower_worker_is_kept():
+    # per sample: honest 1.0 / 100 each, the free rider 0 and faint noise 0.05 / 100 with the same claim (0.2 is kept),
+    # the slower worker 0.4 / 20 (fewer samples, smaller norm, but more a sample)
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "slow": 0.4, "zeros": 0.0, "faint": 0.05, "edge": 0.2}
+    weights = {"a": 100, "b": 100, "c": 100, "slow": 20, "zeros": 100, "faint": 100, "edge": 100}
+    decision = screen(norms, ScreeningRules(10, False), weights)
+    assert sorted(decision.dropped) == ["faint", "zeros"], decision.dropped
+    assert "less than 1/10 of what its samples warrant" in decision.dropped["zeros"]
+    for order in itertools.permutations(norms, 3):  # the same decision whatever the order of arrival
+        shuffled = {k: norms[k] for k in (*order, *(k for k in norms if k not in order))}
+        assert screen(shuffled, ScreeningRules(10, False), weights).dropped.keys() == decision.dropped.keys()
+    assert not screen(norms, ScreeningRules(10, False)).dropped  # the rule needs the weights
+    assert "zeros" not in screen(norms, ScreeningRules(0, False), weights).dropped  # ratio 0: off
+    # a claim of 1,000 x the samples counts for 4 x the median: an honest norm is then 1/4 a sample, kept
+    claimed = screen(
+        {"a": 1.0, "b": 1.0, "c": 1.0, "big": 1.0}, ScreeningRules(10, False, 4), {"a": 1, "b": 1, "c": 1, "big": 1000}
+    )
+    assert not claimed.dropped and claimed.weight(1000) == 4
+
+
 def test_the_decision_depends_on_the_norms_alone_not_their_order():
     norms = {"a": 3.0, "b": 0.5, "c": 40.0, "d": 2.0, "e": math.nan}
     decisions = [screen(dict(order), ScreeningRules(10, True)) for order in itertools.permutations(norms.items())]
