@@ -14,9 +14,10 @@ project's fault knobs; every arm but those named ``-off`` screens with the run's
     replay         its pseudo-gradient of the round before, passed off as this round's
     weight-1000x   its real pseudo-gradient, claiming 1,000 x its samples as its weight
     clean-off, minus-9x-off   the same with every screen off: what the screening buys and costs
-    without-3      worker 3 sends zeros, and comm.min_cosine=0.1 leaves them out every round: the
-                   run of the three others on their quarters of the data, the best a screening
-                   that leaves the attacker out can do (its quarter of the data is lost with it)
+    without-3      worker 3 sends zeros, left out every round (their norm per sample, and
+                   comm.min_cosine=0.1 too): the run of the three others on their quarters of the
+                   data, the best a screening that leaves the attacker out can do (its quarter of
+                   the data is lost with it); the same run as free-rider since zeros are dropped
     clean-8, sign-flip-2-of-8, minus-9x-2-of-8   M = 8 (the same global batch): workers 6 and 7
                    attack together, compared with clean-8
 
