@@ -2,9 +2,10 @@
 how much its weight may count.
 
 By norm (``screen``): a contribution whose norm is far beyond the others' (more than
-``comm.max_norm_ratio`` x the median norm of the round) is dropped, and so is one far below what
-its claimed samples warrant (its norm per sample under ``1 / comm.max_norm_ratio`` of the round's
-median norm per sample: a free rider's zeros); with ``comm.clip_to_median
+``comm.max_norm_ratio`` x the median norm of the round) is dropped, and so is one far below the
+others' and below what its claimed samples warrant (its norm under ``1 / comm.max_norm_ratio`` of
+the median norm, and its norm per sample under as much of the median norm per sample: a free
+rider's zeros); with ``comm.clip_to_median
 every kept contribution above the median is scaled down to it; no weight counts for more than
 ``comm.max_weight_ratio`` x the median weight of the round (a claim above it is cut to it). The
 decision depends on the declared norms and weights alone, so every reducer that screens the same
@@ -101,6 +102,7 @@ def screen(
     median = statistics.median_low(finite) if finite else math.nan
     max_weight = _max_weight(weights or {}, rules)
     too_small = _too_small_for_their_samples(norms, weights, max_weight, rules.max_norm_ratio)
+    too_small = {who: reason for who, reason in too_small.items() if norms[who] * rules.max_norm_ratio < median}
     dropped, scales = {}, {}
     for who, norm in norms.items():
         norm = float(norm)
@@ -126,7 +128,9 @@ def _too_small_for_their_samples(
     sent with a claim of honest samples. Nothing without weights, with ``ratio`` 0, or when the
     median is 0. An honest worker that trained on fewer samples (a slower one, in time-budgeted
     rounds) moved its params by less, but by more per sample, never less: updates add up less
-    than in proportion as they pile up."""
+    than in proportion as they pile up. One that trained on many more (a site of many ranks, whose
+    vector is their mean) is below per sample but not in norm: ``screen`` drops only those below
+    ``1 / ratio`` of the median norm as well."""
     per_sample = {}
     for who, norm in norms.items():
         weight = min(float((weights or {}).get(who, math.nan)), max_weight)
@@ -135,8 +139,8 @@ def _too_small_for_their_samples(
     if ratio <= 0 or not per_sample or (median := statistics.median_low(per_sample.values())) <= 0:
         return {}
     return {
-        who: f"its norm {norms[who]:.4g} is less than 1/{ratio:g} of what its samples warrant "
-        f"({value:.4g} a sample, the median {median:.4g})"
+        who: f"its norm {norms[who]:.4g} is less than 1/{ratio:g} of the median norm and of what its samples "
+        f"warrant ({value:.4g} a sample, the median {median:.4g})"
         for who, value in per_sample.items()
         if value * ratio < median
     }

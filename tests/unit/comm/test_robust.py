@@ -57,18 +57,21 @@ def test_a_zero_median_leaves_every_finite_contribution_in():
 
 
 def test_a_contribution_far_below_what_its_samples_warrant_is_dropped_but_a_slower_worker_is_kept():
-    # per sample: honest 1.0 / 100 each, the free rider 0 and faint noise 0.05 / 100 with the same claim (0.2 is kept),
+    # per sample: honest 1.0 / 100 each, the free rider 0 and faint noise 0.02 / 100 with the same claim (0.2 is kept),
     # the slower worker 0.4 / 20 (fewer samples, smaller norm, but more a sample)
-    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "slow": 0.4, "zeros": 0.0, "faint": 0.05, "edge": 0.2}
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "slow": 0.4, "zeros": 0.0, "faint": 0.02, "edge": 0.2}
     weights = {"a": 100, "b": 100, "c": 100, "slow": 20, "zeros": 100, "faint": 100, "edge": 100}
     decision = screen(norms, ScreeningRules(10, False), weights)
     assert sorted(decision.dropped) == ["faint", "zeros"], decision.dropped
-    assert "less than 1/10 of what its samples warrant" in decision.dropped["zeros"]
+    assert "less than 1/10 of the median norm and of what its samples warrant" in decision.dropped["zeros"]
     for order in itertools.permutations(norms, 3):  # the same decision whatever the order of arrival
         shuffled = {k: norms[k] for k in (*order, *(k for k in norms if k not in order))}
         assert screen(shuffled, ScreeningRules(10, False), weights).dropped.keys() == decision.dropped.keys()
     assert not screen(norms, ScreeningRules(10, False)).dropped  # the rule needs the weights
     assert "zeros" not in screen(norms, ScreeningRules(0, False), weights).dropped  # ratio 0: off
+    # a site of 16 ranks (their mean: an honest norm, 16 x the samples) is below per sample, not in norm: kept
+    site = screen({"a": 1.0, "b": 1.1, "c": 0.9, "site": 0.8}, ScreeningRules(10, False), {**weights, "site": 1600})
+    assert not site.dropped, site.dropped
     # a claim of 1,000 x the samples counts for 4 x the median: an honest norm is then 1/4 a sample, kept
     claimed = screen(
         {"a": 1.0, "b": 1.0, "c": 1.0, "big": 1.0}, ScreeningRules(10, False, 4), {"a": 1, "b": 1, "c": 1, "big": 1000}
