@@ -10,6 +10,7 @@
 - ``simulator.py``       M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
+- ``run_key_env.py``     where the run key comes from (``comm.run_key``, ``$DILOCO_RUN_KEY``)
 - ``scores.py``          each worker's standing across rounds, and who is excluded (``comm.exclude_after``)
 - ``bounds.py``          the bound of every wait of a round
 - ``link_meter.py``      a worker's measure of its link, and the codec it prefers next round (adaptive)

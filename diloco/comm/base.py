@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,12 +28,6 @@ StateReader = Callable[[Callable[[dict], object]], object]
 StateCheck = Callable[["PeerState"], "StateVerdict"]
 
 logger = logging.getLogger(__name__)
-RUN_KEY_ENV = "DILOCO_RUN_KEY"  # the run key, kept out of config files and shell history
-
-
-def resolve_run_key(configured: str) -> str:
-    """``comm.run_key`` if set, else ``$DILOCO_RUN_KEY``, else "" (an open run)."""
-    return configured or os.environ.get(RUN_KEY_ENV, "")
 
 
 @dataclass

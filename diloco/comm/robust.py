@@ -2,11 +2,11 @@
 how much its weight may count.
 
 By norm (``screen``): a contribution whose norm is far beyond the others' (more than
-``comm.max_norm_ratio`` x the median norm of the round) is dropped, and so is one far below the
-others' and below what its claimed samples warrant (its norm under ``1 / comm.max_norm_ratio`` of
-the median norm, and its norm per sample under as much of the median norm per sample: a free
-rider's zeros); with ``comm.clip_to_median
-every kept contribution above the median is scaled down to it; no weight counts for more than
+``comm.max_norm_ratio`` x the median norm of the round) is dropped, and so is one that carries
+next to nothing for the samples it claims (its norm under ``1 / comm.max_norm_ratio**2`` of the
+median norm, and its norm per sample under ``1 / comm.max_norm_ratio`` of the median norm per
+sample: a free rider's zeros); with ``comm.clip_to_median`` every kept contribution above the
+median is scaled down to it; no weight counts for more than
 ``comm.max_weight_ratio`` x the median weight of the round (a claim above it is cut to it). The
 decision depends on the declared norms and weights alone, so every reducer that screens the same
 declarations reaches the same decision (hivemind's reducers each see only a slice of a
@@ -95,14 +95,14 @@ def screen(
     """Screen a round's contributions by their norms (``contributor -> norm``) and weights.
 
     Non-finite norms are dropped. When ``max_norm_ratio`` > 0, a norm above ``max_norm_ratio`` x
-    the median is dropped. When ``clip_to_median``, a kept norm above the median gets the factor
+    the median is dropped, and so is one that carries next to nothing for the samples it claims
+    (``_too_small``). When ``clip_to_median``, a kept norm above the median gets the factor
     ``median / norm``; every other kept one gets 1.0. When ``max_weight_ratio`` > 0, the most a
     weight counts for is that x the median (low) of the positive finite ``weights``."""
     finite = [float(n) for n in norms.values() if math.isfinite(n)]
     median = statistics.median_low(finite) if finite else math.nan
     max_weight = _max_weight(weights or {}, rules)
-    too_small = _too_small_for_their_samples(norms, weights, max_weight, rules.max_norm_ratio)
-    too_small = {who: reason for who, reason in too_small.items() if norms[who] * rules.max_norm_ratio < median}
+    too_small = _too_small(norms, median, weights, max_weight, rules.max_norm_ratio)
     dropped, scales = {}, {}
     for who, norm in norms.items():
         norm = float(norm)
@@ -120,29 +120,39 @@ def screen(
     return Screening(dropped, scales, median, max_weight, rules.min_cosine)
 
 
-def _too_small_for_their_samples(
-    norms: Mapping[Hashable, float], weights: Mapping[Hashable, float] | None, max_weight: float, ratio: float
+def _too_small(
+    norms: Mapping[Hashable, float],
+    median: float,
+    weights: Mapping[Hashable, float] | None,
+    max_weight: float,
+    ratio: float,
 ) -> dict:
-    """The contributions whose norm per sample counted is below ``1 / ratio`` of the round's median
-    norm per sample (``median_low``): a free rider's zeros, or noise too faint to carry anything,
-    sent with a claim of honest samples. Nothing without weights, with ``ratio`` 0, or when the
-    median is 0. An honest worker that trained on fewer samples (a slower one, in time-budgeted
-    rounds) moved its params by less, but by more per sample, never less: updates add up less
-    than in proportion as they pile up. One that trained on many more (a site of many ranks, whose
-    vector is their mean) is below per sample but not in norm: ``screen`` drops only those below
-    ``1 / ratio`` of the median norm as well."""
+    """The contributions that carry next to nothing for the samples they claim (a free rider's zeros,
+    or noise too faint to matter): a norm under ``1 / ratio**2`` of the round's median norm and a
+    norm per sample counted under ``1 / ratio`` of the median norm per sample (both ``median_low``).
+    Nothing without weights, with ``ratio`` 0, or when a median is 0 (so never in a group of two,
+    whose median is the smaller norm, nor when half the group sends zeros).
+
+    The two bounds leave honest contributions in: a worker that trained on fewer samples (a slower
+    one, in time-budgeted rounds) moved its params by less, but by more per sample, never less
+    (updates add up less than in proportion as they pile up); a site of many ranks, whose vector
+    is their mean, claims many samples but has an honest norm; a worker whose error feedback holds
+    nothing yet (a newcomer, with a codec that keeps a residual) sends less than the others, but
+    not 100 x less."""
     per_sample = {}
     for who, norm in norms.items():
         weight = min(float((weights or {}).get(who, math.nan)), max_weight)
         if math.isfinite(norm) and math.isfinite(weight) and weight > 0:
             per_sample[who] = float(norm) / weight
-    if ratio <= 0 or not per_sample or (median := statistics.median_low(per_sample.values())) <= 0:
+    if ratio <= 0 or not per_sample or not median > 0:
+        return {}
+    if (median_per_sample := statistics.median_low(per_sample.values())) <= 0:
         return {}
     return {
-        who: f"its norm {norms[who]:.4g} is less than 1/{ratio:g} of the median norm and of what its samples "
-        f"warrant ({value:.4g} a sample, the median {median:.4g})"
+        who: f"its norm {norms[who]:.4g} is less than 1/{ratio**2:g} of the median norm {median:.4g} and "
+        f"1/{ratio:g} of what its samples warrant ({value:.4g} a sample, the median {median_per_sample:.4g})"
         for who, value in per_sample.items()
-        if value * ratio < median
+        if norms[who] * ratio**2 < median and value * ratio < median_per_sample
     }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from diloco.comm import BACKENDS, DATA_PLANES
-from diloco.comm.base import RUN_KEY_ENV, resolve_run_key
+from diloco.comm.run_key_env import RUN_KEY_ENV, resolve_run_key
 from diloco.compression import ADAPTIVE, validate_compression_config
 from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, FORGED_PAYLOADS, SITE_SHARDINGS, WANDB_MODES, Config
 from diloco.config.trust import TRUST_LEVELS

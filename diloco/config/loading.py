@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from diloco.comm import HivemindConfig
+from diloco.comm.run_key_env import MASKED_RUN_KEY
 from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
@@ -39,12 +40,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     # omegaconf reads a bare KEY= as null; on a command line it means the empty string
     overrides = [f"{item}''" if item.endswith("=") else item for item in overrides]
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        command_line = OmegaConf.from_dotlist(list(overrides))
+        layers.append(command_line)
         merged = OmegaConf.merge(schema, *layers)
         # an outer rule's and the trust level's defaults for other sections, under what the user set
         defaults = [rule_defaults(merged.outer.optimizer), trust_defaults(merged.comm.trust)]
-        if any(defaults):
-            merged = OmegaConf.merge(schema, *defaults, *layers)
+        if (trust := OmegaConf.select(command_line, "comm.trust")) is not None and path is not None:
+            # a trust level given on the command line outranks the screening keys of the file too (a
+            # run's written config.yaml sets them all), not the screening keys beside it
+            layers.insert(-1, trust_defaults(trust))
+        merged = OmegaConf.merge(schema, *defaults, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None
@@ -80,7 +85,7 @@ def masked(cfg: Config) -> Config:
 def _redacted(cfg: Config):
     conf = OmegaConf.structured(cfg)
     if conf.comm.run_key:
-        conf.comm.run_key = "<set>"
+        conf.comm.run_key = MASKED_RUN_KEY
     return conf
 
 

@@ -21,18 +21,22 @@ parts point every which way (below cosine 0 in most late rounds of the tests' 0.
 which leaves them out and makes the round partial.
 
 Like an outer rule's defaults (``config/rules.py``) these sit between the dataclasses' defaults and
-the user's layers in ``load_config``: a key set in a YAML file or an override wins, and a run's
-written ``config.yaml`` (which sets every key) resumes with what it ran; ``diloco join`` takes
-the run's config, and with it its trust level, from a live peer.
+the user's layers in ``load_config``: a screening key set in a YAML file or an override wins, and a
+run's written ``config.yaml`` (which sets every key) resumes with what it ran. A trust level given
+on the command line also outranks the screening keys of the file it overrides (``diloco train
+runs/x/config.yaml comm.trust=open`` screens). ``diloco join`` and ``diloco helper`` take the run's
+config, its trust level with it, from a live peer; a volunteer's own config file must agree with
+the run's on it (``worker/joining.py``'s ``run_identity``).
 """
 
 from __future__ import annotations
 
 TRUST_LEVELS = ("trusted", "keyed", "open")
 SCREENED = {"comm": {"min_cosine": 0.0, "clip_to_median": True}}
+UNSCREENED = {"comm": {"min_cosine": -1.0, "clip_to_median": False}}  # the dataclasses' defaults
 
 
 def trust_defaults(trust: str) -> dict:
-    """The screening defaults of ``comm.trust=trust`` (nested like the config; none for
-    ``trusted``, whose are the dataclasses', nor for an unknown level, which the config check names)."""
-    return SCREENED if trust in ("open", "keyed") else {}
+    """The screening settings of ``comm.trust=trust``, nested like the config (none for an unknown
+    level, which the config check names)."""
+    return {"open": SCREENED, "keyed": SCREENED, "trusted": UNSCREENED}.get(trust, {})

@@ -29,11 +29,18 @@ class JoinError(CommError):
     """``diloco join`` found no live run to join (wrong address, wrong run key, or the run is over)."""
 
 
+# the screening every peer must apply alike, so that every peer keeps and drops the same contributions
+SCREENING_KEYS = ("trust", "max_norm_ratio", "clip_to_median", "max_weight_ratio", "min_cosine")
+
+
 def run_identity(cfg: Config) -> dict:
     """The settings every worker of a run must share, as ``KEY: value``: those that fix the shapes of
-    the state a newcomer downloads (the model's; not where its weights sit, nor its dropout)."""
+    the state a newcomer downloads (the model's; not where its weights sit, nor its dropout), and
+    the screening of contributions (``SCREENING_KEYS``: a volunteer with a config file of its own
+    must not reduce its share of the parts by other rules than the run's)."""
     local = ("hf_weights", "dropout")
-    return {f"model.{key}": value for key, value in vars(cfg.model).items() if key not in local}
+    model = {f"model.{key}": value for key, value in vars(cfg.model).items() if key not in local}
+    return {**model, **{f"comm.{key}": getattr(cfg.comm, key) for key in SCREENING_KEYS}}
 
 
 # what each machine sets for itself: never taken from the run's published config

@@ -178,6 +178,30 @@ def test_a_screening_key_set_by_the_user_wins_over_the_trust_level_and_a_written
     assert (resumed.comm.trust, resumed.comm.min_cosine, resumed.comm.clip_to_median) == ("open", 0.0, False)
 
 
+def test_a_trust_level_on_the_command_line_outranks_the_screening_keys_of_a_file_not_those_beside_it(tmp_path):
+    save_config(load_config(None, []), tmp_path / "trusted.yaml")  # a written config sets every key
+    save_config(load_config(None, ["comm.trust=open"]), tmp_path / "open.yaml")
+    screening = lambda cfg: (cfg.comm.trust, cfg.comm.min_cosine, cfg.comm.clip_to_median)  # noqa: E731
+    assert screening(load_config(tmp_path / "trusted.yaml", ["comm.trust=open"])) == ("open", 0.0, True)
+    assert screening(load_config(tmp_path / "open.yaml", ["comm.trust=trusted"])) == ("trusted", -1.0, False)
+    assert screening(load_config(tmp_path / "open.yaml")) == ("open", 0.0, True)
+    beside = load_config(tmp_path / "trusted.yaml", ["comm.trust=open", "comm.min_cosine=0.2"])
+    assert screening(beside) == ("open", 0.2, True)
+
+
+def test_a_written_configs_masked_key_stands_for_the_key_held_elsewhere(tmp_path, monkeypatch):
+    from diloco.comm.run_key_env import resolve_run_key
+
+    monkeypatch.delenv("DILOCO_RUN_KEY", raising=False)
+    save_config(load_config(None, ["comm.trust=keyed", "comm.run_key=s3cret"]), tmp_path / "config.yaml")
+    assert "s3cret" not in (tmp_path / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="comm.trust=keyed needs the run's key"):
+        load_config(tmp_path / "config.yaml")  # the mask is no key
+    monkeypatch.setenv("DILOCO_RUN_KEY", "s3cret")
+    cfg = load_config(tmp_path / "config.yaml")
+    assert resolve_run_key(cfg.comm.run_key) == "s3cret"  # not the mask, as the run's HMAC key
+
+
 def test_a_keyed_run_needs_its_key_and_a_level_the_transport_cannot_apply_is_refused(monkeypatch):
     monkeypatch.delenv("DILOCO_RUN_KEY", raising=False)
     with pytest.raises(

@@ -25,7 +25,9 @@ Every peer screens the same declared norms alike: a dropped sender is refused by
 (banned before it sends anything, so nobody waits for it), and drops itself as it would a payload
 it cannot decode; with ``comm.clip_to_median`` every reducer scales a sender's parts by the same
 factor. A reducer checks what it receives against the declared norm (the parts of a vector cannot
-be longer than the vector) and drops a sender that under-declared. By direction, and the senders
+be longer than the vector) and drops a sender that under-declared, or whose parts claim another
+weight than it declared (the screening's weight bound and free-rider rule judged the declared
+one). By direction, and the senders
 its tally excludes, each reducer screens the parts of its share (``reducer.ScreeningReducer``);
 with a codec that gathers, it sends only the payloads of the senders it kept.
 """
@@ -157,6 +159,14 @@ class _TrafficCounters:
         return self._sent.value, self._recv.value, self._failed_values.value, self._own_drops.value
 
 
+def check_declared_weight(declared: Mapping, sender: object, weight: float) -> None:
+    """Raise PayloadError when ``sender``'s part claims another weight than it declared at
+    matchmaking (``declared``: sender -> weight), the one every peer's screening judged alike; a
+    sender that declared none claims another. Nothing when no weights were declared at all."""
+    if declared and not weight == declared.get(sender, math.nan):
+        raise PayloadError(f"its parts claim weight {weight:g}, not the {declared.get(sender, math.nan):g} it declared")
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers hand out the average itself, not a delta."""
 
@@ -167,6 +177,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         codec: Codec,
         screening: Screening | None = None,
         norms: dict | None = None,
+        weights: dict | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -185,7 +196,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         shapes, senders = self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
         excluded = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in self.screening.excluded)
         self.tensor_part_reducer = reducer_for(shapes, senders, self.screening.min_cosine, excluded=excluded)
-        self.norms = norms or {}
+        self.norms, self.weights = norms or {}, weights or {}  # what each sender declared at matchmaking
         self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
         self.payload_dropped: dict[PeerID, str] = {}  # senders whose parts we could not use, and why
 
@@ -383,6 +394,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 try:
                     if not (math.isfinite(message.weight) and message.weight > 0):
                         raise PayloadError(f"weight {message.weight} is not a positive number")
+                    check_declared_weight(self.weights, sender, message.weight)
                     weight = self.screening.weight(message.weight)  # a claim above the round's bound is cut
                     numel = reducer.part_shapes[parts_done].numel() if parts_done < reducer.num_parts else -1
                     part = await loop.run_in_executor(None, _decode_part, self.codec, message.tensor_part, numel)
@@ -652,6 +664,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             codec=codec,
             screening=screening,
             norms=norms,
+            weights=declared_weights(declared),
             **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"

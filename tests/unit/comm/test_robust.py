@@ -57,18 +57,21 @@ def test_a_zero_median_leaves_every_finite_contribution_in():
 
 
 def test_a_contribution_far_below_what_its_samples_warrant_is_dropped_but_a_slower_worker_is_kept():
-    # per sample: honest 1.0 / 100 each, the free rider 0 and faint noise 0.02 / 100 with the same claim (0.2 is kept),
-    # the slower worker 0.4 / 20 (fewer samples, smaller norm, but more a sample)
-    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "slow": 0.4, "zeros": 0.0, "faint": 0.02, "edge": 0.2}
-    weights = {"a": 100, "b": 100, "c": 100, "slow": 20, "zeros": 100, "faint": 100, "edge": 100}
+    # per sample: honest 1.0 / 100 each, the free rider 0 and faint noise 0.003 / 100 with the same claim,
+    # the slower worker 0.4 / 20 (fewer samples, smaller norm, but more a sample); 0.02 / 100 is kept: a
+    # newcomer whose error feedback holds nothing yet sends less than the others, not 100 x less
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "slow": 0.4, "zeros": 0.0, "faint": 0.003, "newcomer": 0.02}
+    weights = {"a": 100, "b": 100, "c": 100, "slow": 20, "zeros": 100, "faint": 100, "newcomer": 100}
     decision = screen(norms, ScreeningRules(10, False), weights)
     assert sorted(decision.dropped) == ["faint", "zeros"], decision.dropped
-    assert "less than 1/10 of the median norm and of what its samples warrant" in decision.dropped["zeros"]
+    assert "less than 1/100 of the median norm 0.4 and 1/10 of what its samples warrant" in decision.dropped["zeros"]
     for order in itertools.permutations(norms, 3):  # the same decision whatever the order of arrival
         shuffled = {k: norms[k] for k in (*order, *(k for k in norms if k not in order))}
         assert screen(shuffled, ScreeningRules(10, False), weights).dropped.keys() == decision.dropped.keys()
     assert not screen(norms, ScreeningRules(10, False)).dropped  # the rule needs the weights
     assert "zeros" not in screen(norms, ScreeningRules(0, False), weights).dropped  # ratio 0: off
+    pair = screen({"a": 1.0, "zeros": 0.0}, ScreeningRules(10, False), {"a": 1, "zeros": 1})
+    assert not pair.dropped  # a group of two: its median is the zero
     # a site of 16 ranks (their mean: an honest norm, 16 x the samples) is below per sample, not in norm: kept
     site = screen({"a": 1.0, "b": 1.1, "c": 0.9, "site": 0.8}, ScreeningRules(10, False), {**weights, "site": 1600})
     assert not site.dropped, site.dropped

@@ -73,6 +73,15 @@ def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_bef
     assert outer.loaded is None  # nothing was downloaded
 
 
+def test_a_worker_that_would_screen_by_other_rules_than_the_run_is_stopped_in_one_line():
+    cfg = load_config(None, ["worker.count=3", "worker.index=2"])  # comm.trust=trusted
+    backend, outer = _Transport(round=5, step=110, served=4), _Outer()
+    run = run_identity(load_config(None, ["comm.trust=open"]))
+    backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
+    with pytest.raises(ConfigError, match="comm.trust='trusted' here, 'open' in the run"):
+        catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True)
+
+
 def test_the_published_config_leaves_out_each_machines_own_keys_and_is_taken_back_whole(tmp_path):
     from omegaconf import OmegaConf
 

@@ -8,9 +8,11 @@ import logging
 import sys
 import time
 
+import pytest
 from hivemind.averaging.allreduce import AllreduceException
 
-from diloco.comm.hivemind.averager import drop_expected_step_failures, group_registered
+from diloco.comm.hivemind.averager import check_declared_weight, drop_expected_step_failures, group_registered
+from diloco.compression import PayloadError
 
 
 def _record_of(error: Exception) -> logging.LogRecord:
@@ -57,3 +59,12 @@ def test_a_part_for_a_group_we_may_still_register_waits_and_one_we_left_is_refus
     # another group registered: refused as soon as it is
     taken, waited = asyncio.run(_registered_after(0.05, joining=True, group=b"another"))
     assert not taken and waited < 0.2
+
+
+def test_a_part_that_claims_another_weight_than_its_sender_declared_is_refused():
+    declared = {"a": 12.0, "b": 12.0, "silent": float("nan")}
+    check_declared_weight(declared, "a", 12.0)  # as declared
+    check_declared_weight({}, "a", 1000.0)  # nothing declared to us: nothing to compare with
+    for sender, weight in (("b", 1000.0), ("silent", 12.0), ("stranger", 12.0)):
+        with pytest.raises(PayloadError, match=f"its parts claim weight {weight:g}, not the"):
+            check_declared_weight(declared, sender, weight)
