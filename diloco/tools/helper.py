@@ -14,7 +14,7 @@ from diloco.compression import build_codec
 from diloco.config import Config, load_config
 from diloco.errors import UsageError
 from diloco.tools.join import run_config_file
-from diloco.worker.joining import JoinError
+from diloco.worker.joining import JoinError, check_same_run
 
 
 def helper_config(config_path: str | None, overrides: list[str], *, wait_s: float) -> tuple[Config, dict]:
@@ -30,6 +30,7 @@ def helper_config(config_path: str | None, overrides: list[str], *, wait_s: floa
         with run_config_file(entries, cfg.comm.run_id) as (path, digest):
             cfg = load_config(path, overrides)
         print(f"took the run's config from a live peer (sha256 {digest[:12]})", flush=True)
+    check_same_run(cfg, entries)  # a helper reduces by the run's screening rules, as every worker does
     return cfg, entries
 
 
