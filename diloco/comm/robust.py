@@ -6,8 +6,8 @@ By norm (``screen``): a contribution whose norm is far beyond the others' (more 
 next to nothing for the samples it claims (its norm under ``1 / comm.max_norm_ratio**2`` of the
 median norm, and its norm per sample under ``1 / comm.max_norm_ratio`` of the median norm per
 sample: a free rider's zeros); with ``comm.clip_to_median`` every kept contribution above the
-median is scaled down to it; no weight counts for more than
-``comm.max_weight_ratio`` x the median weight of the round (a claim above it is cut to it). The
+median is scaled down to it; no weight counts for more than ``comm.max_weight_ratio`` x the
+median weight of the round (a claim above it is cut to it). The
 decision depends on the declared norms and weights alone, so every reducer that screens the same
 declarations reaches the same decision (hivemind's reducers each see only a slice of a
 contribution, so there the norms travel with the matchmaking; see ``hivemind/averager.py``).
@@ -139,14 +139,14 @@ def _too_small(
     is their mean, claims many samples but has an honest norm; a worker whose error feedback holds
     nothing yet (a newcomer, with a codec that keeps a residual) sends less than the others, but
     not 100 x less."""
+    if ratio <= 0 or not weights or not median > 0:
+        return {}
     per_sample = {}
     for who, norm in norms.items():
-        weight = min(float((weights or {}).get(who, math.nan)), max_weight)
+        weight = min(float(weights.get(who, math.nan)), max_weight)
         if math.isfinite(norm) and math.isfinite(weight) and weight > 0:
             per_sample[who] = float(norm) / weight
-    if ratio <= 0 or not per_sample or not median > 0:
-        return {}
-    if (median_per_sample := statistics.median_low(per_sample.values())) <= 0:
+    if not per_sample or (median_per_sample := statistics.median_low(per_sample.values())) <= 0:
         return {}
     return {
         who: f"its norm {norms[who]:.4g} is less than 1/{ratio**2:g} of the median norm {median:.4g} and "

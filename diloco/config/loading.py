@@ -45,7 +45,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         merged = OmegaConf.merge(schema, *layers)
         # an outer rule's and the trust level's defaults for other sections, under what the user set
         defaults = [rule_defaults(merged.outer.optimizer), trust_defaults(merged.comm.trust)]
-        if (trust := OmegaConf.select(command_line, "comm.trust")) is not None and path is not None:
+        if (trust := OmegaConf.select(command_line, "comm.trust")) is not None:
             # a trust level given on the command line outranks the screening keys of the file too (a
             # run's written config.yaml sets them all), not the screening keys beside it
             layers.insert(-1, trust_defaults(trust))

@@ -31,9 +31,11 @@ the run's on it (``worker/joining.py``'s ``run_identity``).
 
 from __future__ import annotations
 
+from diloco.comm import CommConfig
+
 TRUST_LEVELS = ("trusted", "keyed", "open")
 SCREENED = {"comm": {"min_cosine": 0.0, "clip_to_median": True}}
-UNSCREENED = {"comm": {"min_cosine": -1.0, "clip_to_median": False}}  # the dataclasses' defaults
+UNSCREENED = {"comm": {"min_cosine": CommConfig.min_cosine, "clip_to_median": CommConfig.clip_to_median}}
 
 
 def trust_defaults(trust: str) -> dict:

@@ -30,7 +30,7 @@ from typing import TextIO
 import torch
 
 from diloco.comm.base import CommError
-from diloco.comm.hivemind.run_key import RUN_KEY_ENV
+from diloco.comm.run_key_env import RUN_KEY_ENV
 from diloco.config import Config
 from diloco.lifetime import stop_all, terminate_with_parent
 from diloco.tools import warm_start

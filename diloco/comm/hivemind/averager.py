@@ -27,9 +27,9 @@ it cannot decode; with ``comm.clip_to_median`` every reducer scales a sender's p
 factor. A reducer checks what it receives against the declared norm (the parts of a vector cannot
 be longer than the vector) and drops a sender that under-declared, or whose parts claim another
 weight than it declared (the screening's weight bound and free-rider rule judged the declared
-one). By direction, and the senders
-its tally excludes, each reducer screens the parts of its share (``reducer.ScreeningReducer``);
-with a codec that gathers, it sends only the payloads of the senders it kept.
+one). By direction, and the senders its tally excludes, each reducer screens the parts of its
+share (``reducer.ScreeningReducer``); with a codec that gathers, it sends only the payloads of the
+senders it kept.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
-from diloco.comm.hivemind.run_key import resolve_run_key
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import ScreeningRules
+from diloco.comm.run_key_env import resolve_run_key
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from diloco.comm.base import CommConfig, CommError, HivemindConfig
 from diloco.comm.bounds import control_limit_s
 from diloco.comm.hivemind import reachability
 from diloco.comm.hivemind.roster import HEARTBEAT_S, Roster, RosterEntry
-from diloco.comm.hivemind.run_key import RunKeyValidator, resolve_run_key
+from diloco.comm.hivemind.run_key import RunKeyValidator
+from diloco.comm.run_key_env import resolve_run_key
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,6 @@ import hmac
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
-from diloco.comm.run_key_env import RUN_KEY_ENV as RUN_KEY_ENV  # importers take them from here too
-from diloco.comm.run_key_env import resolve_run_key as resolve_run_key
-
 _TAG_BYTES = 32
 
 

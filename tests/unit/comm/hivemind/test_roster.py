@@ -13,7 +13,8 @@ from hivemind.dht.validation import DHTRecord
 from diloco.comm.hivemind.helper_record import HelperRecord, live_helpers
 from diloco.comm.hivemind.peer import bounded_dht_call
 from diloco.comm.hivemind.roster import HEARTBEAT_S, PartialRead, Roster, free_slot
-from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash, resolve_run_key
+from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash
+from diloco.comm.run_key_env import resolve_run_key
 
 
 def _answered(value) -> Future:
