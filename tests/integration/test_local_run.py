@@ -108,12 +108,14 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
     assert summary["params_agree"], summary["param_sha256"]
     rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
     assert len(rounds) == 4, rounds
-    # hivemind sometimes loses part of a round for one worker (seen in CI): it then takes its peer's
-    # state, at once with one fragment (delayed), at the run's end with several (streaming)
+    # hivemind sometimes loses part of a round for a worker (seen in CI): the round is retried, or
+    # one of the two takes the other's state, at once with one fragment (delayed), at the run's end
+    # with several (streaming)
+    both = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(2)]
     if "outer.overlap=streaming" in overlap:
-        assert all(r["ok"] for r in rounds) or rounds[-1]["recovered"], rounds
+        assert all(r["ok"] for r in rounds) or any(w[-1]["recovered"] for w in both), both
     else:
-        assert all(r["ok"] or r["recovered"] for r in rounds), rounds
+        assert all(all(w[i]["ok"] for w in both) or any(w[i]["recovered"] for w in both) for i in range(4)), both
     # delayed applies nothing in its first round
     assert all(r["peers"] == 2 or not r["ok"] or r["recovered"] for r in rounds[1:]), rounds
     if "outer.overlap=streaming" in overlap:

@@ -79,7 +79,8 @@ def test_a_part_for_a_group_the_averager_is_not_in_is_refused_while_it_looks_for
         waited = time.monotonic() - started
         assert code == averaging_pb2.BAD_GROUP_ID, code
         assert waited >= UNKNOWN_GROUP_WAIT * REQUEST_TIMEOUT_S * 0.9, waited  # the leader's late answer had its time
-        assert not step.done()  # it still looks for a group of its own
+        assert not step.done()  # it still looks for a group of its own: the round stops it (group_round.py)
+        assert averager.traffic.groups_left_behind() == 1
     finally:
         step.cancel()
         averager.shutdown()

@@ -107,6 +107,7 @@ class _TrafficCounters:
         self._most = mp.Value(ctypes.c_int64, 0)  # the most
         self._transfer_us = mp.Value(ctypes.c_int64, 0)  # time in all-reduces, from the group's start to our end
         self._codec = mp.Value(ctypes.c_int64, 0)  # the candidate the last all-reduce used (codec.candidates)
+        self._left_behind = mp.Value(ctypes.c_int64, 0)  # groups that broke for a member that had left them
 
     def add(
         self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0, transfer_s: float = 0.0
@@ -148,6 +149,14 @@ class _TrafficCounters:
         if index is not None:
             self._codec.value = index
         return self._codec.value
+
+    def groups_left_behind(self, change: int = 0) -> int:
+        """Groups so far (after adding ``change``) that broke because a member had given up on them
+        before they formed (its leader's answer came late): we refused their parts
+        (``ExactAverager.rpc_aggregate_part``), or a reducer refused ours. Their peers retry."""
+        with self._left_behind.get_lock():
+            self._left_behind.value += change
+            return self._left_behind.value
 
     def transfer_s(self) -> float:
         """Seconds spent in all-reduces so far (the link's share of the rounds: comm/link_meter.py)."""
@@ -346,6 +355,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     if message.code == averaging_pb2.BAD_GROUP_ID and self._never_sent(peer_id):
                         await self._ban_sender(peer_id)  # not in this group: our share waits for none of its parts
+                        self.traffic.groups_left_behind(+1)  # it retries the round, and so do we (averaging.py)
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 if message.weight > 0:  # the reducer says over how many contributions it averaged the part
                     self.traffic.note_contributions(int(message.weight))
@@ -608,6 +618,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
                 "peer %s sent a part for a group we are not in (a leader counted us in after we left it): refused",
                 context.remote_id,
             )
+            self.traffic.groups_left_behind(+1)  # our round stops looking for a group and retries (averaging.py)
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):

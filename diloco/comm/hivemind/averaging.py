@@ -225,25 +225,18 @@ class HivemindAveraging(Averaging):
         limit = time.monotonic() + round_limit_s(deadline_s)
         first = Attempt(round_index, 0, expected, deadline_s, limit, helpers)
         self._roster.group = first.group_size  # announced: a helper waits for the same group
+        left_before = averager.traffic.groups_left_behind()
         result = self.group_round.run(averager, flat, tensors, weight, first)
         if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
             return self._average_alone(tensors, weight, round_index=round_index)
-        remaining = deadline - time.monotonic()
-        if (
-            not result.averaged  # a partial round holds the group's common mean already: nothing to redo
-            and result.peers
-            and result.bytes_sent
-            and self._published()  # the others' state offers tell whether they failed too
-            and len(self.averagers) == 1  # not for a fragment's sync: offers are of whole rounds (overlap.py)
-            and remaining > self.cfg.hivemind.request_timeout_s
-            and not self._averaged_by_others(round_index)
-        ):
-            # the group formed but broke (a peer crashed or was cut off inside the all-reduce): the
-            # survivors hold partial averages that differ; averaging once more among them, under a
-            # key of its own, gives them the same result instead. They retry at about the same
-            # time; the retry's leader starts after comm.hivemind.matchmaking_s with whoever is there.
+        left_behind = averager.traffic.groups_left_behind() > left_before
+        if self._worth_retrying(result, round_index, left_behind=left_behind, remaining=deadline - time.monotonic()):
+            # the survivors hold partial averages that differ (or their own values); averaging once
+            # more among them, under a key of its own, gives them the same result instead. They
+            # retry at about the same time; the retry's leader starts after
+            # comm.hivemind.matchmaking_s with whoever is there.
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
-            retry_s = min(remaining, 2 * self.cfg.hivemind.matchmaking_s)
+            retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
             retry = self.group_round.run(
                 averager, flat, tensors, weight, Attempt(round_index, 1, expected, retry_s, limit, helpers)
             )
@@ -251,6 +244,24 @@ class HivemindAveraging(Averaging):
             retry.bytes_recv += result.bytes_recv
             result = retry
         return dataclasses.replace(result, expected=expected)
+
+    def _worth_retrying(self, result: SyncResult, round_index: int, *, left_behind: bool, remaining: float) -> bool:
+        """Whether a failed first attempt is tried once more among the group's survivors, with
+        ``remaining`` seconds to the round's deadline. ``left_behind``: its group broke because a
+        member had given up on it before it formed (we refused its parts, or a reducer refused
+        ours): each of its peers knows, and all retry, whole rounds and fragments alike. Otherwise
+        a group that formed and broke (a peer crashed or was cut off inside the all-reduce) is
+        retried when the others' offers of whole rounds say it failed for them too."""
+        if result.averaged or remaining <= self.cfg.hivemind.request_timeout_s:
+            return False  # a partial round holds the group's common mean already: nothing to redo
+        if left_behind:
+            return True
+        return (
+            bool(result.peers and result.bytes_sent)
+            and self._published()  # the others' state offers tell whether they failed too
+            and len(self.averagers) == 1  # not for a fragment's sync: offers are of whole rounds (overlap.py)
+            and not self._averaged_by_others(round_index)
+        )
 
     def _averaged_by_others(self, round_index: int) -> bool:
         """Whether a peer offers a state of this round averaged in a group, within a moment: then the

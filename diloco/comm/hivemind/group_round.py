@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 _ROUND_BITS = 16  # rounds are keyed modulo 2**16 on the DHT: far more than any peer can lag
 _POLL_S = 1.0  # how often a worker waiting for a group checks whether the others went ahead
+# why a worker stopped looking for a group: one that counted it in too late broke without it
+LEFT_BEHIND = "a group of this round counted us in after we had given up on it, and broke without us"
 
 
 def await_result(control, *, limit: float, pointless: Callable[[], str], stage: Callable[[str], None] = lambda _: None):
@@ -190,18 +192,29 @@ class GroupRound:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         plane = self._plane.declaration() if self._plane is not None else {}
+        left_before = averager.traffic.groups_left_behind()
         control = averager.step(weight=weight, gather={**declared, **plane}, timeout=at.timeout_s, wait=False)
-        return self.await_step(control, at.round_index, limit=at.limit)
+        return self.await_step(
+            control,
+            at.round_index,
+            limit=at.limit,
+            left_behind=lambda: averager.traffic.groups_left_behind() > left_before,
+        )
 
-    def await_step(self, control, round_index: int, *, limit: float):
+    def await_step(self, control, round_index: int, *, limit: float, left_behind: Callable[[], bool] = lambda: False):
         """The step's result. A worker still looking for a group when a peer already offers the
         round's state averaged in a group (the others went ahead without it: it came late) stops
         looking, instead of matchmaking alone until the deadline; the catch-up then takes that state.
-        At ``limit`` (monotonic time) it stops waiting whatever hivemind is doing."""
+        So does one ``left_behind()``: a leader counted it in a group after it had given up on that
+        group (the leader's answer came late), it refused that group's parts, and the group broke:
+        its peers retry among themselves, and so does this worker (``averaging.py``). At ``limit``
+        (monotonic time) it stops waiting whatever hivemind is doing."""
 
         def pointless() -> str:
             if self._others_averaged(round_index):
                 return "the others averaged this round without us"
+            if left_behind():
+                return LEFT_BEHIND
             return "no other worker of the run is live" if self._others_gone() else ""
 
         return await_result(control, limit=limit, pointless=pointless, stage=self._stage)

@@ -15,7 +15,7 @@ import torch
 
 from diloco.comm.base import CommConfig, HivemindConfig, StateRank
 from diloco.comm.hivemind.averager import ask_within, held_within
-from diloco.comm.hivemind.group_round import GroupRound
+from diloco.comm.hivemind.group_round import LEFT_BEHIND, GroupRound
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.link_meter import CodecChoice
@@ -67,6 +67,13 @@ def test_a_round_stops_looking_for_a_group_once_every_other_worker_has_left():
     control = _StuckControl(began_allreduce=False)
     with pytest.raises(TimeoutError, match="no other worker of the run is live"):
         _group_round(others_gone=lambda: True).await_step(control, 0, limit=time.monotonic() + 30)
+    assert control.cancelled
+
+
+def test_a_round_stops_looking_for_a_group_once_it_refused_one_that_counted_it_in_too_late():
+    control = _StuckControl(began_allreduce=False)
+    with pytest.raises(TimeoutError, match=LEFT_BEHIND):
+        _group_round().await_step(control, 0, limit=time.monotonic() + 30, left_behind=lambda: True)
     assert control.cancelled
 
 

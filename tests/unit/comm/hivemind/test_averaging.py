@@ -1,0 +1,99 @@
+"""A round's averaging over hivemind (``comm/hivemind/averaging.py``) with hivemind's averager
+scripted: a worker that refused the parts of a group counted it in too late stops looking for a
+group and retries with the others, as the peers of that broken group do (they know: it refused
+their parts), before any state was offered and whatever the others' offers say."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from diloco.comm.base import CommConfig, HivemindConfig
+from diloco.comm.hivemind.averager import _TrafficCounters
+from diloco.comm.hivemind.averaging import HivemindAveraging
+from diloco.comm.hivemind.group_round import LEFT_BEHIND, round_group_bits
+from diloco.compression import NoCompression
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _LateLeaderAverager:
+    """hivemind's averager of a worker that a leader counts in a group after it gave up on it: the
+    first step finds no group and, meanwhile, refuses that group's parts; a retry finds the peer."""
+
+    def __init__(self, peer_mean: torch.Tensor):
+        self.traffic, self.exclusions = _TrafficCounters(), SimpleNamespace(excluded_peers=lambda: set())
+        self.buffers, self.peer_mean = [torch.zeros_like(peer_mean)], peer_mean
+        self.group_bits: list[str] = []
+        self.cancelled = 0
+
+    def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
+        self.group_bits.append(group_bits)
+
+    @contextlib.contextmanager
+    def tensors_within(self, timeout_s: float):
+        yield self.buffers
+
+    def step(self, weight: float, gather: dict, timeout: float, wait: bool):
+        if len(self.group_bits) == 1:  # matchmaking alone, while the late group's parts are refused
+            return _Control(self, on_result=lambda: self.traffic.groups_left_behind(+1))
+        self.buffers[0].copy_(self.peer_mean)  # the retry's group: us and the peer
+        return _Control(self, gathered={"us": gather, "peer": dict(gather)})
+
+
+class _Control:
+    def __init__(self, averager: _LateLeaderAverager, *, gathered=None, on_result=lambda: None):
+        self.began_allreduce, self._averager = False, averager
+        self._gathered, self._on_result = gathered, on_result
+
+    def result(self, timeout):
+        self._on_result()
+        if self._gathered is None:
+            raise concurrent.futures.TimeoutError
+        return self._gathered
+
+    def cancel(self):
+        self._averager.cancelled += 1
+
+
+def _averaging(averager, *, deadline_s: float) -> HivemindAveraging:
+    roster = SimpleNamespace(
+        stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple
+    )
+    cfg = CommConfig(deadline_s=deadline_s, hivemind=HivemindConfig(request_timeout_s=0.2, matchmaking_s=1.0))
+    return HivemindAveraging(
+        cfg,
+        peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=False),
+        roster=roster,
+        offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
+        codec=NoCompression(),
+        averagers=[averager],
+        flats=averager.buffers,
+        plane=None,
+        num_workers=2,
+        group_size=lambda: 2,
+        published=lambda: False,  # no state offered yet (a first round): the refusal alone says it broke
+    )
+
+
+def test_a_worker_that_refused_a_group_counting_it_in_too_late_retries_with_that_groups_peers(caplog):
+    mean = torch.full((4,), 2.0)
+    averager = _LateLeaderAverager(mean)
+    tensors = [torch.zeros(4)]
+    result = _averaging(averager, deadline_s=30.0).all_reduce_mean(tensors, 1.0, round_index=6, deadline_s=30.0)
+    assert averager.cancelled == 1  # it stopped looking for a group once it had refused one
+    assert averager.group_bits == [round_group_bits(6), round_group_bits(6, attempt=1)]
+    assert LEFT_BEHIND in caplog.text  # the retry's warning says why
+    assert result.ok and result.peers == 2, result
+    assert torch.equal(tensors[0], mean)
+
+
+def test_a_worker_that_refused_no_group_does_not_retry_a_round_that_found_no_group():
+    averager = _LateLeaderAverager(torch.ones(4))
+    averager.step = lambda **kwargs: _Control(averager)  # no group, nothing refused, until its limit
+    result = _averaging(averager, deadline_s=0.5).all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=0.5)
+    assert not result.ok and averager.group_bits == [round_group_bits(6)]
