@@ -306,9 +306,19 @@ def _kill_inside(namespace: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
     deadline = time.monotonic() + 5
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+        pids = [pid for pid in pids if _running(pid)]
         if pids:
-            time.sleep(0.05)  # the kernel reaps SIGKILLed processes promptly; bounded by the deadline
+            time.sleep(0.05)  # the kernel ends SIGKILLed processes promptly; bounded by the deadline
+
+
+def _running(pid: str) -> bool:
+    """Whether process ``pid`` still runs: not gone, and not a zombie (dead, waiting for its parent to
+    reap it: the launcher's own children stay so until it waits for them, and hold nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
 def leftovers() -> list[str]:

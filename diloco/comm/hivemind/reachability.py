@@ -20,6 +20,7 @@ The keys do not name the run, so a bootstrap peer answers for every run that use
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import socket
 import time
@@ -32,6 +33,7 @@ VERDICTS_KEY = "diloco_dialback_verdict"
 DIAL_TIMEOUT_S = 2.0  # one TCP connection attempt to an announced address
 _RECORD_TTL_S = 60.0
 _POLL_S = 0.5
+_MAX_DIALS = 16  # requests dialled back at the same time
 
 
 def dialable_addresses(maddrs: list[str]) -> list[tuple[str, int]]:
@@ -93,23 +95,29 @@ def answer(dht_call: Callable, *, own_peer_id: str, answered: dict[str, float]) 
     found = dht_call(lambda dht: dht.get(REQUESTS_KEY, latest=True, return_future=True))
     if found is None or not isinstance(found.value, dict):
         return 0
-    count = 0
+    new = {}  # peer -> (its request's time, the addresses to dial)
     for peer_id, item in found.value.items():
         request = getattr(item, "value", None)
         if peer_id == own_peer_id or not isinstance(request, dict) or answered.get(peer_id) == request.get("at"):
             continue
-        answered[peer_id] = request.get("at")
         addresses = [(str(a[0]), int(a[1])) for a in request.get("addresses", []) if len(a) == 2]
-        reachable = any(can_dial(host, port) for host, port in addresses)
-        verdict = {"reachable": reachable, "request_at": request.get("at")}
+        new[peer_id] = (request.get("at"), addresses)
+    if not new:
+        return 0
+    # every requester dialled at once: one behind NAT costs a whole dial timeout, and the others
+    # would wait for it (a run of volunteers starting together asks all at once)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(_MAX_DIALS, len(new))) as pool:
+        reachable = dict(zip(new, pool.map(lambda request: any(can_dial(*a) for a in request[1]), new.values())))
+    for peer_id, (at, _) in new.items():
+        answered[peer_id] = at
+        verdict = {"reachable": reachable[peer_id], "request_at": at}
         dht_call(
             lambda dht, peer_id=peer_id, verdict=verdict: dht.store(
                 VERDICTS_KEY, subkey=peer_id, value=verdict, expiration_time=get_dht_time() + _RECORD_TTL_S,
                 return_future=True,
             )
         )  # fmt: skip
-        count += 1
-    return count
+    return len(new)
 
 
 def _subkey_value(found, subkey: str):
