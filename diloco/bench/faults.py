@@ -270,8 +270,8 @@ def split_cuts(plan: FaultRun) -> list[list[list[int]]]:
 def _split(run: Injection) -> None:
     """Each cut in turn: cut the network between its sides in the middle of a round (round 3 for the
     first); heal it ``outage_s`` after every worker has recorded the workers of the other sides
-    missing (the split seen); the next cut once the run is one model again. The fault is over once
-    the run is one model after the last cut."""
+    missing (the split seen); the next cut once the run is one model again, in the middle of the
+    round in progress or the next. The fault is over once the run is one model after the last cut."""
     step = run.mid_round
     for sides in split_cuts(run.plan):
         if step >= run.plan.steps:
@@ -294,7 +294,13 @@ def _split(run: Injection) -> None:
             run.cluster.wait_for(0, functools.partial(_one_model_again, run), run.plan.timeout_s, "see one model again")
         except TimeoutError:
             return  # the notes say "never one model again"
-        step = (latest_step(run.run_dir, 0) // run.plan.sync_every + 1) * run.plan.sync_every + run.plan.sync_every // 2
+        step = next_mid_round(latest_step(run.run_dir, 0), run.plan.sync_every)
+
+
+def next_mid_round(step: int, sync_every: int) -> int:
+    """The first step past ``step`` in the middle of a round: of the round in progress, or of the next."""
+    middle = step // sync_every * sync_every + sync_every // 2
+    return middle if middle > step else middle + sync_every
 
 
 def _missed_and_merged(run: Injection) -> tuple[list[int], int | None]:

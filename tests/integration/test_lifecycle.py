@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from diloco.tools import warm_start
 from tests.conftest import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -147,8 +148,21 @@ def test_a_process_killed_with_sigkill_leaves_no_child_behind_and_its_port_free(
         process.kill()
         process.wait(timeout=10)
         _wait_for(lambda: not any(_alive(pid) for pid in children), 20, "every child of the killed process to exit")
-    with _started(argv, marker):  # the same port again: nothing holds it
-        pass
+    _starts_up(argv, marker, tmp_path / "again.log")  # the same port again: nothing holds it
+
+
+def _starts_up(argv: list[str], marker: str, log: Path) -> None:
+    """``python -m diloco.cli ARGV`` forked from the warm server (seconds of imports saved) prints
+    ``marker`` in ``log``; its session is killed afterwards."""
+    process = warm_start.start([sys.executable, "-m", "diloco.cli", *argv], log)
+    try:
+        printed = lambda: log.exists() and marker in log.read_text()  # noqa: E731 - the child opens it
+        _wait_for(lambda: printed() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
+        assert marker in log.read_text(), log.read_text()[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
 
 def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cli):

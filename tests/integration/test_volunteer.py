@@ -20,13 +20,18 @@ DEADLINE_S = 30.0
 STEPS, SYNC_EVERY = 200, 20
 
 
-def _plan(steps: int = STEPS, **settings) -> FaultRun:
+def _plan(steps: int = STEPS, *, matchmaking_s: float = 8.0, outage_s: float = 5.0, **settings) -> FaultRun:
     return FaultRun(
-        overrides=[*TINY, "comm.hivemind.matchmaking_s=8", f"comm.deadline_s={DEADLINE_S:g}", "logging.log_every=10"],
+        overrides=[
+            *TINY,
+            f"comm.hivemind.matchmaking_s={matchmaking_s:g}",
+            f"comm.deadline_s={DEADLINE_S:g}",
+            "logging.log_every=10",
+        ],
         workers=3,
         steps=steps,
         sync_every=SYNC_EVERY,
-        outage_s=5.0,
+        outage_s=outage_s,
         join_round=1,
         timeout_s=180.0,
         **settings,
@@ -55,8 +60,9 @@ def test_a_worker_killed_mid_round_restarts_and_takes_the_runs_state(tmp_path):
 
 
 def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
-    # cut off in round 3 (at step 50), back for rounds 4 and 5: the rounds after those add nothing
-    _check_run(run_scenario("cut", _plan(steps=100), tmp_path), steps=100)
+    # cut off in round 3 (at step 50) for 2 s, inside the others' matchmaking window (8 s), back for
+    # rounds 4 and 5: the rounds after those add nothing
+    _check_run(run_scenario("cut", _plan(steps=100, outage_s=2.0), tmp_path), steps=100)
 
 
 def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_its_deadlines(tmp_path):
@@ -101,7 +107,8 @@ def test_a_newcomer_joins_a_live_run_and_averages_with_others_within_its_first_r
 
 def test_a_peer_without_the_run_key_is_refused_every_time(tmp_path):
     # long enough for the join attempt (process start-up and its search) to end while the run is live
-    result = run_scenario("wrong_key", _plan(key_attempts=1), tmp_path)  # the benchmark tries 3 times
+    # the benchmark tries 3 times; a join's roster probe lasts comm.hivemind.matchmaking_s
+    result = run_scenario("wrong_key", _plan(key_attempts=1, matchmaking_s=5.0), tmp_path)
     _check_run(result)
     assert "diloco join with the wrong key refused 1 of 1 times while the run was live" in result.notes
     assert "wrong-key worker tried to average while the run was live: yes" in result.notes
@@ -118,12 +125,12 @@ def test_a_worker_on_a_link_ten_times_slower_holds_no_round_past_its_deadline(tm
 
 
 def test_time_budgeted_rounds_let_a_slower_worker_run_fewer_steps_and_still_agree(tmp_path, diloco_cli):
-    """outer.round_s: each worker runs as many inner steps as it can in 2 s a round; worker 1
+    """outer.round_s: each worker runs as many inner steps as it can in 1 s a round; worker 1
     computes 4 x slower (faults.step_delay_s), so it runs fewer, and its pseudo-gradient weighs less."""
     run_dir = tmp_path / "timed"
     done = diloco_cli(
         "local", "--workers", "2", "--run-dir", str(run_dir), *TINY,
-        "inner.steps=60", "outer.sync_every=20", "outer.round_s=2", "faults.worker=1", "faults.step_delay_s=0.03",
+        "inner.steps=60", "outer.sync_every=20", "outer.round_s=1", "faults.worker=1", "faults.step_delay_s=0.03",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     ends = [next(r for r in read_records(run_dir, i) if r["event"] == "end") for i in range(2)]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -110,12 +108,12 @@ def test_an_older_runs_config_yaml_resumes_with_its_settings(tmp_path):
         ["config", "/no/such/config.yaml"],
     ],
 )
-def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv):
-    done = subprocess.run([sys.executable, "-m", "diloco.cli", *argv], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("diloco: error:")]
-    assert len(errors) == 1, done.stderr
+def test_cli_reports_bad_input_in_one_line_with_exit_code_2(argv, diloco_cli):
+    done = diloco_cli(*argv, timeout=120)  # its output: stdout and stderr, as a terminal shows them
+    assert done.returncode == 2, done.stdout
+    assert "Traceback" not in done.stdout
+    errors = [line for line in done.stdout.splitlines() if line.startswith("diloco: error:")]
+    assert len(errors) == 1, done.stdout
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from diloco.comm.hivemind.state_relay import Published, StateWants, Wanted
 logger = logging.getLogger(__name__)
 
 _CHECK_AGAIN_S = 2.0  # a state that cannot be checked yet is downloaded again after this: the others declare theirs
+_READ_AGAIN_S = 0.5  # how often a search for a better state, and the end linger, read the offers again
 
 
 @dataclass
@@ -164,7 +165,7 @@ class HivemindStateExchange(StateExchange):
                 # yet: wait for it rather than take the others' offers (a dropped peer's, say)
                 return None
             # the others may still be finishing this round's outer step: ask again shortly
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(_READ_AGAIN_S, max(0.0, deadline - time.monotonic())))
         return None
 
     def _read(
@@ -253,7 +254,7 @@ class HivemindStateExchange(StateExchange):
         last_round, rank = self.published
         deadline = time.monotonic() + self.linger_s
         while time.monotonic() < deadline and (self._live_offer_behind(last_round, rank) or self._clients_behind()):
-            time.sleep(0.5)
+            time.sleep(_READ_AGAIN_S)
 
     def _live_offer_behind(self, last_round: int, rank: StateRank) -> bool:
         """Whether a live peer offers an older state than ours, or a worse one of our last round: it

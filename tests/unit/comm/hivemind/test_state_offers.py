@@ -8,13 +8,21 @@ import io
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hivemind.p2p import PeerID
 
 from diloco.comm.base import StateRank
+from diloco.comm.hivemind import state_exchange
 from diloco.comm.hivemind.roster import PartialRead, RosterEntry, live_counts
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers, offer_of, priority
+
+
+@pytest.fixture(autouse=True)
+def _read_often(monkeypatch):
+    """The scripted peers change per read, not per second: the exchange reads them again at once."""
+    monkeypatch.setattr(state_exchange, "_READ_AGAIN_S", 0.01)
 
 
 class _Averager:

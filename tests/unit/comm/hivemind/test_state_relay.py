@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco.comm.base import StateRank, StateVerdict
+from diloco.comm.hivemind import state_exchange
 from diloco.comm.hivemind.helper import everyone_past
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
@@ -25,6 +26,13 @@ from diloco.comm.hivemind.state_relay import (
     _messages,
     _received,
 )
+
+
+@pytest.fixture(autouse=True)
+def _read_often(monkeypatch):
+    """The scripted peers change per read, not per second: the exchange reads them again at once."""
+    monkeypatch.setattr(state_exchange, "_READ_AGAIN_S", 0.01)
+    monkeypatch.setattr(state_exchange, "_CHECK_AGAIN_S", 0.01)
 
 
 class _Dht:
