@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 from diloco.lifetime import die_with_parent, stop_all
@@ -40,10 +41,15 @@ from diloco.tools.testbed import enter_namespace
 # what the server imports once, so that no child does: the command line, a worker's and a helper's
 # modules and what they pull in (torch, hivemind, scipy), and PyTorch's compiler stack, which the
 # first optimizer step imports
-PRELOAD = ["torch", "torch._dynamo", "diloco.cli", "diloco.worker.build", "diloco.tools.helper"]
+PRELOAD = ["torch", "torch._dynamo", "diloco.cli", "diloco.worker.build", "diloco.tools.helper", __name__]
 MODULES = {"diloco.cli"}  # the modules whose ``python -m`` command lines start warm
 # ``DILOCO_WARM_START=0`` starts every command as a fresh interpreter instead
 AVAILABLE = sys.platform == "linux" and os.environ.get("DILOCO_WARM_START", "1") != "0"
+# a child forked from the server first runs its launcher's main module again by name, as
+# multiprocessing prepares every child of a ``python -m`` program; the server imported that module
+# already, and runpy says so on the launcher's terminal, once a child: nothing is wrong (the server
+# imports this module, so that the filter holds there and in every child)
+warnings.filterwarnings("ignore", message=r"'diloco\.cli' found in sys\.modules", category=RuntimeWarning)
 SESSION_WAIT_S = 10.0  # the most a child takes to be in its own session
 EXIT_GRACE_S = 10.0  # at this process's exit: how long a live child has between SIGTERM and SIGKILL
 

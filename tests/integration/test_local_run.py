@@ -58,6 +58,7 @@ def test_workers_train_and_hold_identical_params_after_every_round(tmp_path, dil
     assert summary["bytes_sent"] > 0 and summary["tokens"] == workers * 40 * 8 * 32
     assert (run_dir / "config.yaml").exists()
     assert "identical" in done.stdout
+    assert "Warning" not in done.stdout  # the launcher's terminal: progress and the summary, no noise
 
 
 def test_rerunning_a_stopped_run_resumes_from_its_checkpoint(tmp_path, diloco_cli):
