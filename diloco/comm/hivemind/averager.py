@@ -35,6 +35,7 @@ senders it kept.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -153,7 +154,9 @@ class _TrafficCounters:
     def groups_left_behind(self, change: int = 0) -> int:
         """Groups so far (after adding ``change``) that broke because a member had given up on them
         before they formed (its leader's answer came late): we refused their parts
-        (``ExactAverager.rpc_aggregate_part``), or a reducer refused ours. Their peers retry."""
+        (``ExactAverager.rpc_aggregate_part``), or a reducer refused ours. Their peers retry. Only a
+        member that reduces a share over hivemind refuses: a late client, or a group averaged over
+        the gloo data plane, fails as any broken group does."""
         with self._left_behind.get_lock():
             self._left_behind.value += change
             return self._left_behind.value
@@ -195,6 +198,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         # a failed reducer's part falls back to our own values rather than a zero delta
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
+        self._left_behind = False  # a member of this group refused our parts: counted once
         self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
         # a codec that gathers (gathered.py): what each sender sent of each part of our share,
         # and what we sent each reducer of each part of theirs
@@ -355,7 +359,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     if message.code == averaging_pb2.BAD_GROUP_ID and self._never_sent(peer_id):
                         await self._ban_sender(peer_id)  # not in this group: our share waits for none of its parts
-                        self.traffic.groups_left_behind(+1)  # it retries the round, and so do we (averaging.py)
+                        if not self._left_behind:  # it retries the round, and so do we (averaging.py)
+                            self._left_behind = True
+                            self.traffic.groups_left_behind(+1)
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 if message.weight > 0:  # the reducer says over how many contributions it averaged the part
                     self.traffic.note_contributions(int(message.weight))
@@ -542,6 +548,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         **kwargs,
     ):
         self.traffic, self.codec = _TrafficCounters(), codec
+        self._refused_groups: collections.deque[bytes] = collections.deque(maxlen=64)  # counted once each
         self.rules = rules
         # comm.exclude_after, across this peer's rounds (saved to ``standings``, read back on a restart)
         self.exclusions = Exclusions(rules.exclude_after, standings, readmit_after=rules.readmit_after)
@@ -618,7 +625,9 @@ class ExactAverager(StateDownload, DecentralizedAverager):
                 "peer %s sent a part for a group we are not in (a leader counted us in after we left it): refused",
                 context.remote_id,
             )
-            self.traffic.groups_left_behind(+1)  # our round stops looking for a group and retries (averaging.py)
+            if request.group_id not in self._refused_groups:  # each of its senders asks: one group
+                self._refused_groups.append(request.group_id)
+                self.traffic.groups_left_behind(+1)  # our round stops looking for a group and retries (averaging.py)
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):

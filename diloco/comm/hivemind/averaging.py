@@ -249,11 +249,14 @@ class HivemindAveraging(Averaging):
         """Whether a failed first attempt is tried once more among the group's survivors, with
         ``remaining`` seconds to the round's deadline. ``left_behind``: its group broke because a
         member had given up on it before it formed (we refused its parts, or a reducer refused
-        ours): each of its peers knows, and all retry, whole rounds and fragments alike. Otherwise
+        ours): each of its peers that exchanged parts with that member knows, and all retry, whole
+        rounds and fragments alike (a late member that reduces no share refuses nothing). Otherwise
         a group that formed and broke (a peer crashed or was cut off inside the all-reduce) is
         retried when the others' offers of whole rounds say it failed for them too."""
-        if result.averaged or remaining <= self.cfg.hivemind.request_timeout_s:
-            return False  # a partial round holds the group's common mean already: nothing to redo
+        if result.averaged:  # a partial round holds the group's common mean already: nothing to redo
+            return False
+        if remaining <= self.cfg.hivemind.request_timeout_s:
+            return False
         if left_behind:
             return True
         return (

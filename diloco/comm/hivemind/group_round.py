@@ -194,12 +194,10 @@ class GroupRound:
         plane = self._plane.declaration() if self._plane is not None else {}
         left_before = averager.traffic.groups_left_behind()
         control = averager.step(weight=weight, gather={**declared, **plane}, timeout=at.timeout_s, wait=False)
-        return self.await_step(
-            control,
-            at.round_index,
-            limit=at.limit,
-            left_behind=lambda: averager.traffic.groups_left_behind() > left_before,
-        )
+        # only the first attempt stops for it: the retry is where the left-behind meet again, and a
+        # part of the broken group refused late must not stop it
+        left_behind = (lambda: averager.traffic.groups_left_behind() > left_before) if at.attempt == 0 else None
+        return self.await_step(control, at.round_index, limit=at.limit, left_behind=left_behind or (lambda: False))
 
     def await_step(self, control, round_index: int, *, limit: float, left_behind: Callable[[], bool] = lambda: False):
         """The step's result. A worker still looking for a group when a peer already offers the

@@ -30,7 +30,7 @@ import torch
 from diloco.comm.base import CommConfig, CommError
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.averaging import start_averager, wait_for_replies
-from diloco.comm.hivemind.group_round import await_result, round_group_bits
+from diloco.comm.hivemind.group_round import LEFT_BEHIND, await_result, round_group_bits
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
@@ -167,8 +167,10 @@ class Helper:
         counted the helpers before this one was up) of the live workers and helpers, this one
         included, whichever is more; if it broke inside the all-reduce, the workers' retry too."""
         group_size = max(announced, self.membership.expected_peers() + live_helpers(self.peer.call, self.cfg.run_id), 2)
-        result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s)
-        if result.error and result.bytes_recv:  # the group formed and broke: the survivors try once more
+        left_before = self.averager.traffic.groups_left_behind()
+        result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s, left_before=left_before)
+        left_behind = self.averager.traffic.groups_left_behind() > left_before
+        if result.error and (result.bytes_recv or left_behind):  # the group broke: the survivors try once more
             retry = self._attempt(round_index, 1, group_size, 2 * self.cfg.hivemind.matchmaking_s)
             retry.bytes_recv += result.bytes_recv
             retry.bytes_sent += result.bytes_sent
@@ -176,8 +178,18 @@ class Helper:
             result = retry
         return result
 
-    def _attempt(self, round_index: int, attempt: int, group_size: int, timeout_s: float) -> Reduced:
+    def _attempt(
+        self, round_index: int, attempt: int, group_size: int, timeout_s: float, *, left_before: int | None = None
+    ) -> Reduced:
+        """One try at the round's group; one that counted us in after we had given up on it (we
+        refused its parts: ``left_before`` is the count before) stops it (``averaging.py``)."""
         averager = self.averager
+
+        def pointless() -> str:
+            if left_before is not None and averager.traffic.groups_left_behind() > left_before:
+                return LEFT_BEHIND
+            return self._past(round_index)
+
         started, (sent_before, recv_before, _, _) = time.monotonic(), averager.traffic.read()
         error, workers = "", 0
         try:
@@ -188,7 +200,7 @@ class Helper:
             gathered = await_result(
                 control,
                 limit=started + round_limit_s(timeout_s),
-                pointless=lambda: self._past(round_index),
+                pointless=pointless,
                 # a state a client uploads now may be what a worker of this very group waits for
                 stage=lambda _stage: self._offer_relayed(),
             )

@@ -34,6 +34,7 @@ DIAL_TIMEOUT_S = 2.0  # one TCP connection attempt to an announced address
 _RECORD_TTL_S = 60.0
 _POLL_S = 0.5
 _MAX_DIALS = 16  # requests dialled back at the same time
+_MAX_ADDRESSES = 8  # a request's addresses dialled, at most
 
 
 def dialable_addresses(maddrs: list[str]) -> list[tuple[str, int]]:
@@ -90,8 +91,6 @@ def ask(dht_call: Callable, peer_id: str, addresses: list[tuple[str, int]], *, t
 def answer(dht_call: Callable, *, own_peer_id: str, answered: dict[str, float]) -> int:
     """Dial back every peer whose request is new since ``answered`` (peer -> request time, kept by
     the caller between calls) and write the verdicts. Returns how many were answered."""
-    from hivemind.utils import get_dht_time
-
     found = dht_call(lambda dht: dht.get(REQUESTS_KEY, latest=True, return_future=True))
     if found is None or not isinstance(found.value, dict):
         return 0
@@ -100,24 +99,45 @@ def answer(dht_call: Callable, *, own_peer_id: str, answered: dict[str, float]) 
         request = getattr(item, "value", None)
         if peer_id == own_peer_id or not isinstance(request, dict) or answered.get(peer_id) == request.get("at"):
             continue
-        addresses = [(str(a[0]), int(a[1])) for a in request.get("addresses", []) if len(a) == 2]
+        try:
+            addresses = [(str(a[0]), int(a[1])) for a in request.get("addresses", []) if len(a) == 2]
+        except (TypeError, ValueError):  # whatever a peer wrote: nothing to dial
+            addresses = []
         new[peer_id] = (request.get("at"), addresses)
     if not new:
         return 0
-    # every requester dialled at once: one behind NAT costs a whole dial timeout, and the others
-    # would wait for it (a run of volunteers starting together asks all at once)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(_MAX_DIALS, len(new))) as pool:
-        reachable = dict(zip(new, pool.map(lambda request: any(can_dial(*a) for a in request[1]), new.values())))
     for peer_id, (at, _) in new.items():
-        answered[peer_id] = at
-        verdict = {"reachable": reachable[peer_id], "request_at": at}
-        dht_call(
-            lambda dht, peer_id=peer_id, verdict=verdict: dht.store(
-                VERDICTS_KEY, subkey=peer_id, value=verdict, expiration_time=get_dht_time() + _RECORD_TTL_S,
-                return_future=True,
-            )
-        )  # fmt: skip
+        answered[peer_id] = at  # answered once, whatever its dial does
+    # every requester dialled at once, each verdict written as its dial ends: one behind NAT costs
+    # a whole dial timeout, and the others would wait for it (volunteers starting together ask at once)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(_MAX_DIALS, len(new))) as pool:
+        dials = {pool.submit(_dials_back, addresses): peer_id for peer_id, (_, addresses) in new.items()}
+        for done in concurrent.futures.as_completed(dials):
+            _store_verdict(dht_call, dials[done], {"reachable": done.result(), "request_at": new[dials[done]][0]})
     return len(new)
+
+
+def _dials_back(addresses: list[tuple[str, int]]) -> bool:
+    """Whether one of a request's addresses (at most ``_MAX_ADDRESSES``) takes a connection; an
+    address that cannot be dialled at all (a port out of range, say) is not reachable."""
+    for host, port in addresses[:_MAX_ADDRESSES]:
+        try:
+            if can_dial(host, port):
+                return True
+        except Exception:  # whatever a peer wrote in its request
+            continue
+    return False
+
+
+def _store_verdict(dht_call: Callable, peer_id: str, verdict: dict) -> None:
+    from hivemind.utils import get_dht_time
+
+    dht_call(
+        lambda dht: dht.store(
+            VERDICTS_KEY, subkey=peer_id, value=verdict, expiration_time=get_dht_time() + _RECORD_TTL_S,
+            return_future=True,
+        )
+    )  # fmt: skip
 
 
 def _subkey_value(found, subkey: str):

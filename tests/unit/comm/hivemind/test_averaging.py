@@ -1,12 +1,14 @@
 """A round's averaging over hivemind (``comm/hivemind/averaging.py``) with hivemind's averager
 scripted: a worker that refused the parts of a group counted it in too late stops looking for a
 group and retries with the others, as the peers of that broken group do (they know: it refused
-their parts), before any state was offered and whatever the others' offers say."""
+their parts), before any state was offered and whatever the others' offers say; a part of that
+group refused late does not stop the retry."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -39,22 +41,29 @@ class _LateLeaderAverager:
         yield self.buffers
 
     def step(self, weight: float, gather: dict, timeout: float, wait: bool):
+        refuse = lambda: self.traffic.groups_left_behind(+1)  # noqa: E731 - a part of the late group refused
         if len(self.group_bits) == 1:  # matchmaking alone, while the late group's parts are refused
-            return _Control(self, on_result=lambda: self.traffic.groups_left_behind(+1))
-        self.buffers[0].copy_(self.peer_mean)  # the retry's group: us and the peer
-        return _Control(self, gathered={"us": gather, "peer": dict(gather)})
+            return _Control(self, [None], on_result=refuse)
+        self.buffers[0].copy_(self.peer_mean)  # the retry's group: us and the peer, found at the second poll
+        # meanwhile another sender of the late group is refused: the retry goes on
+        return _Control(self, [None, {"us": gather, "peer": dict(gather)}], on_result=refuse)
 
 
 class _Control:
-    def __init__(self, averager: _LateLeaderAverager, *, gathered=None, on_result=lambda: None):
+    """hivemind's StepControl: each poll of ``result`` gives the next of ``outcomes`` (None: not done
+    yet), the last one from then on."""
+
+    def __init__(self, averager: _LateLeaderAverager, outcomes: list, *, on_result=lambda: None):
         self.began_allreduce, self._averager = False, averager
-        self._gathered, self._on_result = gathered, on_result
+        self._outcomes, self._on_result = outcomes, on_result
 
     def result(self, timeout):
         self._on_result()
-        if self._gathered is None:
+        outcome = self._outcomes.pop(0) if len(self._outcomes) > 1 else self._outcomes[0]
+        if outcome is None:
+            time.sleep(min(timeout, 0.01))
             raise concurrent.futures.TimeoutError
-        return self._gathered
+        return outcome
 
     def cancel(self):
         self._averager.cancelled += 1
@@ -94,6 +103,6 @@ def test_a_worker_that_refused_a_group_counting_it_in_too_late_retries_with_that
 
 def test_a_worker_that_refused_no_group_does_not_retry_a_round_that_found_no_group():
     averager = _LateLeaderAverager(torch.ones(4))
-    averager.step = lambda **kwargs: _Control(averager)  # no group, nothing refused, until its limit
+    averager.step = lambda **kwargs: _Control(averager, [None])  # no group, nothing refused, until its limit
     result = _averaging(averager, deadline_s=0.5).all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=0.5)
     assert not result.ok and averager.group_bits == [round_group_bits(6)]

@@ -54,3 +54,21 @@ def test_requests_are_dialled_back_at_once_and_each_answered_once(monkeypatch):
     assert reachability.answer(lambda call: call(dht), own_peer_id="us", answered=answered) == 3
     assert {peer: v["reachable"] for peer, v in dht.verdicts.items()} == {"peer0": False, "peer1": True, "peer2": False}
     assert reachability.answer(lambda call: call(dht), own_peer_id="us", answered=answered) == 0  # none new
+
+
+def test_a_request_that_cannot_be_dialled_is_answered_unreachable_and_holds_nobody_else(monkeypatch):
+    def can_dial(host, port, timeout_s=0.0):
+        if port > 65535:
+            raise OverflowError("port must be 0-65535")
+        return True
+
+    monkeypatch.setattr(reachability, "can_dial", can_dial)
+    dht = _Requests(
+        {
+            "odd": {"addresses": [["10.0.0.7", 10**20]], "at": 5.0},
+            "garbled": {"addresses": [["10.0.0.7", "no port"]], "at": 5.0},
+            "fine": {"addresses": [["10.0.0.8", 4001]], "at": 5.0},
+        }
+    )
+    assert reachability.answer(lambda call: call(dht), own_peer_id="us", answered={}) == 3
+    assert {peer: v["reachable"] for peer, v in dht.verdicts.items()} == {"odd": False, "garbled": False, "fine": True}
