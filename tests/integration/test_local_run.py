@@ -109,7 +109,7 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
     assert summary["params_agree"], summary["param_sha256"]
     rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
     assert len(rounds) == 4, rounds
-    # hivemind sometimes loses part of a round for a worker (seen in CI): the round is retried, or
+    # hivemind sometimes loses part of a round for a worker: the round is retried, or
     # one of the two takes the other's state, at once with one fragment (delayed), at the run's end
     # with several (streaming)
     both = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(2)]

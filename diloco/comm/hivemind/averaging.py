@@ -23,7 +23,7 @@ import torch
 from diloco.comm.base import Averaging, CommConfig, HivemindConfig, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
-from diloco.comm.hivemind.group_round import Attempt, GroupRound
+from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
 from diloco.comm.hivemind.state_offers import StateOffers
@@ -223,13 +223,12 @@ class HivemindAveraging(Averaging):
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind
         limit = time.monotonic() + round_limit_s(deadline_s)
-        first = Attempt(round_index, 0, expected, deadline_s, limit, helpers)
+        first = Attempt(round_index, 0, expected, deadline_s, limit, helpers, averager.traffic.groups_left_behind())
         self._roster.group = first.group_size  # announced: a helper waits for the same group
-        left_before = averager.traffic.groups_left_behind()
         result = self.group_round.run(averager, flat, tensors, weight, first)
         if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
             return self._average_alone(tensors, weight, round_index=round_index)
-        left_behind = averager.traffic.groups_left_behind() > left_before
+        left_behind = left_behind_since(averager, first.left_before)
         if self._worth_retrying(result, round_index, left_behind=left_behind, remaining=deadline - time.monotonic()):
             # the survivors hold partial averages that differ (or their own values); averaging once
             # more among them, under a key of its own, gives them the same result instead. They

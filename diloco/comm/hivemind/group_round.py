@@ -55,6 +55,11 @@ def await_result(control, *, limit: float, pointless: Callable[[], str], stage: 
             raise TimeoutError(why)
 
 
+def left_behind_since(averager, count: int | None) -> bool:
+    """Whether ``averager`` saw a group left behind since its count was ``count`` (None: never)."""
+    return count is not None and averager.traffic.groups_left_behind() > count
+
+
 def round_group_bits(round_index: int, attempt: int = 0) -> str:
     """The hivemind group bits that key a round's matchmaking on the DHT (a retry gets its own key)."""
     return format(round_index % (1 << _ROUND_BITS), f"0{_ROUND_BITS}b") + "1" * attempt
@@ -89,6 +94,10 @@ class Attempt:
     timeout_s: float
     limit: float
     helpers: int = 0
+    # the averager's count of groups left behind when the round began: a first attempt stops once
+    # it grows; None for a retry (where the left-behind meet again: a part of the broken group
+    # refused late must not stop it)
+    left_before: int | None = None
 
     @property
     def group_size(self) -> int:
@@ -192,12 +201,10 @@ class GroupRound:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
         plane = self._plane.declaration() if self._plane is not None else {}
-        left_before = averager.traffic.groups_left_behind()
         control = averager.step(weight=weight, gather={**declared, **plane}, timeout=at.timeout_s, wait=False)
-        # only the first attempt stops for it: the retry is where the left-behind meet again, and a
-        # part of the broken group refused late must not stop it
-        left_behind = (lambda: averager.traffic.groups_left_behind() > left_before) if at.attempt == 0 else None
-        return self.await_step(control, at.round_index, limit=at.limit, left_behind=left_behind or (lambda: False))
+        return self.await_step(
+            control, at.round_index, limit=at.limit, left_behind=lambda: left_behind_since(averager, at.left_before)
+        )
 
     def await_step(self, control, round_index: int, *, limit: float, left_behind: Callable[[], bool] = lambda: False):
         """The step's result. A worker still looking for a group when a peer already offers the

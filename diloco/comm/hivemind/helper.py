@@ -30,7 +30,7 @@ import torch
 from diloco.comm.base import CommConfig, CommError
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.averaging import start_averager, wait_for_replies
-from diloco.comm.hivemind.group_round import LEFT_BEHIND, await_result, round_group_bits
+from diloco.comm.hivemind.group_round import LEFT_BEHIND, await_result, left_behind_since, round_group_bits
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
@@ -169,7 +169,7 @@ class Helper:
         group_size = max(announced, self.membership.expected_peers() + live_helpers(self.peer.call, self.cfg.run_id), 2)
         left_before = self.averager.traffic.groups_left_behind()
         result = self._attempt(round_index, 0, group_size, self.cfg.deadline_s, left_before=left_before)
-        left_behind = self.averager.traffic.groups_left_behind() > left_before
+        left_behind = left_behind_since(self.averager, left_before)
         if result.error and (result.bytes_recv or left_behind):  # the group broke: the survivors try once more
             retry = self._attempt(round_index, 1, group_size, 2 * self.cfg.hivemind.matchmaking_s)
             retry.bytes_recv += result.bytes_recv
@@ -186,7 +186,7 @@ class Helper:
         averager = self.averager
 
         def pointless() -> str:
-            if left_before is not None and averager.traffic.groups_left_behind() > left_before:
+            if left_behind_since(averager, left_before):
                 return LEFT_BEHIND
             return self._past(round_index)
 
