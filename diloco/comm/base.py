@@ -43,6 +43,7 @@ class HivemindConfig:
     use_auto_relay: bool = False  # behind NAT: look for a relay to become reachable through
     matchmaking_s: float = 15.0  # a round starts at once when all workers are in; else after this many seconds
     request_timeout_s: float = 3.0  # one matchmaking request; keep below matchmaking_s (hivemind deadlocks)
+    heartbeat_s: float = 3.0  # how often a worker renews its roster record; 4 missed: not waited for, 8: out of the run
     startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
     data_plane: str = "hivemind"  # hivemind; gloo: fp32 rounds among dialable peers through a gloo all-reduce
 

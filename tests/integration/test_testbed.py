@@ -33,7 +33,7 @@ def _owned_by(pid: int) -> list[str]:
 @needs_root
 @pytest.mark.timeout(240)
 def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(diloco_cli, tmp_path):
-    rate_mbit = 0.5
+    rate_mbit = 1.0
     run_dir = tmp_path / "run"
     before = set(leftovers())
     done = diloco_cli(
@@ -41,7 +41,7 @@ def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(dilo
         *TINY, "inner.steps=20", "outer.sync_every=10", "checkpoint.every_rounds=0",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "links up 0.5 Mbit/s, down 0.5 Mbit/s" in done.stdout
+    assert "links up 1 Mbit/s, down 1 Mbit/s" in done.stdout
     rounds = [r for r in read_records(run_dir, 0) if r["event"] == "round"]
     theirs = [r for r in read_records(run_dir, 1) if r["event"] == "round"]
     assert len(rounds) == len(theirs) == 2
@@ -52,7 +52,7 @@ def test_a_slow_link_sets_the_round_time_the_simulators_link_model_predicts(dilo
     # two workers: each sends half its payload out and half back as averages, all over its own link
     payload = by_round[0][0]["bytes_sent"]
     model_s = round_time_s(payload, 2, bandwidth_mbps=rate_mbit, latency_ms=0)
-    assert model_s > 5, "the model is too small for the link to show"
+    assert model_s > 3, "the model is too small for the link to show"
     # a round's time on the link: the later of the two to arrive waits for no one, so the lesser
     # comm_s of the two (worker 0's alone also counted its wait for a worker 1 slowed by a busy CI)
     # the quicker round: what the machine adds (a round's own work, a busy core, a process the test

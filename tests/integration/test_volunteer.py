@@ -68,11 +68,11 @@ def test_a_worker_cut_off_for_a_while_ends_with_the_others_params(tmp_path):
 def test_a_run_whose_other_worker_was_killed_goes_on_alone_without_waiting_out_its_deadlines(tmp_path):
     # deadlines that add up past the 200 s the test waits: a survivor that waited for the dead worker in
     # every round (it used to, comm.deadline_s each) could not finish in time. The wait it does have is
-    # the roster's, most of this test's time: the survivor's next round waits until the dead worker is
-    # taken for gone, about 2 x the roster's TTL (24 s) after its last heartbeat; then every round is
-    # taken alone at once (the dead worker's offer left in the DHT is not waited for at the end)
+    # the roster's: the survivor's next round waits until the dead worker is taken for gone, 8
+    # heartbeats after its last (1 s here: 24 s at the default); then every round is taken alone at
+    # once (the dead worker's offer left in the DHT is not waited for at the end)
     overrides = [*TINY, "worker.count=2", "inner.steps=120", "outer.sync_every=20", "comm.deadline_s=60",
-                 "comm.hivemind.matchmaking_s=5"]  # fmt: skip
+                 "comm.hivemind.matchmaking_s=5", "comm.hivemind.heartbeat_s=1"]  # fmt: skip
     run_dir = tmp_path / "shrink"
     with Cluster([*overrides, "comm.run_id=shrink", "logging.log_every=10"], run_dir, slots=2) as cluster:
         for i in range(2):

@@ -24,7 +24,7 @@ from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, st
 from diloco.comm.hivemind.helper_record import live_helper_ids, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.redial import Redial
+from diloco.comm.hivemind.redial import REDIAL_HEARTBEATS, Redial
 from diloco.comm.hivemind.roster import Roster
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
@@ -64,19 +64,9 @@ class HivemindBackend(CommBackend):
         fragments = [list(indices) for indices in fragments or [range(len(templates))]]
         self.peer = peer = Peer(cfg.hivemind, run_key=cfg.run_key)
         plane = start_plane(cfg.hivemind, peer, deadline_s=cfg.deadline_s)
-        self._roster = roster = Roster(
-            peer.call,
-            run_id=cfg.run_id,
-            worker_index=worker_index,
-            planned=num_workers,
-            slots=slots,
-            serves_state=not peer.client_mode,
-            addresses=[] if peer.client_mode else peer.visible_addresses,
-            peer_id=str(peer.peer_id),
-            layout=[[tuple(templates[i].shape) for i in indices] for indices in fragments],
-            chores=[] if peer.client_mode else [peer.answer_dialbacks],
-        )
-        roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers))
+        layout = [[tuple(templates[i].shape) for i in indices] for indices in fragments]
+        roster = _roster(cfg, peer, worker_index=worker_index, planned=num_workers, slots=slots, layout=layout)
+        self._roster = roster
         averagers, flats = [], []
         self._uploader = None
         try:  # should a part not start, what started is stopped again
@@ -158,6 +148,27 @@ def _start_uploader(
     )
     uploader.start()
     return uploader
+
+
+def _roster(cfg: CommConfig, peer: Peer, *, worker_index: int, planned: int, slots: int, layout: list) -> Roster:
+    """This worker's roster record, not started yet, and its heartbeat's chores: answering others'
+    dial-back requests (a peer that can be dialled) and dialling missing workers again."""
+    roster = Roster(
+        peer.call,
+        run_id=cfg.run_id,
+        worker_index=worker_index,
+        planned=planned,
+        slots=slots,
+        serves_state=not peer.client_mode,
+        addresses=[] if peer.client_mode else peer.visible_addresses,
+        peer_id=str(peer.peer_id),
+        heartbeat_s=cfg.hivemind.heartbeat_s,
+        layout=layout,
+        chores=[] if peer.client_mode else [peer.answer_dialbacks],
+    )
+    every_s = REDIAL_HEARTBEATS * roster.heartbeat_s
+    roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers, every_s=every_s))
+    return roster
 
 
 def _shut_down(roster: Roster, plane, averagers: Sequence, peer: Peer, uploader: StateUploader | None) -> None:

@@ -34,7 +34,7 @@ from diloco.comm.hivemind.group_round import LEFT_BEHIND, await_result, left_beh
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import TTL_S, Roster, RosterEntry
+from diloco.comm.hivemind.roster import Roster, RosterEntry
 from diloco.comm.hivemind.state_offers import priority
 from diloco.comm.hivemind.state_relay import RelayedStates, UploadServer
 from diloco.compression import Codec
@@ -85,10 +85,17 @@ class Helper:
             self.averager = start_averager(
                 cfg, self.peer, tensors, codec=codec, fragment=0, num_workers=planned, auxiliary=True
             )
-            self.roster = Roster(self.peer.call, run_id=cfg.run_id, worker_index=-1, planned=planned)
+            heartbeat_s = cfg.hivemind.heartbeat_s
+            self.roster = Roster(
+                self.peer.call, run_id=cfg.run_id, worker_index=-1, planned=planned, heartbeat_s=heartbeat_s
+            )
             self.membership = HivemindMembership(self.roster, self.peer, num_workers=planned)  # what it reads
             self.record = HelperRecord(
-                self.peer.call, run_id=cfg.run_id, peer_id=str(self.peer.peer_id), addresses=self.addresses
+                self.peer.call,
+                run_id=cfg.run_id,
+                peer_id=str(self.peer.peer_id),
+                addresses=self.addresses,
+                heartbeat_s=heartbeat_s,
             )
             self.record.start()
             self.uploads = UploadServer(
@@ -105,7 +112,7 @@ class Helper:
 
     def serve(self, report: Callable[[Reduced], None], *, stop: threading.Event | None = None) -> str:
         """Reduce in every round the workers start, calling ``report`` after each, until ``stop`` is
-        set or the run's workers have all been gone for ``TTL_S``; returns why it stopped."""
+        set or the run's workers have all been gone for a record's lifetime; returns why it stopped."""
         stop = stop or threading.Event()
         done: set[int] = set()  # the rounds it joined (or gave up on)
         live_at = time.monotonic()
@@ -117,7 +124,7 @@ class Helper:
                 logger.debug("roster read failed", exc_info=True)
                 entries = {}
             if not entries:
-                if time.monotonic() - live_at > TTL_S:
+                if time.monotonic() - live_at > self.roster.ttl_s:
                     return "no worker of the run is live any more"
                 continue
             live_at = time.monotonic()

@@ -2,7 +2,7 @@
 contribute nothing (``diloco helper``, ``helper.py``).
 
 Each helper keeps a record fresh under ``<run_id>.helpers`` (subkey: its peer id), as workers do
-in the roster (``roster.py``): it lives ``ttl_s`` seconds unless refreshed, and a helper that
+in the roster (``roster.py``): it lives ``TTL_HEARTBEATS`` heartbeats unless refreshed, and a helper that
 stops cleanly says so at once. Workers count the live helpers into the group a round waits for,
 and a run whose workers are all clients averages through them. In a round's group a helper
 declares ``HELPER`` and workers leave it out of the round's contributors; a peer that declares it
@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from diloco.comm.hivemind.roster import HEARTBEAT_S, TTL_S
+from diloco.comm.hivemind.roster import HEARTBEAT_S, TTL_HEARTBEATS
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,14 @@ def helpers_key(run_id: str) -> str:
 
 class HelperRecord:
     """A helper's heartbeat: its peer id and addresses under the run's helpers key, refreshed every
-    ``HEARTBEAT_S`` from a thread of its own. ``dht_call(fn)`` as in ``roster.Roster``."""
+    ``heartbeat_s`` from a thread of its own. ``dht_call(fn)`` as in ``roster.Roster``."""
 
-    def __init__(self, dht_call, *, run_id: str, peer_id: str, addresses: Sequence[str], ttl_s: float = TTL_S):
+    def __init__(
+        self, dht_call, *, run_id: str, peer_id: str, addresses: Sequence[str], heartbeat_s: float = HEARTBEAT_S
+    ):
         self._dht_call, self.key = dht_call, helpers_key(run_id)
-        self.peer_id, self.addresses, self.ttl_s = peer_id, list(addresses), ttl_s
+        self.peer_id, self.addresses = peer_id, list(addresses)
+        self.heartbeat_s, self.ttl_s = heartbeat_s, TTL_HEARTBEATS * heartbeat_s
         self._leaving = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,11 +56,11 @@ class HelperRecord:
         self._leaving = True
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=HEARTBEAT_S * 2)
+            self._thread.join(timeout=self.heartbeat_s * 2)
         self._publish()
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.heartbeat_s):
             self._publish()
 
     def _publish(self) -> None:

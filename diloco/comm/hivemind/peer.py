@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from diloco.comm.base import CommConfig, CommError, HivemindConfig
 from diloco.comm.bounds import control_limit_s
 from diloco.comm.hivemind import reachability
-from diloco.comm.hivemind.roster import HEARTBEAT_S, Roster, RosterEntry
+from diloco.comm.hivemind.roster import Roster, RosterEntry
 from diloco.comm.hivemind.run_key import RunKeyValidator
 from diloco.comm.run_key_env import resolve_run_key
 
@@ -191,7 +191,7 @@ class Peer:
             return
         if not self.cfg.initial_peers or not addresses:
             return
-        timeout_s = 2 * HEARTBEAT_S + reachability.DIAL_TIMEOUT_S * len(addresses) + self.control_s
+        timeout_s = 2 * self.cfg.heartbeat_s + reachability.DIAL_TIMEOUT_S * len(addresses) + self.control_s
         try:
             verdict = reachability.ask(self.call, str(self.peer_id), addresses, timeout_s=timeout_s)
         except Exception:  # the DHT did not take the request: as if nobody answered

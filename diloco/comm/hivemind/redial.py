@@ -5,10 +5,10 @@ rebooting), each side's DHT peers stop answering the other's and drop them from 
 tables; hivemind never dials them again on its own, so after the network heals each side would
 go on finding only its own records and its own groups: two runs. A worker that misses workers
 it has seen (``Roster.missing``: not live, never said they were leaving) dials them again, at
-the addresses their roster records announced, and the run's initial peers, every ``REDIAL_S``
-from its heartbeat. A peer that answers is back in the routing table both ways: the roster then
-shows the other side live, rounds expect it, and its groups meet ours (the merge itself is
-``group_round.py``'s: a group that holds two models).
+the addresses their roster records announced, and the run's initial peers, every
+``REDIAL_HEARTBEATS`` heartbeats (``comm.hivemind.heartbeat_s``). A peer that answers is back in
+the routing table both ways: the roster then shows the other side live, rounds expect it, and its
+groups meet ours (the merge itself is ``group_round.py``'s: a group that holds two models).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
-REDIAL_S = 10.0  # how often a worker that misses others dials them again
+REDIAL_HEARTBEATS = 3  # how often a worker that misses others dials them again: 9 s at the default heartbeat
 DIAL_S = 5.0  # one dial and ping
 
 
@@ -62,10 +62,10 @@ def dial(send: Callable, maddrs: Sequence[str], *, timeout_s: float = DIAL_S):
 
 class Redial:
     """A heartbeat chore (``Roster.chores``): while ``roster`` misses workers it has seen,
-    dial them and ``initial_peers`` again every ``every_s`` (one dial at a time, never waited for
+    dial them and ``initial_peers`` again every ``every_s`` seconds (one dial at a time, never waited for
     on the heartbeat's thread); logs once when they are live again."""
 
-    def __init__(self, send: Callable, roster, initial_peers: Sequence[str], *, every_s: float = REDIAL_S, clock=None):
+    def __init__(self, send: Callable, roster, initial_peers: Sequence[str], *, every_s: float, clock=None):
         self._send, self.roster, self.initial_peers = send, roster, list(initial_peers)
         self.every_s = every_s
         self._clock = clock or time.monotonic

@@ -3,8 +3,9 @@
 Every worker keeps a record under ``<run_id>.roster`` (subkey: its worker index) fresh from a
 background thread: its round, inner step, whether it is leaving, when it was written, and a few
 figures for ``diloco status`` (loss, tokens/s, the last validation loss). A record lives
-``ttl_s`` seconds unless refreshed, so a worker that crashed or lost its link drops out of the
-roster by itself; one that leaves cleanly says so at once.
+``TTL_HEARTBEATS`` heartbeats unless refreshed (``comm.hivemind.heartbeat_s``: 3 s, so 12 s), so a
+worker that crashed or lost its link drops out of the roster by itself; one that leaves cleanly
+says so at once.
 
 The group size a round waits for (``expected``) starts from the planned ``worker.count`` and
 follows what the roster shows: a planned worker that was seen and is gone (left, crashed, cut
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 3.0  # how often a worker refreshes its record
-TTL_S = 12.0  # a record not refreshed for this long is gone: the worker crashed or lost its link
+HEARTBEAT_S = 3.0  # how often a worker refreshes its record (comm.hivemind.heartbeat_s's default)
+TTL_HEARTBEATS = 4  # a record not refreshed for this many heartbeats is gone: the worker crashed or lost its link
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Roster:
         worker_index: int,
         planned: int,
         slots: int = 0,
-        ttl_s: float = TTL_S,
+        heartbeat_s: float = HEARTBEAT_S,
         serves_state: bool = True,
         addresses: Sequence[str] = (),
         peer_id: str = "",
@@ -72,7 +73,8 @@ class Roster:
         clock=None,
     ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
-        self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
+        self.worker_index, self.planned = worker_index, planned
+        self.heartbeat_s, self.ttl_s = heartbeat_s, TTL_HEARTBEATS * heartbeat_s
         self.slots = slots or planned
         self.serves_state = serves_state
         self.chores = list(chores)  # also called once a heartbeat, on the heartbeat's thread
@@ -142,10 +144,10 @@ class Roster:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=HEARTBEAT_S * 2)
+            self._thread.join(timeout=self.heartbeat_s * 2)
 
     def _beat(self) -> None:
-        chores_due = time.monotonic() + HEARTBEAT_S
+        chores_due = time.monotonic() + self.heartbeat_s
         while True:
             self._wake.wait(max(0.0, chores_due - time.monotonic()))
             self._wake.clear()
@@ -154,7 +156,7 @@ class Roster:
             self._publish()
             if time.monotonic() < chores_due:  # an extra record, between heartbeats: the chores keep their pace
                 continue
-            chores_due = time.monotonic() + HEARTBEAT_S
+            chores_due = time.monotonic() + self.heartbeat_s
             for chore in self.chores:
                 try:
                     chore()

@@ -49,9 +49,9 @@ class _SilentDHT:
         return Future()
 
 
-def _roster(dht, index: int, planned: int, timeout_s: float = 5.0) -> Roster:
+def _roster(dht, index: int, planned: int, timeout_s: float = 5.0, heartbeat_s: float = HEARTBEAT_S) -> Roster:
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=timeout_s)
-    return Roster(call, run_id="r", worker_index=index, planned=planned)
+    return Roster(call, run_id="r", worker_index=index, planned=planned, heartbeat_s=heartbeat_s)
 
 
 def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_who_joined():
@@ -231,16 +231,16 @@ def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
 
 def test_extra_records_between_heartbeats_leave_the_chores_their_pace():
     chores_ran = threading.Event()
-    roster = _roster(_FakeDHT(), 0, 2)
+    roster = _roster(_FakeDHT(), 0, 2, heartbeat_s=0.5)
     roster.chores.append(chores_ran.set)
     roster.phase("averaging", time.time())
     roster.start()
     try:
-        deadline = time.monotonic() + 3 * HEARTBEAT_S
+        deadline = time.monotonic() + 3 * roster.heartbeat_s
         while not chores_ran.is_set() and time.monotonic() < deadline:
             roster.stage("matchmaking")  # rounds far shorter than a heartbeat: a record at the start of each
             roster.stage(None)
-            chores_ran.wait(0.2)
+            chores_ran.wait(0.1)
         assert chores_ran.is_set(), "the chores never ran while rounds kept starting"
     finally:
         roster.stop()
@@ -273,3 +273,22 @@ def test_live_helpers_count_the_fresh_records_that_are_not_leaving():
     first.leave()
     assert live_helpers(call, "r") == 1
     assert live_helpers(bounded_dht_call(_SilentDHT(), threading.Lock(), timeout_s=0.1), "r") == 0
+
+
+def test_a_shorter_heartbeat_writes_records_that_live_four_of_them():
+    written, three = [], threading.Event()
+
+    class _Expiring(_FakeDHT):
+        def store(self, key, *, subkey, value, expiration_time, return_future):
+            written.append(expiration_time - value["at"])
+            if len(written) == 3:  # the start's record, then one a heartbeat
+                three.set()
+            return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+
+    roster = _roster(_Expiring(), 0, 2, heartbeat_s=0.25)
+    roster.start()
+    try:
+        assert three.wait(10), written
+    finally:
+        roster.stop()
+    assert roster.ttl_s == 1.0 and all(abs(life - 1.0) < 1e-6 for life in written), written
