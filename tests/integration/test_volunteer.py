@@ -47,9 +47,9 @@ def _check_run(result, *, workers: int = 3, steps: int = STEPS) -> None:
 
 
 def test_a_worker_killed_mid_round_restarts_and_takes_the_runs_state(tmp_path):
-    # 15 rounds: the others must still be there when the restart (5 s, then process start-up, slow
+    # 15 rounds: the others must still be there when the restart (2 s, then process start-up, slow
     # on a loaded machine) comes up, or it has nobody to take the run's state from
-    result = run_scenario("crash", _plan(steps=300), tmp_path)
+    result = run_scenario("crash", _plan(steps=300, outage_s=2.0), tmp_path)
     _check_run(result, steps=300)
     log = (tmp_path / "crash" / "worker-2.log").read_text()
     assert "worker 2 resumed at step" in log  # from its own checkpoint, a round behind the run,
