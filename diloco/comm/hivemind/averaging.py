@@ -194,6 +194,11 @@ class HivemindAveraging(Averaging):
             return result
         if self._serving_others() != 0 or not self._roster.no_server_seen():
             return result
+        if self._run_is_ahead(round_index):
+            # the others averaged a round after this one without us (we joined, or came back, as a
+            # round ended): a failed round, whose recovery takes their state through a helper;
+            # postponed, we would look for each round's group a round behind theirs for good
+            return dataclasses.replace(result, error=f"the run is past round {round_index + 1} without us")
         # a client, no group, and no worker that could reduce: every client is in the same place
         # (a helper, if any, is gone or late, or its group formed without us), so every one postpones alike
         helpers = self._helpers()
@@ -209,6 +214,17 @@ class HivemindAveraging(Averaging):
         else:
             error = "no worker or helper that can be dialled is live: the round is postponed"
         return dataclasses.replace(result, postponed=True, error=error)
+
+    def _run_is_ahead(self, round_index: int) -> bool:
+        """Whether a live worker's record shows a round after round ``round_index`` completed (a
+        record counts the rounds completed; one at this round may have postponed it as we do)."""
+        try:
+            entries = self._roster.own_entries()
+        except Exception:  # the DHT did not answer, or found part of the records: nothing to go on
+            logger.debug("roster read failed", exc_info=True)
+            return False
+        others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
+        return any(entry.round > round_index + 1 for entry in others)
 
     def _serving_others(self) -> int | None:
         live = live_counts(self._roster)

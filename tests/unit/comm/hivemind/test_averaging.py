@@ -2,7 +2,9 @@
 scripted: a worker that refused the parts of a group counted it in too late stops looking for a
 group and retries with the others, as the peers of that broken group do (they know: it refused
 their parts), before any state was offered and whatever the others' offers say; a part of that
-group refused late does not stop the retry."""
+group refused late does not stop the retry. A client of a run of clients left out of its group
+postpones the round, unless the run is a whole round ahead of it: its round then fails, and the
+recovery takes the others' state."""
 
 from __future__ import annotations
 
@@ -106,3 +108,42 @@ def test_a_worker_that_refused_no_group_does_not_retry_a_round_that_found_no_gro
     averager.step = lambda **kwargs: _Control(averager, [None])  # no group, nothing refused, until its limit
     result = _averaging(averager, deadline_s=0.5).all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=0.5)
     assert not result.ok and averager.group_bits == [round_group_bits(6)]
+
+
+def _client_averaging(others_completed: int) -> HivemindAveraging:
+    """A client of a run of clients with a helper live, whose every round finds no group; the other
+    live worker's record shows ``others_completed`` rounds done."""
+    averager = _LateLeaderAverager(torch.ones(4))
+    averager.step = lambda **kwargs: _Control(averager, [None])  # no group until the round's limit
+    records = {0: SimpleNamespace(round=others_completed, leaving=False, serves_state=False), 1: None}
+    roster = SimpleNamespace(
+        stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple,
+        worker_index=1, no_server_seen=lambda: True, own_entries=lambda: records,
+    )  # fmt: skip
+    records[1] = SimpleNamespace(round=6, leaving=False, serves_state=False)  # ours: 6 rounds done
+    cfg = CommConfig(deadline_s=0.5, hivemind=HivemindConfig(request_timeout_s=0.2, matchmaking_s=0.4))
+    return HivemindAveraging(
+        cfg,
+        peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=True),
+        roster=roster,
+        offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
+        codec=NoCompression(),
+        averagers=[averager],
+        flats=averager.buffers,
+        plane=None,
+        num_workers=2,
+        group_size=lambda: 2,
+        published=lambda: False,
+        helpers=lambda: 1,
+    )
+
+
+@pytest.mark.parametrize(("others_completed", "postponed"), [(7, True), (8, False)])
+def test_a_client_left_out_postpones_unless_the_run_is_a_whole_round_ahead(others_completed, postponed):
+    # round 7 (index 6) found no group: the other worker done with round 7 may have postponed it
+    # too (every client alike); done with round 8, the run went on without us: a failed round,
+    # whose recovery takes the others' state (postponed, it would stay a round behind for good)
+    averaging = _client_averaging(others_completed)
+    result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=0.5)
+    assert not result.ok and result.postponed == postponed, result
+    assert ("the run is past round 7 without us" in result.error) != postponed, result.error
