@@ -105,10 +105,15 @@ class Roster:
 
     def progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
         """Rounds completed, inner steps done and (when given) the worker's latest figures, sent with
-        the next heartbeat. ``stats`` is read, never changed: hand over a new dict for new figures."""
+        the next heartbeat; the digest of the params after a round (stats ``params_round``) is sent
+        at once: a worker checking a state it downloaded waits for the others' records to show it.
+        ``stats`` is read, never changed: hand over a new dict for new figures."""
         self._round, self._step = round_index, step
         if stats is not None:
+            declared = stats.get("params_round") != self._stats.get("params_round")
             self._stats = stats
+            if declared:
+                self._wake.set()
 
     @property
     def model(self) -> str:

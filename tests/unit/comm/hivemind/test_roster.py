@@ -229,6 +229,27 @@ def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
         roster.stop()
 
 
+def test_the_digest_after_a_round_is_announced_at_once_and_a_step_waits_for_the_heartbeat():
+    announced, steps = threading.Event(), []
+
+    class _Watched(_FakeDHT):
+        def store(self, key, *, subkey, value, expiration_time, return_future):
+            steps.append(value["step"])
+            if value["stats"].get("params_round") == 3:
+                announced.set()
+            return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+
+    roster = _roster(_Watched(), 0, 2, heartbeat_s=60.0)
+    roster.start()
+    try:
+        roster.progress(2, 41, {"loss": 1.0})  # a step: sent with the next heartbeat, a minute away
+        roster.progress(3, 60, {"loss": 1.0, "params": "ab", "params_round": 3})  # a round's digest: at once
+        assert announced.wait(10), "the digest waited for the next heartbeat"
+        assert 41 not in steps  # the step alone woke nobody
+    finally:
+        roster.stop()
+
+
 def test_extra_records_between_heartbeats_leave_the_chores_their_pace():
     chores_ran = threading.Event()
     roster = _roster(_FakeDHT(), 0, 2, heartbeat_s=0.5)
