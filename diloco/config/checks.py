@@ -224,7 +224,11 @@ def _check_hivemind(cfg: Config) -> None:
         f"comm.hivemind.data_plane={hm.data_plane!r} is not one of {', '.join(DATA_PLANES)}",
     )
     require(0 <= hm.port < 65536, f"comm.hivemind.port={hm.port} must be in [0, 65535]")
-    require(hm.heartbeat_s > 0, f"comm.hivemind.heartbeat_s={hm.heartbeat_s} must be positive")
+    require(
+        hm.heartbeat_s >= 0.5,
+        f"comm.hivemind.heartbeat_s={hm.heartbeat_s} must be at least 0.5 s (a record lives 4 heartbeats, "
+        "and a DHT write can take a second on a loaded machine)",
+    )
     require(
         0 < hm.request_timeout_s < hm.matchmaking_s,
         f"comm.hivemind.request_timeout_s={hm.request_timeout_s} must be positive and below "

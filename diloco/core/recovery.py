@@ -59,7 +59,7 @@ from diloco.comm.base import (
 
 logger = logging.getLogger(__name__)
 
-RECORDS_LAG_S = 8.0  # a worker's record shows what it did within a heartbeat or two (comm/hivemind/roster.py: 3 s)
+RECORDS_LAG_S = 8.0  # a record shows what its worker did within a heartbeat or two (comm.hivemind.heartbeat_s, 3 s)
 FAR_AHEAD_ROUNDS = 10  # a state this many rounds past every record is refused: records lag, not by that much
 
 

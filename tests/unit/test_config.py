@@ -39,7 +39,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["model.n_head=3"], "model.n_head"),
         (["worker.index=2", "worker.count=2"], "worker.index"),
         (["comm.hivemind.request_timeout_s=9", "comm.hivemind.matchmaking_s=5"], "comm.hivemind.request_timeout_s"),
-        (["comm.hivemind.heartbeat_s=0"], "comm.hivemind.heartbeat_s"),
+        (["comm.hivemind.heartbeat_s=0.1"], "comm.hivemind.heartbeat_s"),
         (["comm.backend=carrier_pigeon"], "comm.backend"),
         (["comm.hivemind.initial_peers=[garbage]"], "comm.hivemind.initial_peers"),
         (["inner.lr"], "KEY=VALUE"),

@@ -110,19 +110,28 @@ def test_a_worker_that_refused_no_group_does_not_retry_a_round_that_found_no_gro
     assert not result.ok and averager.group_bits == [round_group_bits(6)]
 
 
-def _client_averaging(others_completed: int) -> HivemindAveraging:
-    """A client of a run of clients with a helper live, whose every round finds no group; the other
-    live worker's record shows ``others_completed`` rounds done."""
+def _client_averaging(done_before: int, done_after: int, *, helpers: int) -> tuple[HivemindAveraging, list]:
+    """A client of a run of clients (``helpers`` live) whose round finds no group, and the group keys
+    it looked under; the other live worker's record shows ``done_before`` rounds done until the
+    client starts looking for a group, ``done_after`` from then on. Ours shows 6."""
     averager = _LateLeaderAverager(torch.ones(4))
-    averager.step = lambda **kwargs: _Control(averager, [None])  # no group until the round's limit
-    records = {0: SimpleNamespace(round=others_completed, leaving=False, serves_state=False), 1: None}
+    done = [done_before]
+
+    def no_group(**kwargs):
+        done[0] = done_after
+        return _Control(averager, [None])  # no group until the round's limit
+
+    averager.step = no_group
+    own_entries = lambda: {  # noqa: E731
+        0: SimpleNamespace(round=done[0], leaving=False, serves_state=False),
+        1: SimpleNamespace(round=6, leaving=False, serves_state=False),
+    }
     roster = SimpleNamespace(
         stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple,
-        worker_index=1, no_server_seen=lambda: True, own_entries=lambda: records,
+        worker_index=1, no_server_seen=lambda: True, own_entries=own_entries,
     )  # fmt: skip
-    records[1] = SimpleNamespace(round=6, leaving=False, serves_state=False)  # ours: 6 rounds done
     cfg = CommConfig(deadline_s=0.5, hivemind=HivemindConfig(request_timeout_s=0.2, matchmaking_s=0.4))
-    return HivemindAveraging(
+    averaging = HivemindAveraging(
         cfg,
         peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=True),
         roster=roster,
@@ -134,16 +143,25 @@ def _client_averaging(others_completed: int) -> HivemindAveraging:
         num_workers=2,
         group_size=lambda: 2,
         published=lambda: False,
-        helpers=lambda: 1,
+        helpers=lambda: helpers,
     )
+    return averaging, averager.group_bits
 
 
-@pytest.mark.parametrize(("others_completed", "postponed"), [(7, True), (8, False)])
-def test_a_client_left_out_postpones_unless_the_run_is_a_whole_round_ahead(others_completed, postponed):
-    # round 7 (index 6) found no group: the other worker done with round 7 may have postponed it
-    # too (every client alike); done with round 8, the run went on without us: a failed round,
-    # whose recovery takes the others' state (postponed, it would stay a round behind for good)
-    averaging = _client_averaging(others_completed)
+@pytest.mark.parametrize(
+    ("helpers", "done_before", "done_after", "looked", "postponed"),
+    [
+        (1, 7, 7, True, True),  # the other may have postponed round 7 too: every client alike
+        (1, 8, 8, False, False),  # a round behind: fails at once, the recovery takes the state
+        (1, 7, 8, True, False),  # the run went on while it looked for a group
+        (0, 8, 8, True, True),  # no helper: nobody averaged, and a state has no way to come
+    ],
+)
+def test_a_client_left_out_postpones_unless_the_run_is_a_round_ahead_with_a_helper(
+    helpers, done_before, done_after, looked, postponed
+):
+    averaging, looked_under = _client_averaging(done_before, done_after, helpers=helpers)
     result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=0.5)
     assert not result.ok and result.postponed == postponed, result
     assert ("the run is past round 7 without us" in result.error) != postponed, result.error
+    assert looked_under == ([round_group_bits(6)] if looked else []), looked_under
