@@ -130,9 +130,9 @@ WIRE_CODECS = ["none", "int4", "topk"]
 
 def test_two_peers_end_identical_with_each_codec_and_count_the_compressed_bytes():
     # two rounds each, the second as a worker's next: hivemind can lose a part inside the
-    # all-reduce (once in CI: the top-k round, one peer received 99.7 % of its results, the other
-    # reducer 25 % of its inputs and timed out; a worker's round would fail and take a state). The
-    # first round both peers averaged whole is checked
+    # all-reduce (a peer then receives part of its results, the other reducer part of its inputs,
+    # and the round times out; a worker's round would fail and take a state). The first round both
+    # peers averaged whole is checked
     found = _run_peers(2, WIRE_CODECS, rounds=2)
     weights = [1.0, 2.0]
     exact = [(a * weights[0] + b * weights[1]) / 3 for a, b in zip(_tensors(0), _tensors(1))]

@@ -188,7 +188,7 @@ class HivemindAveraging(Averaging):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         behind = f"the run is past round {round_index + 1} without us"
-        if self._behind_a_run_of_clients(round_index):
+        if self._peer.client_mode and self._run_is_ahead(round_index) and self._clients_only() and self._helpers():
             # a client a round behind the others (it joined, or came back, as a round ended): no
             # group of this round will form; the round fails at once, and its recovery takes their
             # state through a helper with the whole deadline left (postponed, it would look for
@@ -197,15 +197,14 @@ class HivemindAveraging(Averaging):
         result = self._average_in_group(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
-        if result.averaged or result.group or not self._peer.client_mode:
+        if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
             return result
-        if self._serving_others() != 0 or not self._roster.no_server_seen():
-            return result
-        if self._behind_a_run_of_clients(round_index):  # the others went on while we looked for a group
+        helpers = self._helpers()
+        if helpers and self._run_is_ahead(round_index):  # the others went on while we looked for a group
             return dataclasses.replace(result, error=behind)
         # a client, no group, and no worker that could reduce: the clients in the same place (a
-        # helper, if any, is gone or late, or its group formed without us) all postpone alike
-        helpers = self._helpers()
+        # helper, if any, is gone or late, or its group formed without us) all postpone alike;
+        # without a helper nobody can have averaged, a client a round behind included
         if not self._said_unreachable_run and not helpers:
             self._said_unreachable_run = True
             logger.warning(
@@ -219,23 +218,20 @@ class HivemindAveraging(Averaging):
             error = "no worker or helper that can be dialled is live: the round is postponed"
         return dataclasses.replace(result, postponed=True, error=error)
 
-    def _behind_a_run_of_clients(self, round_index: int) -> bool:
-        """Whether we are a client of a run of clients with a helper live (a state can come through
-        it) and a live worker's record shows a round after round ``round_index`` completed (a
-        record counts the rounds completed; one at this round may have postponed it as we would).
-        Without a helper nobody can have averaged, and a client a round behind postpones as the
-        others do, keeping their params."""
-        if not self._peer.client_mode:
-            return False
+    def _run_is_ahead(self, round_index: int) -> bool:
+        """Whether a live worker's record shows a round after round ``round_index`` completed (a
+        record counts the rounds completed; one at this round may have postponed it as we would)."""
         try:
             entries = self._roster.own_entries()
         except Exception:  # the DHT did not answer, or found part of the records: nothing to go on
             logger.debug("roster read failed", exc_info=True)
             return False
         others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
-        if not any(entry.round > round_index + 1 for entry in others):
-            return False
-        return bool(self._helpers()) and self._serving_others() == 0 and self._roster.no_server_seen()
+        return any(entry.round > round_index + 1 for entry in others)
+
+    def _clients_only(self) -> bool:
+        """Whether no live worker serves its state, nor has any since we started: a run of clients."""
+        return self._serving_others() == 0 and self._roster.no_server_seen()
 
     def _serving_others(self) -> int | None:
         live = live_counts(self._roster)

@@ -71,15 +71,17 @@ class _Control:
         self._averager.cancelled += 1
 
 
-def _averaging(averager, *, deadline_s: float) -> HivemindAveraging:
-    roster = SimpleNamespace(
-        stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple
-    )
-    cfg = CommConfig(deadline_s=deadline_s, hivemind=HivemindConfig(request_timeout_s=0.2, matchmaking_s=1.0))
+def _averaging(
+    averager, *, deadline_s: float, matchmaking_s: float = 1.0, client_mode: bool = False, helpers: int = 0, **roster
+) -> HivemindAveraging:
+    """A round's averaging over the scripted ``averager``; ``roster``: what the roster says besides
+    the basics (no stage, nobody missing or gone)."""
+    basics = dict(stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple)
+    hivemind = HivemindConfig(request_timeout_s=0.2, matchmaking_s=matchmaking_s)
     return HivemindAveraging(
-        cfg,
-        peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=False),
-        roster=roster,
+        CommConfig(deadline_s=deadline_s, hivemind=hivemind),
+        peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=client_mode),
+        roster=SimpleNamespace(**basics, **roster),
         offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
         codec=NoCompression(),
         averagers=[averager],
@@ -88,6 +90,7 @@ def _averaging(averager, *, deadline_s: float) -> HivemindAveraging:
         num_workers=2,
         group_size=lambda: 2,
         published=lambda: False,  # no state offered yet (a first round): the refusal alone says it broke
+        helpers=lambda: helpers,
     )
 
 
@@ -126,25 +129,10 @@ def _client_averaging(done_before: int, done_after: int, *, helpers: int) -> tup
         0: SimpleNamespace(round=done[0], leaving=False, serves_state=False),
         1: SimpleNamespace(round=6, leaving=False, serves_state=False),
     }
-    roster = SimpleNamespace(
-        stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple,
+    averaging = _averaging(
+        averager, deadline_s=0.5, matchmaking_s=0.4, client_mode=True, helpers=helpers,
         worker_index=1, no_server_seen=lambda: True, own_entries=own_entries,
     )  # fmt: skip
-    cfg = CommConfig(deadline_s=0.5, hivemind=HivemindConfig(request_timeout_s=0.2, matchmaking_s=0.4))
-    averaging = HivemindAveraging(
-        cfg,
-        peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=True),
-        roster=roster,
-        offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
-        codec=NoCompression(),
-        averagers=[averager],
-        flats=averager.buffers,
-        plane=None,
-        num_workers=2,
-        group_size=lambda: 2,
-        published=lambda: False,
-        helpers=lambda: helpers,
-    )
     return averaging, averager.group_bits
 
 
