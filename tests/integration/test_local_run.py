@@ -119,8 +119,12 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
         assert all(all(w[i]["ok"] for w in both) or any(w[i]["recovered"] for w in both) for i in range(4)), both
     # delayed applies nothing in its first round
     assert all(r["peers"] == 2 or not r["ok"] or r["recovered"] for r in rounds[1:]), rounds
-    if "outer.overlap=streaming" in overlap:
-        assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4  # a fragment at a time
+    # a fragment at a time: no sync sends much more than half of what a whole round sends. A sync
+    # whose first attempt broke and was tried once more (hivemind lost a part) counts both attempts'
+    # bytes, up to a whole model's: that run shows nothing about the fragment's size
+    retried = any("trying once more" in (run_dir / f"worker-{w}.log").read_text() for w in range(2))
+    if "outer.overlap=streaming" in overlap and not retried:
+        assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4, log_tails(run_dir, 2)
 
 
 def _run_with_a_blown_up_sender(run_dir, diloco_cli, *overrides: str) -> None:
