@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 
@@ -125,6 +127,45 @@ def test_overlapped_rounds_over_hivemind_end_on_identical_params(tmp_path, diloc
     retried = any("trying once more" in (run_dir / f"worker-{w}.log").read_text() for w in range(2))
     if "outer.overlap=streaming" in overlap and not retried:
         assert summary["peak_sync_bytes"] < 0.6 * summary["bytes_sent"] / 4, log_tails(run_dir, 2)
+
+
+def _release_when_recorded(run_dir, worker: int, release, stop: threading.Event, timeout_s: float = 120.0) -> None:
+    """Create ``release`` once ``worker`` has recorded its first round (or at ``timeout_s``)."""
+    records, deadline = run_dir / f"worker-{worker}.jsonl", time.monotonic() + timeout_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        if records.exists() and '"event": "round"' in records.read_text():
+            break
+        stop.wait(0.2)  # polling a file another process writes
+    release.touch()
+
+
+def test_a_streaming_worker_that_came_a_whole_average_late_catches_up_instead_of_trailing_for_good(
+    tmp_path, diloco_cli
+):
+    """Worker 2 computes 3 s a step until the others have recorded their first round: it comes to
+    fragment 0's first average after the others averaged it without it (and fragment 1's). It stops
+    looking for those groups once their records say they are done with them, instead of looking
+    until its deadline and arriving a whole average late at every one after (while the others waited
+    their matchmaking window for it at each); it averages with both from then on."""
+    run_dir, release, stop = tmp_path / "run", tmp_path / "release", threading.Event()
+    releaser = threading.Thread(target=_release_when_recorded, args=(run_dir, 0, release, stop))
+    releaser.start()
+    try:
+        done = diloco_cli(
+            "local", "--workers", "3", "--run-dir", str(run_dir), *TINY,
+            "inner.steps=40", "outer.sync_every=10", "outer.overlap=streaming", "outer.fragments=2",
+            "outer.delay_steps=2", "comm.hivemind.matchmaking_s=8", "comm.deadline_s=30",
+            "faults.worker=2", "faults.step_delay_s=3", f"faults.step_delay_until={release}",
+        )  # fmt: skip
+    finally:
+        stop.set()
+        releaser.join()
+    assert done.returncode == 0, done.stdout[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["params_agree"], (summary["param_sha256"], log_tails(run_dir, 3))
+    late = [r for r in read_records(run_dir, 2) if r["event"] == "round"]
+    assert late[-1]["peers"] == 3 and late[-1]["ok"], (late, log_tails(run_dir, 3))
+    assert "done with this round's average" in (run_dir / "worker-2.log").read_text(), log_tails(run_dir, 3)
 
 
 def _run_with_a_blown_up_sender(run_dir, diloco_cli, *overrides: str) -> None:

@@ -2,7 +2,9 @@
 among survivors, and the outer step taken alone when nobody else is left.
 
 Each round is matched under its own DHT key (run id + round number), so a worker that is a round
-behind never averages with the others' newer pseudo-gradients. Rounds wait up to
+behind never averages with the others' newer pseudo-gradients; each worker's roster record says
+which rounds' averages it is done with, so one that came after all the others were done stops
+looking for that round's group at once. Rounds wait up to
 ``comm.hivemind.matchmaking_s`` for the group the roster expects (``roster.py``: the planned
 workers minus those seen gone, plus those that joined) and start at once when it is full. A round
 whose group broke (a peer crashed inside the all-reduce) is tried once more among the survivors,
@@ -136,6 +138,7 @@ class HivemindAveraging(Averaging):
             others_averaged=offers.averaged_in_a_group,
             others_gone=self._others_gone,
             control_s=peer.control_s,
+            others_done=self._others_done,
             model=lambda: roster.model,
         )
         self._was_alone = False
@@ -162,6 +165,7 @@ class HivemindAveraging(Averaging):
                 busy.release()
         finally:
             self.codecs.round_ended()  # the time to the next round is compute
+            self._roster.finished_averaging(fragment, round_index)  # a worker still looking for us stops
 
     def _noted(self, result: SyncResult) -> SyncResult:
         """``result`` with the workers our averagers excluded (``exclusion.py``) and those the roster misses."""
@@ -228,6 +232,17 @@ class HivemindAveraging(Averaging):
             return False
         others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
         return any(entry.round > round_index + 1 for entry in others)
+
+    def _others_done(self, fragment: int, round_index: int) -> bool:
+        """Whether every other live worker's record says it is done with round ``round_index``'s
+        average of ``fragment``: no group of that round will form any more."""
+        try:
+            entries = self._roster.own_entries()
+        except Exception:  # the DHT did not answer, or found part of the records: nothing to go on
+            logger.debug("roster read failed", exc_info=True)
+            return False
+        others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
+        return bool(others) and all(fragment < len(e.averaged) and e.averaged[fragment] > round_index for e in others)
 
     def _clients_only(self) -> bool:
         """Whether no live worker serves its state, nor has any since we started: a run of clients."""

@@ -98,6 +98,7 @@ class Attempt:
     # it grows; None for a retry (where the left-behind meet again: a part of the broken group
     # refused late must not stop it)
     left_before: int | None = None
+    fragment: int = 0  # the fragment of the params it averages
 
     @property
     def group_size(self) -> int:
@@ -107,8 +108,9 @@ class Attempt:
 
 class GroupRound:
     """Runs attempts on one worker's averagers. ``own_id``: our peer's id; ``plane``: the gloo data
-    plane or None; ``stage(name)`` tells the roster what the round is doing; ``others_averaged(round)``
-    and ``others_gone()`` tell a worker still matchmaking that waiting is pointless."""
+    plane or None; ``stage(name)`` tells the roster what the round is doing; ``others_averaged(round)``,
+    ``others_done(fragment, round)`` and ``others_gone()`` tell a worker still matchmaking that
+    waiting is pointless."""
 
     def __init__(
         self,
@@ -121,12 +123,13 @@ class GroupRound:
         others_averaged: Callable[[int], bool],
         others_gone: Callable[[], bool],
         control_s: float,
+        others_done: Callable[[int, int], bool] = lambda fragment, round_index: False,
         model: Callable[[], str] = lambda: "",
     ):
         self.cfg, self.codecs, self.codec = cfg, codecs, codecs.codec
         self._model = model
         self._own_id, self._plane, self._stage = own_id, plane, stage
-        self._others_averaged, self._others_gone = others_averaged, others_gone
+        self._others_averaged, self._others_gone, self._others_done = others_averaged, others_gone, others_done
         self._control_s = control_s
 
     def run(
@@ -203,23 +206,39 @@ class GroupRound:
         plane = self._plane.declaration() if self._plane is not None else {}
         control = averager.step(weight=weight, gather={**declared, **plane}, timeout=at.timeout_s, wait=False)
         return self.await_step(
-            control, at.round_index, limit=at.limit, left_behind=lambda: left_behind_since(averager, at.left_before)
+            control,
+            at.round_index,
+            limit=at.limit,
+            left_behind=lambda: left_behind_since(averager, at.left_before),
+            fragment=at.fragment,
         )
 
-    def await_step(self, control, round_index: int, *, limit: float, left_behind: Callable[[], bool] = lambda: False):
+    def await_step(
+        self,
+        control,
+        round_index: int,
+        *,
+        limit: float,
+        left_behind: Callable[[], bool] = lambda: False,
+        fragment: int = 0,
+    ):
         """The step's result. A worker still looking for a group when a peer already offers the
         round's state averaged in a group (the others went ahead without it: it came late) stops
         looking, instead of matchmaking alone until the deadline; the catch-up then takes that state.
         So does one ``left_behind()``: a leader counted it in a group after it had given up on that
         group (the leader's answer came late), it refused that group's parts, and the group broke:
-        its peers retry among themselves, and so does this worker (``averaging.py``). At ``limit``
-        (monotonic time) it stops waiting whatever hivemind is doing."""
+        its peers retry among themselves, and so does this worker (``averaging.py``). So does one
+        whose every live peer is done with this round's average of ``fragment`` (it came a whole
+        average late: a fragment's averages offer no state to tell). At ``limit`` (monotonic time)
+        it stops waiting whatever hivemind is doing."""
 
         def pointless() -> str:
             if self._others_averaged(round_index):
                 return "the others averaged this round without us"
             if left_behind():
                 return LEFT_BEHIND
+            if self._others_done(fragment, round_index):
+                return "every other live worker is done with this round's average: it went on without us"
             return "no other worker of the run is live" if self._others_gone() else ""
 
         return await_result(control, limit=limit, pointless=pointless, stage=self._stage)

@@ -45,6 +45,9 @@ class RosterEntry:
     peer: str = ""  # its peer's id, clients' too ("" from a worker that did not say)
     layout: tuple = ()  # the shapes it averages, one list per fragment: what a helper reduces (helper.py)
     group: int = 0  # the group its round in progress waits for, helpers included (0 = not said)
+    # per fragment, the rounds whose average it is done with (averaged, failed or given up): it
+    # looks for no group of those any more (() = not said)
+    averaged: tuple[int, ...] = ()
 
 
 class PartialRead(RuntimeError):
@@ -86,6 +89,7 @@ class Roster:
         self.peer_id = peer_id  # our peer's id, announced so that others can name the worker of a peer id
         self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
         self.group = 0  # the group the round in progress waits for, announced for helpers
+        self._averaged: list[int] = []  # per fragment, the rounds whose average we are done with
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
         self._live: set[int] = set()  # the live workers at the last read
@@ -114,6 +118,13 @@ class Roster:
             self._stats = stats
             if declared:
                 self._wake.set()
+
+    def finished_averaging(self, fragment: int, round_index: int) -> None:
+        """This worker is done with round ``round_index``'s average of ``fragment`` (averaged, failed
+        or given up), sent with the next heartbeat: a worker that came late to that round, still
+        looking for its group, stops waiting for us (``HivemindAveraging``)."""
+        self._averaged.extend([0] * (fragment + 1 - len(self._averaged)))
+        self._averaged[fragment] = max(self._averaged[fragment], round_index + 1)
 
     @property
     def model(self) -> str:
@@ -191,6 +202,7 @@ class Roster:
             "peer": self.peer_id,
             "layout": self.layout,
             "group": self.group,
+            "averaged": list(self._averaged),
         }
         expiration = now + self.ttl_s
         try:
@@ -235,6 +247,7 @@ class Roster:
                         str(value.get("peer", "")),
                         _layout(value.get("layout")),
                         int(value.get("group", 0) or 0),
+                        _counts(value.get("averaged")),
                     )
         return entries
 
@@ -313,6 +326,13 @@ def _layout(value) -> tuple:
         return tuple(tuple(tuple(int(n) for n in shape) for shape in fragment) for fragment in value)
     except (TypeError, ValueError):
         return ()
+
+
+def _counts(value) -> tuple[int, ...]:
+    """A record's per-fragment counts (``()`` when it holds none, or not counts: a peer of another version)."""
+    if not isinstance(value, (list, tuple)) or not all(type(count) is int for count in value):
+        return ()
+    return tuple(value)
 
 
 def peer_of(addresses) -> str:

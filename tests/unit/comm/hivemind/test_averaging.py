@@ -4,7 +4,8 @@ group and retries with the others, as the peers of that broken group do (they kn
 their parts), before any state was offered and whatever the others' offers say; a part of that
 group refused late does not stop the retry. A client of a run of clients left out of its group
 postpones the round, unless the run is a whole round ahead of it: its round then fails, and the
-recovery takes the others' state."""
+recovery takes the others' state. A worker that came to a round's average after every other live
+worker was done with it stops looking for its group; each round's end is announced."""
 
 from __future__ import annotations
 
@@ -77,11 +78,12 @@ def _averaging(
     """A round's averaging over the scripted ``averager``; ``roster``: what the roster says besides
     the basics (no stage, nobody missing or gone)."""
     basics = dict(stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple)
+    basics.update(worker_index=1, own_entries=dict, finished_averaging=lambda fragment, round_index: None)
     hivemind = HivemindConfig(request_timeout_s=0.2, matchmaking_s=matchmaking_s)
     return HivemindAveraging(
         CommConfig(deadline_s=deadline_s, hivemind=hivemind),
         peer=SimpleNamespace(peer_id="us", control_s=1.0, client_mode=client_mode),
-        roster=SimpleNamespace(**basics, **roster),
+        roster=SimpleNamespace(**{**basics, **roster}),
         offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
         codec=NoCompression(),
         averagers=[averager],
@@ -126,8 +128,8 @@ def _client_averaging(done_before: int, done_after: int, *, helpers: int) -> tup
 
     averager.step = no_group
     own_entries = lambda: {  # noqa: E731
-        0: SimpleNamespace(round=done[0], leaving=False, serves_state=False),
-        1: SimpleNamespace(round=6, leaving=False, serves_state=False),
+        0: SimpleNamespace(round=done[0], leaving=False, serves_state=False, averaged=()),
+        1: SimpleNamespace(round=6, leaving=False, serves_state=False, averaged=()),
     }
     averaging = _averaging(
         averager, deadline_s=0.5, matchmaking_s=0.4, client_mode=True, helpers=helpers,
@@ -153,3 +155,32 @@ def test_a_client_left_out_postpones_unless_the_run_is_a_round_ahead_with_a_help
     assert not result.ok and result.postponed == postponed, result
     assert ("the run is past round 7 without us" in result.error) != postponed, result.error
     assert looked_under == ([round_group_bits(6)] if looked else []), looked_under
+
+
+@pytest.mark.parametrize(
+    ("averaged", "stops"),
+    [
+        ([(4,), (5, 2)], True),  # every other live worker is done with round 4 of fragment 0
+        ([(4,), (3,)], False),  # worker 2 is not: the group may still form with it
+        ([(4,), ()], False),  # worker 2 does not say (a peer of another version)
+    ],
+)
+def test_a_worker_late_to_a_rounds_average_stops_looking_once_every_other_is_done_with_it(averaged, stops):
+    averager = _LateLeaderAverager(torch.ones(4))
+    averager.step = lambda **kwargs: _Control(averager, [None])  # no group until the round's limit
+    records = {i: SimpleNamespace(round=0, leaving=False, averaged=a) for i, a in zip((0, 2), averaged)}
+    records[1] = SimpleNamespace(round=0, leaving=False, averaged=(3,))  # ours
+    records[3] = SimpleNamespace(round=0, leaving=True, averaged=())  # leaving: not waited for
+    announced = []
+    averaging = _averaging(
+        averager,
+        deadline_s=0.5,
+        own_entries=lambda: records,
+        finished_averaging=lambda fragment, round_index: announced.append((fragment, round_index)),
+    )
+    started = time.monotonic()
+    result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=3, deadline_s=0.5)
+    assert not result.ok
+    assert ("done with this round's average" in result.error) == stops, result.error
+    assert (time.monotonic() - started < 1.0) == stops  # at its first look at the others, not its 1.5 s limit
+    assert announced == [(0, 3)]  # others looking for us stop in turn

@@ -208,6 +208,18 @@ def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_an
     assert _roster(dht, 1, 1).entries()[0].layout == ()
 
 
+def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_with():
+    dht = _FakeDHT()
+    roster = _roster(dht, 0, 1)
+    for fragment, round_index in [(1, 4), (0, 2), (1, 3)]:  # a round done earlier never lowers the count
+        roster.finished_averaging(fragment, round_index)
+    roster._publish()
+    assert _roster(dht, 1, 1).entries()[0].averaged == (3, 5)
+    for bad in (["3"], 7, [True]):  # not counts: a peer of another version says nothing
+        dht.records[0]["averaged"] = bad
+        assert _roster(dht, 1, 1).entries()[0].averaged == ()
+
+
 def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
     announced = threading.Event()
 
