@@ -241,6 +241,8 @@ class HivemindAveraging(Averaging):
         except Exception:  # the DHT did not answer, or found part of the records: nothing to go on
             logger.debug("roster read failed", exc_info=True)
             return False
+        if self._roster.live - set(entries):  # a read that missed a live worker's record: it may be looking
+            return False
         others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
         return bool(others) and all(fragment < len(e.averaged) and e.averaged[fragment] > round_index for e in others)
 
@@ -261,7 +263,8 @@ class HivemindAveraging(Averaging):
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind
         limit = time.monotonic() + round_limit_s(deadline_s)
-        first = Attempt(round_index, 0, expected, deadline_s, limit, helpers, averager.traffic.groups_left_behind())
+        left_before = averager.traffic.groups_left_behind()
+        first = Attempt(round_index, 0, expected, deadline_s, limit, helpers, left_before, fragment=fragment)
         self._roster.group = first.group_size  # announced: a helper waits for the same group
         result = self.group_round.run(averager, flat, tensors, weight, first)
         if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
@@ -275,7 +278,11 @@ class HivemindAveraging(Averaging):
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
             retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
             retry = self.group_round.run(
-                averager, flat, tensors, weight, Attempt(round_index, 1, expected, retry_s, limit, helpers)
+                averager,
+                flat,
+                tensors,
+                weight,
+                Attempt(round_index, 1, expected, retry_s, limit, helpers, fragment=fragment),
             )
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv

@@ -90,6 +90,7 @@ class Roster:
         self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
         self.group = 0  # the group the round in progress waits for, announced for helpers
         self._averaged: list[int] = []  # per fragment, the rounds whose average we are done with
+        self._averaged_lock = threading.Lock()
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
         self._live: set[int] = set()  # the live workers at the last read
@@ -123,8 +124,14 @@ class Roster:
         """This worker is done with round ``round_index``'s average of ``fragment`` (averaged, failed
         or given up), sent with the next heartbeat: a worker that came late to that round, still
         looking for its group, stops waiting for us (``HivemindAveraging``)."""
-        self._averaged.extend([0] * (fragment + 1 - len(self._averaged)))
-        self._averaged[fragment] = max(self._averaged[fragment], round_index + 1)
+        with self._averaged_lock:  # fragments end their averages on threads of their own
+            self._averaged.extend([0] * (fragment + 1 - len(self._averaged)))
+            self._averaged[fragment] = max(self._averaged[fragment], round_index + 1)
+        self._wake.set()  # at once: a worker that came late stops waiting for us a heartbeat sooner
+
+    def _averaged_counts(self) -> list[int]:
+        with self._averaged_lock:
+            return list(self._averaged)
 
     @property
     def model(self) -> str:
@@ -202,7 +209,7 @@ class Roster:
             "peer": self.peer_id,
             "layout": self.layout,
             "group": self.group,
-            "averaged": list(self._averaged),
+            "averaged": self._averaged_counts(),
         }
         expiration = now + self.ttl_s
         try:
@@ -270,6 +277,11 @@ class Roster:
             return False
         now = self._clock()
         return all(now - self._last_seen.get(i, now) >= self.ttl_s for i in self.missing)
+
+    @property
+    def live(self) -> set[int]:
+        """The workers live at the last read of the records (this one included)."""
+        return set(self._live)
 
     @property
     def missing(self) -> set[int]:

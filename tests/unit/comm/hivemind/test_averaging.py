@@ -73,12 +73,19 @@ class _Control:
 
 
 def _averaging(
-    averager, *, deadline_s: float, matchmaking_s: float = 1.0, client_mode: bool = False, helpers: int = 0, **roster
+    averager,
+    *,
+    deadline_s: float,
+    matchmaking_s: float = 1.0,
+    client_mode: bool = False,
+    helpers: int = 0,
+    fragments: int = 1,
+    **roster,
 ) -> HivemindAveraging:
-    """A round's averaging over the scripted ``averager``; ``roster``: what the roster says besides
-    the basics (no stage, nobody missing or gone)."""
+    """A round's averaging over the scripted ``averager`` (the same one for each of ``fragments``);
+    ``roster``: what the roster says besides the basics (no stage, nobody missing or gone)."""
     basics = dict(stage=lambda stage: None, model="", group=0, missing=(), others_gone=lambda: False, workers_of=tuple)
-    basics.update(worker_index=1, own_entries=dict, finished_averaging=lambda fragment, round_index: None)
+    basics.update(worker_index=1, own_entries=dict, live=set(), finished_averaging=lambda fragment, round_index: None)
     hivemind = HivemindConfig(request_timeout_s=0.2, matchmaking_s=matchmaking_s)
     return HivemindAveraging(
         CommConfig(deadline_s=deadline_s, hivemind=hivemind),
@@ -86,8 +93,8 @@ def _averaging(
         roster=SimpleNamespace(**{**basics, **roster}),
         offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
         codec=NoCompression(),
-        averagers=[averager],
-        flats=averager.buffers,
+        averagers=[averager] * fragments,
+        flats=averager.buffers * fragments,
         plane=None,
         num_workers=2,
         group_size=lambda: 2,
@@ -158,14 +165,19 @@ def test_a_client_left_out_postpones_unless_the_run_is_a_round_ahead_with_a_help
 
 
 @pytest.mark.parametrize(
-    ("averaged", "stops"),
+    ("fragment", "averaged", "live", "stops"),
     [
-        ([(4,), (5, 2)], True),  # every other live worker is done with round 4 of fragment 0
-        ([(4,), (3,)], False),  # worker 2 is not: the group may still form with it
-        ([(4,), ()], False),  # worker 2 does not say (a peer of another version)
+        (0, [(4,), (5, 2)], {0, 1, 2}, True),  # every other live worker is done with round 4 of fragment 0
+        (0, [(4,), (3,)], {0, 1, 2}, False),  # worker 2 is not: the group may still form with it
+        (0, [(4,), ()], {0, 1, 2}, False),  # worker 2 does not say (a peer of another version)
+        (0, [(4,), (5,)], {0, 1, 2, 4}, False),  # the read missed worker 4's record, live before
+        (1, [(5, 3), (9, 3)], {0, 1, 2}, False),  # done with fragment 0's round 4, not fragment 1's
+        (1, [(5, 4), (9, 6)], {0, 1, 2}, True),
     ],
 )
-def test_a_worker_late_to_a_rounds_average_stops_looking_once_every_other_is_done_with_it(averaged, stops):
+def test_a_worker_late_to_a_rounds_average_stops_looking_once_every_other_is_done_with_it(
+    fragment, averaged, live, stops
+):
     averager = _LateLeaderAverager(torch.ones(4))
     averager.step = lambda **kwargs: _Control(averager, [None])  # no group until the round's limit
     records = {i: SimpleNamespace(round=0, leaving=False, averaged=a) for i, a in zip((0, 2), averaged)}
@@ -175,12 +187,14 @@ def test_a_worker_late_to_a_rounds_average_stops_looking_once_every_other_is_don
     averaging = _averaging(
         averager,
         deadline_s=0.5,
+        fragments=2,
+        live=live,
         own_entries=lambda: records,
         finished_averaging=lambda fragment, round_index: announced.append((fragment, round_index)),
     )
     started = time.monotonic()
-    result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=3, deadline_s=0.5)
+    result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=3, deadline_s=0.5, fragment=fragment)
     assert not result.ok
     assert ("done with this round's average" in result.error) == stops, result.error
     assert (time.monotonic() - started < 1.0) == stops  # at its first look at the others, not its 1.5 s limit
-    assert announced == [(0, 3)]  # others looking for us stop in turn
+    assert announced == [(fragment, 3)]  # others looking for us stop in turn
