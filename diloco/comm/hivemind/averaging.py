@@ -150,6 +150,7 @@ class HivemindAveraging(Averaging):
     ) -> SyncResult:
         try:
             if self._alone():
+                self._roster.finished_averaging(fragment, round_index)
                 return self._noted(self._average_alone(tensors, weight, round_index=round_index))
             # one average of a fragment at a time: one abandoned by the trainer (PendingAverage.wait) may
             # still hold the averager; the round fails at once rather than queue behind it
@@ -163,9 +164,9 @@ class HivemindAveraging(Averaging):
                 return self._noted(result)
             finally:
                 busy.release()
+                self._roster.finished_averaging(fragment, round_index)  # a worker still looking for us stops
         finally:
             self.codecs.round_ended()  # the time to the next round is compute
-            self._roster.finished_averaging(fragment, round_index)  # a worker still looking for us stops
 
     def _noted(self, result: SyncResult) -> SyncResult:
         """``result`` with the workers our averagers excluded (``exclusion.py``) and those the roster misses."""

@@ -98,7 +98,7 @@ class Attempt:
     # it grows; None for a retry (where the left-behind meet again: a part of the broken group
     # refused late must not stop it)
     left_before: int | None = None
-    fragment: int = 0  # the fragment of the params it averages
+    fragment: int = dataclasses.field(kw_only=True)  # the fragment of the params it averages
 
     @property
     def group_size(self) -> int:
@@ -219,8 +219,8 @@ class GroupRound:
         round_index: int,
         *,
         limit: float,
+        fragment: int,
         left_behind: Callable[[], bool] = lambda: False,
-        fragment: int = 0,
     ):
         """The step's result. A worker still looking for a group when a peer already offers the
         round's state averaged in a group (the others went ahead without it: it came late) stops

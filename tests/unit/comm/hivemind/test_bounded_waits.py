@@ -59,21 +59,21 @@ def test_a_round_that_hivemind_never_ends_stops_at_its_limit(began_allreduce):
     started = time.monotonic()
     stage = "the all-reduce" if began_allreduce else "matchmaking"
     with pytest.raises(TimeoutError, match=f"no result from the averager after 1 s in {stage}"):
-        _group_round().await_step(control, 0, limit=started + 1.0)
+        _group_round().await_step(control, 0, limit=started + 1.0, fragment=0)
     assert control.cancelled and time.monotonic() - started < 5
 
 
 def test_a_round_stops_looking_for_a_group_once_every_other_worker_has_left():
     control = _StuckControl(began_allreduce=False)
     with pytest.raises(TimeoutError, match="no other worker of the run is live"):
-        _group_round(others_gone=lambda: True).await_step(control, 0, limit=time.monotonic() + 30)
+        _group_round(others_gone=lambda: True).await_step(control, 0, limit=time.monotonic() + 30, fragment=0)
     assert control.cancelled
 
 
 def test_a_round_stops_looking_for_a_group_once_it_refused_one_that_counted_it_in_too_late():
     control = _StuckControl(began_allreduce=False)
     with pytest.raises(TimeoutError, match=LEFT_BEHIND):
-        _group_round().await_step(control, 0, limit=time.monotonic() + 30, left_behind=lambda: True)
+        _group_round().await_step(control, 0, limit=time.monotonic() + 30, fragment=0, left_behind=lambda: True)
     assert control.cancelled
 
 

@@ -23,5 +23,5 @@ def test_a_declaration_without_a_model_string_declares_none():
 def test_helpers_are_left_out_of_a_groups_contributors_and_counted_in_its_size():
     gathered = {"a": {"weight": 1.0, "norm": 2.0}, "h": {HELPER: True}, "b": {"weight": 1.0}, "x": b"junk"}
     assert list(contributors(gathered)) == ["a", "b", "x"]  # what is unreadable is screened, not skipped
-    assert Attempt(0, 0, expected=3, timeout_s=1.0, limit=0.0, helpers=2).group_size == 5
-    assert Attempt(0, 0, expected=1, timeout_s=1.0, limit=0.0).group_size == 2  # never a group of one
+    assert Attempt(0, 0, expected=3, timeout_s=1.0, limit=0.0, helpers=2, fragment=0).group_size == 5
+    assert Attempt(0, 0, expected=1, timeout_s=1.0, limit=0.0, fragment=0).group_size == 2  # never a group of one

@@ -220,6 +220,26 @@ def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_wit
         assert _roster(dht, 1, 1).entries()[0].averaged == ()
 
 
+def test_the_end_of_an_average_is_announced_at_once():
+    announced = threading.Event()
+
+    class _Watched(_FakeDHT):
+        def store(self, key, *, subkey, value, expiration_time, return_future):
+            if value["averaged"]:
+                announced.set()
+            return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+
+    roster = _roster(_Watched(), 0, 2)
+    roster.start()
+    try:
+        started = time.monotonic()
+        roster.finished_averaging(0, 0)
+        assert announced.wait(HEARTBEAT_S), "not announced before the next heartbeat"
+        assert time.monotonic() - started < HEARTBEAT_S
+    finally:
+        roster.stop()
+
+
 def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
     announced = threading.Event()
 
