@@ -27,7 +27,7 @@ from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
+from diloco.comm.hivemind.roster import Roster, RosterEntry, live_counts, worker_names
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads
@@ -223,28 +223,31 @@ class HivemindAveraging(Averaging):
             error = "no worker or helper that can be dialled is live: the round is postponed"
         return dataclasses.replace(result, postponed=True, error=error)
 
+    def _records(self) -> tuple[dict[int, RosterEntry], list[RosterEntry]] | None:
+        """One read of the roster: every live worker's record by index (ours included), and the
+        other workers' that are not leaving; None when the DHT did not answer, or found part of them."""
+        try:
+            entries = self._roster.own_entries()
+        except Exception:
+            logger.debug("roster read failed", exc_info=True)
+            return None
+        return entries, [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
+
     def _run_is_ahead(self, round_index: int) -> bool:
         """Whether a live worker's record shows a round after round ``round_index`` completed (a
         record counts the rounds completed; one at this round may have postponed it as we would)."""
-        try:
-            entries = self._roster.own_entries()
-        except Exception:  # the DHT did not answer, or found part of the records: nothing to go on
-            logger.debug("roster read failed", exc_info=True)
-            return False
-        others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
-        return any(entry.round > round_index + 1 for entry in others)
+        read = self._records()
+        return read is not None and any(entry.round > round_index + 1 for entry in read[1])
 
     def _others_done(self, fragment: int, round_index: int) -> bool:
         """Whether every other live worker's record says it is done with round ``round_index``'s
         average of ``fragment``: no group of that round will form any more."""
-        try:
-            entries = self._roster.own_entries()
-        except Exception:  # the DHT did not answer, or found part of the records: nothing to go on
-            logger.debug("roster read failed", exc_info=True)
+        read = self._records()
+        if read is None:
             return False
+        entries, others = read
         if self._roster.live - set(entries):  # a read that missed a live worker's record: it may be looking
             return False
-        others = [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
         return bool(others) and all(fragment < len(e.averaged) and e.averaged[fragment] > round_index for e in others)
 
     def _clients_only(self) -> bool:
