@@ -107,9 +107,11 @@ class Cluster:
 
         self.overrides, self.run_dir, self.slots, self.testbed = list(overrides), run_dir, slots, testbed
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        warm_start.prepare()  # the workers' imports while the bootstrap peer starts
+        warm_start.prepare()  # the imports of the bootstrap peer and the workers, started now
         host = testbed.host if testbed else "127.0.0.1"
-        self.bootstrap, self.peers = start_bootstrap(host=host, timeout_s=120, run_key=run_key)
+        self.bootstrap, self.peers = start_bootstrap(
+            host=host, timeout_s=120, log=self.run_dir / "bootstrap.log", run_key=run_key
+        )
         self.processes: dict[int, Child] = {}
         self.others: list[Child] = []
         self._logs = []

@@ -160,7 +160,7 @@ def run_allreduce(peers: int, rate: float, payload_mb: float, rounds: int, out: 
     log_dir = out / f"allreduce-{peers}peers"
     log_dir.mkdir(parents=True, exist_ok=True)
     with Testbed(peers, up_mbit=rate, down_mbit=rate) as testbed:
-        bootstrap, addresses = start_bootstrap(host=testbed.host, timeout_s=120)
+        bootstrap, addresses = start_bootstrap(host=testbed.host, timeout_s=120, log=log_dir / "bootstrap.log")
         processes = []
         try:
             for i in range(peers):

@@ -19,7 +19,6 @@ import copy
 import json
 import logging
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -169,9 +168,12 @@ def run_local(
     helper_codes: list[int | None] = []
     logs = []
     host = testbed.host if testbed else "127.0.0.1"
-    warm_start.prepare()  # its imports while the bootstrap peer starts
+    warm_start.prepare()  # the imports of the bootstrap peer and the workers, started now
     bootstrap, peers = start_bootstrap(
-        host=host, timeout_s=cfg.comm.hivemind.startup_timeout_s, run_key=cfg.comm.run_key
+        host=host,
+        timeout_s=cfg.comm.hivemind.startup_timeout_s,
+        log=run_dir / "bootstrap.log",
+        run_key=cfg.comm.run_key,
     )
     try:
         print(f"bootstrap peer: {peers[0]}")
@@ -212,21 +214,30 @@ def run_local(
     return 1 if failed else 0
 
 
-def start_child(command: list[str], log, *, testbed: Testbed | None = None, slot: int = 0) -> Child:
+def start_child(
+    command: list[str], log, *, testbed: Testbed | None = None, slot: int = 0, env: dict[str, str] | None = None
+) -> Child:
     """A worker or helper child writing to ``log``, in its own session (a terminal's Ctrl-C reaches
     the launcher only, which stops them in order), dying with the launcher; in ``testbed``'s
-    namespace ``slot``, listening at its address, when given. A ``diloco`` command on this machine
-    is forked from a warm process (``warm_start.py``), which saves it seconds of imports."""
+    namespace ``slot``, listening at its address, when given; with ``env`` added to this process's
+    environment. A ``diloco`` command on this machine is forked from a warm process
+    (``warm_start.py``), which saves it seconds of imports."""
     if testbed is not None:
         command = [*command, f"comm.hivemind.host={testbed.address(slot)}"]
     if warm_start.starts_warm(command):
-        return warm_start.start(command, Path(log.name), netns=testbed.namespace(slot) if testbed else None)
+        return warm_start.start(command, Path(log.name), netns=testbed.namespace(slot) if testbed else None, env=env)
     if testbed is not None:
         command = testbed.command(slot, command)
+    return _fresh_child(command, log, env=env)
+
+
+def _fresh_child(command: list[str], log, *, env: dict[str, str] | None) -> subprocess.Popen:
+    """``command`` as a fresh process in its own session, dying with the launcher, writing to ``log``."""
     return subprocess.Popen(
         command,
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, **env} if env else None,
         start_new_session=True,
         preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
     )
@@ -306,26 +317,26 @@ def run_simulated(cfg: Config, *, workers: int) -> int:
     return 0
 
 
-def start_bootstrap(*, host: str, timeout_s: float, run_key: str = "") -> tuple[subprocess.Popen, list[str]]:
+def start_bootstrap(*, host: str, timeout_s: float, log: Path, run_key: str = "") -> tuple[Child, list[str]]:
     """A ``diloco bootstrap`` child listening on ``host`` (a child, so that it, too, dies with the
-    launcher), holding the run key if there is one; returns it and the address it prints."""
-    env = {**os.environ, RUN_KEY_ENV: run_key} if run_key else None
-    process = subprocess.Popen(
-        [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", host, "--port", "0"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-        preexec_fn=terminate_with_parent if sys.platform == "linux" else None,
-    )
+    launcher), holding the run key if there is one, writing to ``log`` (appended); returns it and
+    the address it prints there. Forked from the warm server when that is up, as the workers are:
+    a fresh one spends seconds on imports, and again on its interpreter's teardown when stopped."""
+    command = [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", host, "--port", "0"]
+    offset = log.stat().st_size if log.exists() else 0  # what an earlier run of this directory left
+    env = {RUN_KEY_ENV: run_key} if run_key else None
+    # a warm server that is up forks it at once; until then a fresh interpreter is up sooner
+    start = start_child if warm_start.starts_at_once() else _fresh_child
+    with log.open("ab") as out:
+        process = start(command, out, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
-        ready, _, _ = select.select([process.stdout], [], [], 0.5)
-        if ready:
-            line = process.stdout.readline()
-            if "initial_peers=" in line:
-                return process, [line.split("['", 1)[1].split("']", 1)[0]]
+        with log.open("rb") as written:
+            written.seek(offset)
+            for line in written.read().decode(errors="replace").splitlines():
+                if "initial_peers=['" in line:
+                    return process, [line.split("['", 1)[1].split("']", 1)[0]]
+        time.sleep(0.05)  # polling the file the bootstrap peer writes its address to
     stop_all([process])
     raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.hivemind.startup_timeout_s)")
 

@@ -13,6 +13,11 @@ it dies (the server exits with the launcher and the child dies with the server),
 exit status and the exit handlers run, and its own of hivemind's process-wide locks
 (``own_hivemind_locks``: the server's would be shared by every child).
 
+A launcher that was itself started so (a test's ``diloco local``) holds the server's imports
+already, and no thread of its own: it forks its children itself rather than start a server of its
+own, which would spend those seconds again. The bootstrap peer of a launcher whose server is up is
+forked too (``launcher.start_bootstrap``).
+
 A command for a testbed's network namespace enters it in the child, as ``ip netns exec`` would
 (``testbed.enter_namespace``). Other platforms, and any launcher run with ``DILOCO_WARM_START=0``,
 start each command as a fresh interpreter: ``launcher.start_child`` picks.
@@ -93,28 +98,37 @@ class WarmChild:
 
 def prepare() -> None:
     """Start this process's server now, so that its imports overlap the caller's other work (the
-    first ``start`` waits for them otherwise). The server exits with this process."""
-    if AVAILABLE:
+    first ``start`` waits for them otherwise). The server exits with this process. A process that
+    was itself started warm needs none: it forks its children itself (``context``)."""
+    if AVAILABLE and not _warm_itself:
         context()
         forkserver.ensure_running()
 
 
 def context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context whose processes this process's warm server forks (Linux only)."""
+    """The multiprocessing context whose processes are this process's warm children (Linux only):
+    forked from its server; forked from itself when it was started warm (a launcher that a test
+    started so): it holds the server's imports, and no thread of its own yet."""
+    if _warm_itself:
+        return multiprocessing.get_context("fork")
     forked = multiprocessing.get_context("forkserver")
     forked.set_forkserver_preload(PRELOAD)
     return forked
 
 
-def start(command: list[str], log: Path, *, netns: str | None = None) -> WarmChild:
-    """Run ``command`` (``starts_warm``) in a child forked from this process's warm server, writing
-    to ``log`` (appended); in the network namespace ``netns`` when given (as ``ip netns exec``).
+def start(command: list[str], log: Path, *, netns: str | None = None, env: dict[str, str] | None = None) -> WarmChild:
+    """Run ``command`` (``starts_warm``) in a warm child (``context``), writing to ``log``
+    (appended); in the network namespace ``netns`` when given (as ``ip netns exec``); with ``env``
+    added to this process's environment.
     Returns once the child is in its own session, as ``Popen(start_new_session=True)`` does."""
     module, args = command[2], command[3:]
     forked = context()
-    forkserver.ensure_running()
-    server = forkserver._forkserver._forkserver_pid
-    environment = (os.getcwd(), dict(os.environ))
+    if _warm_itself:
+        server = os.getpid()
+    else:
+        forkserver.ensure_running()
+        server = forkserver._forkserver._forkserver_pid
+    environment = (os.getcwd(), {**os.environ, **(env or {})})
     process = forked.Process(
         target=_run, args=(module, args, str(Path(log).absolute()), netns, server, *environment), name=module
     )
@@ -128,6 +142,13 @@ def start(command: list[str], log: Path, *, netns: str | None = None) -> WarmChi
 
 
 _started: list[WarmChild] = []
+_warm_itself = False  # whether this process is a warm child (``_run``)
+
+
+def starts_at_once() -> bool:
+    """Whether a warm start is at once: this process forks its children itself, or its server has
+    forked one (its imports are done)."""
+    return _warm_itself or bool(_started)
 
 
 def _wait_for_its_session(child: WarmChild) -> None:
@@ -181,6 +202,9 @@ def _run(module: str, args: list[str], log: str, netns: str | None, server: int,
     """In the forked child: become the command's process, run ``python -m module args`` as the
     interpreter would (``runpy``), end as it would: non-daemon threads joined, then the exit
     handlers, with the command's status."""
+    global _warm_itself
+    _warm_itself = True
+    _started.clear()  # forked from a launcher (``context``): its other children are not ours to stop
     _untie_from_the_server()
     own_hivemind_locks()
     os.setsid()

@@ -50,7 +50,7 @@ def _train_two_sites_once(folder, *extra: str):
     """Two sites of two ranks each, through a bootstrap peer; returns the run directory."""
     run_dir = folder / "sites"
     run_dir.mkdir(parents=True)
-    bootstrap, peers = start_bootstrap(host="127.0.0.1", timeout_s=60)
+    bootstrap, peers = start_bootstrap(host="127.0.0.1", timeout_s=60, log=run_dir / "bootstrap.log")
     sites = []
     try:
         sites = _run_sites(run_dir, peers[0], list(extra))
