@@ -403,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
-        force=True,  # a command forked from a launcher (tools/warm_start.py) sets its own
     )
     logging.getLogger("hivemind").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
     os.environ.setdefault("WANDB_SILENT", "true")

@@ -15,6 +15,7 @@ an overlapped round's pending average  the same, counted from when the worker wa
 the averager's tensors, its commands   ``control_limit_s``: ``comm.hivemind.request_timeout_s``
                                        x 3, >= 10 s
 one DHT read or write (roster, offers) ``control_limit_s``
+the gloo data plane's rendezvous       ``control_limit_s`` (then its all-reduce: ``comm.deadline_s``)
 a state download (catch-up, joining)   ``comm.deadline_s``
 the end-of-run linger (``finish``)     ``comm.hivemind.matchmaking_s``
 a site's collectives (torchrun)        ``site_limit_s``: a round, a state download and 30 s

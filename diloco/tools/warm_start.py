@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.forkserver as forkserver
 import os
@@ -204,7 +205,9 @@ def _run(module: str, args: list[str], log: str, netns: str | None, server: int,
     handlers, with the command's status."""
     global _warm_itself
     _warm_itself = True
-    _started.clear()  # forked from a launcher (``context``): its other children are not ours to stop
+    _started.clear()  # forked from a launcher (``context``): its other children are not ours to stop,
+    for handler in logging.root.handlers[:]:  # nor its logging ours: the command sets its own
+        logging.root.removeHandler(handler)
     _untie_from_the_server()
     own_hivemind_locks()
     os.setsid()

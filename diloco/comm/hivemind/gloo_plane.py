@@ -92,6 +92,7 @@ class DataPlane:
         """Sum ``flat`` (contiguous fp32) in place over the group whose peers gathered
         ``gathered`` (peer -> data, in the group's order, ``own`` among them). Raises on any failure
         (a peer gone, a timeout): ``flat`` then holds no meaningful values."""
+        from torch._C._distributed_c10d import AllreduceOptions
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
         peers = list(gathered)
@@ -106,11 +107,16 @@ class DataPlane:
                 else TCPStore(leader_host, int(leader_port), is_master=False, timeout=self._connect)
             )
             options = ProcessGroupGloo._Options()
-            options._timeout = self._timeout
+            # the group's rendezvous: hivemind gathered every peer a moment ago, so one that is not
+            # there within the connect bound never comes (a follower that gave up on the group
+            # its leader counted it in): the round fails then, not after the whole deadline
+            options._timeout = self._connect
             options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
             group = ProcessGroupGloo(PrefixStore(name, store), rank, len(peers), options)
+            reduce = AllreduceOptions()
+            reduce.timeout = self._timeout  # the all-reduce itself: the deadline
             try:
-                group.allreduce([flat]).wait()
+                group.allreduce([flat], reduce).wait()
             finally:
                 del group
         except Exception:
