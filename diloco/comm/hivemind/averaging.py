@@ -205,8 +205,8 @@ class HivemindAveraging(Averaging):
         if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
             return result
         helpers = self._helpers()
-        if helpers and self._run_is_ahead(round_index):  # the others went on while we looked for a group
-            return dataclasses.replace(result, error=behind)
+        if helpers and (self._run_is_ahead(round_index) or self._others_averaged(fragment, round_index)):
+            return dataclasses.replace(result, error=behind)  # the others went on while we looked for a group
         # a client, no group, and no worker that could reduce: the clients in the same place (a
         # helper, if any, is gone or late, or its group formed without us) all postpone alike;
         # without a helper nobody can have averaged, a client a round behind included
@@ -217,10 +217,11 @@ class HivemindAveraging(Averaging):
                 "forward a port and set comm.hivemind.announce_host, or start one worker on a public address, "
                 "or a helper (diloco helper) there"
             )
-        if helpers:  # its group formed without us, or broke: the others' state comes through the helper
+        if helpers:  # the helper is gone or late: the others find no group either
             error = "no group with a helper found: the round is postponed"
         else:
             error = "no worker or helper that can be dialled is live: the round is postponed"
+        self._roster.postponed_averaging(fragment, round_index)
         return dataclasses.replace(result, postponed=True, error=error)
 
     def _records(self) -> tuple[dict[int, RosterEntry], list[RosterEntry]] | None:
@@ -249,6 +250,18 @@ class HivemindAveraging(Averaging):
         if self._roster.live - set(entries):  # a read that missed a live worker's record: it may be looking
             return False
         return bool(others) and all(fragment < len(e.averaged) and e.averaged[fragment] > round_index for e in others)
+
+    def _others_averaged(self, fragment: int, round_index: int) -> bool:
+        """Whether a live worker's record says it is done with round ``round_index``'s average of
+        ``fragment`` and did not postpone it: a group of that round formed without us (at the run's
+        last round there is no next round to meet it in). One that does not say: not known."""
+        read = self._records()
+        return read is not None and any(
+            fragment < min(len(e.averaged), len(e.postponed))
+            and e.averaged[fragment] > round_index
+            and e.postponed[fragment] <= round_index
+            for e in read[1]
+        )
 
     def _clients_only(self) -> bool:
         """Whether no live worker serves its state, nor has any since we started: a run of clients."""

@@ -48,6 +48,10 @@ class RosterEntry:
     # per fragment, the rounds whose average it is done with (averaged, failed or given up): it
     # looks for no group of those any more (() = not said)
     averaged: tuple[int, ...] = ()
+    # per fragment, the last round it postponed (nobody could reduce it for it), plus one (0 = none;
+    # () = not said): a client that found no group tells apart others that postponed the round too
+    # from others that averaged it without it
+    postponed: tuple[int, ...] = ()
 
 
 class PartialRead(RuntimeError):
@@ -90,6 +94,7 @@ class Roster:
         self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
         self.group = 0  # the group the round in progress waits for, announced for helpers
         self._averaged: list[int] = []  # per fragment, the rounds whose average we are done with
+        self._postponed: list[int] = []  # per fragment, the last round we postponed, plus one
         self._averaged_lock = threading.Lock()
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
@@ -129,9 +134,18 @@ class Roster:
             self._averaged[fragment] = max(self._averaged[fragment], round_index + 1)
         self._wake.set()  # at once: a worker that came late stops waiting for us a heartbeat sooner
 
-    def _averaged_counts(self) -> list[int]:
+    def postponed_averaging(self, fragment: int, round_index: int) -> None:
+        """This worker postponed round ``round_index``'s average of ``fragment`` (no group with a
+        helper, in a run of clients), announced with ``finished_averaging``'s."""
         with self._averaged_lock:
-            return list(self._averaged)
+            self._postponed.extend([0] * (fragment + 1 - len(self._postponed)))
+            self._postponed[fragment] = max(self._postponed[fragment], round_index + 1)
+
+    def _averaged_counts(self) -> tuple[list[int], list[int]]:
+        """The per-fragment counts of rounds done with (averaged, failed or given up) and postponed."""
+        with self._averaged_lock:
+            done = list(self._averaged)
+            return done, list(self._postponed) + [0] * (len(done) - len(self._postponed))
 
     @property
     def model(self) -> str:
@@ -191,6 +205,7 @@ class Roster:
 
         now = get_dht_time()
         phase, since = self._phase
+        averaged, postponed = self._averaged_counts()
         if phase == "averaging" and self._stage is not None:
             phase = self._stage
         value = {
@@ -209,7 +224,8 @@ class Roster:
             "peer": self.peer_id,
             "layout": self.layout,
             "group": self.group,
-            "averaged": self._averaged_counts(),
+            "averaged": averaged,
+            "postponed": postponed,
         }
         expiration = now + self.ttl_s
         try:
@@ -255,6 +271,7 @@ class Roster:
                         _layout(value.get("layout")),
                         int(value.get("group", 0) or 0),
                         _counts(value.get("averaged")),
+                        _counts(value.get("postponed")),
                     )
         return entries
 

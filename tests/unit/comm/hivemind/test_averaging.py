@@ -122,26 +122,32 @@ def test_a_worker_that_refused_no_group_does_not_retry_a_round_that_found_no_gro
     assert not result.ok and averager.group_bits == [round_group_bits(6)]
 
 
-def _client_averaging(done_before: int, done_after: int, *, helpers: int) -> tuple[HivemindAveraging, list]:
+def _client_averaging(
+    done_before: int, done_after: int, *, helpers: int, averaged: tuple = (), postponed: tuple = ()
+) -> tuple[HivemindAveraging, list]:
     """A client of a run of clients (``helpers`` live) whose round finds no group, and the group keys
     it looked under; the other live worker's record shows ``done_before`` rounds done until the
-    client starts looking for a group, ``done_after`` from then on. Ours shows 6."""
+    client starts looking for a group, ``done_after`` from then on, and once it looks, the
+    ``averaged`` and ``postponed`` counts given. Ours shows 6. What we postponed: ``.postponed``."""
     averager = _LateLeaderAverager(torch.ones(4))
-    done = [done_before]
+    other = SimpleNamespace(round=done_before, leaving=False, serves_state=False, averaged=(), postponed=())
 
     def no_group(**kwargs):
-        done[0] = done_after
+        other.round, other.averaged, other.postponed = done_after, averaged, postponed
         return _Control(averager, [None])  # no group until the round's limit
 
     averager.step = no_group
     own_entries = lambda: {  # noqa: E731
-        0: SimpleNamespace(round=done[0], leaving=False, serves_state=False, averaged=()),
-        1: SimpleNamespace(round=6, leaving=False, serves_state=False, averaged=()),
+        0: other,
+        1: SimpleNamespace(round=6, leaving=False, serves_state=False, averaged=(), postponed=()),
     }
+    ours = []
     averaging = _averaging(
         averager, deadline_s=0.5, matchmaking_s=0.4, client_mode=True, helpers=helpers,
         worker_index=1, no_server_seen=lambda: True, own_entries=own_entries,
+        postponed_averaging=lambda fragment, round_index: ours.append((fragment, round_index)),
     )  # fmt: skip
+    averaging.postponed = ours
     return averaging, averager.group_bits
 
 
@@ -162,6 +168,27 @@ def test_a_client_left_out_postpones_unless_the_run_is_a_round_ahead_with_a_help
     assert not result.ok and result.postponed == postponed, result
     assert ("the run is past round 7 without us" in result.error) != postponed, result.error
     assert looked_under == ([round_group_bits(6)] if looked else []), looked_under
+    assert averaging.postponed == ([(0, 6)] if postponed else []), averaging.postponed  # announced
+
+
+@pytest.mark.parametrize(
+    ("averaged", "postponed", "behind"),
+    [
+        ((7,), (0,), True),  # done with round 7 and did not postpone it: a group formed without us
+        ((7,), (7,), False),  # postponed round 7 as we do: every client alike
+        ((6,), (0,), False),  # still looking for round 7's group: it may postpone it too
+        ((), (), False),  # a peer of another version says nothing: not known
+    ],
+)
+def test_a_client_left_out_of_a_group_that_averaged_its_round_takes_the_state_instead_of_postponing(
+    averaged, postponed, behind
+):
+    # the other client's record shows round 7 done either way (it counts a postponed round too): at
+    # the run's last round nothing tells them apart but what the records say of the average
+    averaging, _ = _client_averaging(6, 7, helpers=1, averaged=averaged, postponed=postponed)
+    result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=0.5)
+    assert not result.ok and result.postponed != behind, result
+    assert ("the run is past round 7 without us" in result.error) == behind, result.error
 
 
 @pytest.mark.parametrize(

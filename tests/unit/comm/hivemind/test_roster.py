@@ -208,16 +208,19 @@ def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_an
     assert _roster(dht, 1, 1).entries()[0].layout == ()
 
 
-def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_with():
+def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_with_and_the_last_it_postponed():
     dht = _FakeDHT()
     roster = _roster(dht, 0, 1)
     for fragment, round_index in [(1, 4), (0, 2), (1, 3)]:  # a round done earlier never lowers the count
         roster.finished_averaging(fragment, round_index)
+    roster.postponed_averaging(1, 3)
     roster._publish()
-    assert _roster(dht, 1, 1).entries()[0].averaged == (3, 5)
+    entry = _roster(dht, 1, 1).entries()[0]
+    assert entry.averaged == (3, 5) and entry.postponed == (0, 4)  # one count per fragment each
     for bad in (["3"], 7, [True]):  # not counts: a peer of another version says nothing
-        dht.records[0]["averaged"] = bad
-        assert _roster(dht, 1, 1).entries()[0].averaged == ()
+        dht.records[0]["averaged"] = dht.records[0]["postponed"] = bad
+        entry = _roster(dht, 1, 1).entries()[0]
+        assert entry.averaged == () and entry.postponed == ()
 
 
 def test_the_end_of_an_average_is_announced_at_once():
