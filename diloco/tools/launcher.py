@@ -320,8 +320,9 @@ def run_simulated(cfg: Config, *, workers: int) -> int:
 def start_bootstrap(*, host: str, timeout_s: float, log: Path, run_key: str = "") -> tuple[Child, list[str]]:
     """A ``diloco bootstrap`` child listening on ``host`` (a child, so that it, too, dies with the
     launcher), holding the run key if there is one, writing to ``log`` (appended); returns it and
-    the address it prints there. Forked from the warm server when that is up, as the workers are:
-    a fresh one spends seconds on imports, and again on its interpreter's teardown when stopped."""
+    the address it prints there. Forked warm when that is at once (``warm_start.starts_at_once``),
+    as the workers are: a fresh one spends seconds on imports, and again on its interpreter's
+    teardown when stopped."""
     command = [sys.executable, "-m", "diloco.cli", "bootstrap", "--host", host, "--port", "0"]
     offset = log.stat().st_size if log.exists() else 0  # what an earlier run of this directory left
     env = {RUN_KEY_ENV: run_key} if run_key else None
@@ -334,11 +335,16 @@ def start_bootstrap(*, host: str, timeout_s: float, log: Path, run_key: str = ""
         with log.open("rb") as written:
             written.seek(offset)
             for line in written.read().decode(errors="replace").splitlines():
-                if "initial_peers=['" in line:
+                if "initial_peers=['" in line and "']" in line:  # a whole line, not one half written
                     return process, [line.split("['", 1)[1].split("']", 1)[0]]
         time.sleep(0.05)  # polling the file the bootstrap peer writes its address to
+    exited = process.poll()
     stop_all([process])
-    raise CommError(f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.hivemind.startup_timeout_s)")
+    if exited is not None:
+        raise CommError(f"the bootstrap peer exited (code {exited}); see {log}")
+    raise CommError(
+        f"the bootstrap peer did not start within {timeout_s:.0f} s (comm.hivemind.startup_timeout_s); see {log}"
+    )
 
 
 def _state(child: Child) -> str:

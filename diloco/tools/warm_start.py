@@ -14,9 +14,10 @@ exit status and the exit handlers run, and its own of hivemind's process-wide lo
 (``own_hivemind_locks``: the server's would be shared by every child).
 
 A launcher that was itself started so (a test's ``diloco local``) holds the server's imports
-already, and no thread of its own: it forks its children itself rather than start a server of its
-own, which would spend those seconds again. The bootstrap peer of a launcher whose server is up is
-forked too (``launcher.start_bootstrap``).
+already: with no other thread running and a torch without CUDA, it forks its children itself
+rather than start a server of its own, which would spend those seconds again. A launcher that
+forks its workers at once, itself or through a server that is up, forks its bootstrap peer too
+(``launcher.start_bootstrap``).
 
 A command for a testbed's network namespace enters it in the child, as ``ip netns exec`` would
 (``testbed.enter_namespace``). Other platforms, and any launcher run with ``DILOCO_WARM_START=0``,
@@ -101,16 +102,15 @@ def prepare() -> None:
     """Start this process's server now, so that its imports overlap the caller's other work (the
     first ``start`` waits for them otherwise). The server exits with this process. A process that
     was itself started warm needs none: it forks its children itself (``context``)."""
-    if AVAILABLE and not _warm_itself:
+    if AVAILABLE and not _forks_itself():
         context()
         forkserver.ensure_running()
 
 
 def context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context whose processes are this process's warm children (Linux only):
-    forked from its server; forked from itself when it was started warm (a launcher that a test
-    started so): it holds the server's imports, and no thread of its own yet."""
-    if _warm_itself:
+    forked from its server, or from itself (``_forks_itself``)."""
+    if _forks_itself():
         return multiprocessing.get_context("fork")
     forked = multiprocessing.get_context("forkserver")
     forked.set_forkserver_preload(PRELOAD)
@@ -124,7 +124,7 @@ def start(command: list[str], log: Path, *, netns: str | None = None, env: dict[
     Returns once the child is in its own session, as ``Popen(start_new_session=True)`` does."""
     module, args = command[2], command[3:]
     forked = context()
-    if _warm_itself:
+    if forked.get_start_method() == "fork":
         server = os.getpid()
     else:
         forkserver.ensure_running()
@@ -149,7 +149,17 @@ _warm_itself = False  # whether this process is a warm child (``_run``)
 def starts_at_once() -> bool:
     """Whether a warm start is at once: this process forks its children itself, or its server has
     forked one (its imports are done)."""
-    return _warm_itself or bool(_started)
+    return _forks_itself() or bool(_started)
+
+
+def _forks_itself() -> bool:
+    """Whether this process forks its warm children itself rather than through a server: it was
+    started warm (a launcher a test started so: it holds the server's imports), it runs no other
+    thread, and its torch has no CUDA (a CUDA driver that a process initialised, even to ask
+    whether there is a GPU, is unusable in its forked children)."""
+    torch = sys.modules.get("torch")
+    no_cuda = torch is None or not torch.backends.cuda.is_built()
+    return _warm_itself and no_cuda and threading.active_count() == 1
 
 
 def _wait_for_its_session(child: WarmChild) -> None:
@@ -211,7 +221,7 @@ def _run(module: str, args: list[str], log: str, netns: str | None, server: int,
     _untie_from_the_server()
     own_hivemind_locks()
     os.setsid()
-    die_with_parent(signal.SIGTERM, parent_pid=server)  # the server, which exits when the launcher does
+    die_with_parent(signal.SIGTERM, parent_pid=server)  # the server (it exits with the launcher), or the launcher
     descriptor = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)

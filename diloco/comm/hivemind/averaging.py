@@ -205,8 +205,8 @@ class HivemindAveraging(Averaging):
         if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
             return result
         helpers = self._helpers()
-        if helpers and (self._run_is_ahead(round_index) or self._others_averaged(fragment, round_index)):
-            return dataclasses.replace(result, error=behind)  # the others went on while we looked for a group
+        if helpers and self._others_went_on(fragment, round_index):  # while we looked for a group
+            return dataclasses.replace(result, error=behind)
         # a client, no group, and no worker that could reduce: the clients in the same place (a
         # helper, if any, is gone or late, or its group formed without us) all postpone alike;
         # without a helper nobody can have averaged, a client a round behind included
@@ -251,16 +251,21 @@ class HivemindAveraging(Averaging):
             return False
         return bool(others) and all(fragment < len(e.averaged) and e.averaged[fragment] > round_index for e in others)
 
-    def _others_averaged(self, fragment: int, round_index: int) -> bool:
-        """Whether a live worker's record says it is done with round ``round_index``'s average of
-        ``fragment`` and did not postpone it: a group of that round formed without us (at the run's
-        last round there is no next round to meet it in). One that does not say: not known."""
+    def _others_went_on(self, fragment: int, round_index: int) -> bool:
+        """Whether, in one roster read, a live worker's record shows a later round done, or says it
+        is done with round ``round_index``'s average of ``fragment`` without having postponed it
+        (it averaged, or its round failed: either way it took an outer step that a postponed round
+        would not), so that postponing ours would leave our params apart from its (at the run's
+        last round for good). A record that does not say: not known."""
         read = self._records()
         return read is not None and any(
-            fragment < min(len(e.averaged), len(e.postponed))
-            and e.averaged[fragment] > round_index
-            and e.postponed[fragment] <= round_index
-            for e in read[1]
+            entry.round > round_index + 1
+            or (
+                fragment < min(len(entry.averaged), len(entry.postponed))
+                and entry.averaged[fragment] > round_index
+                and entry.postponed[fragment] <= round_index
+            )
+            for entry in read[1]
         )
 
     def _clients_only(self) -> bool:

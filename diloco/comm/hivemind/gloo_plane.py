@@ -37,6 +37,7 @@ from diloco.compression import Codec
 logger = logging.getLogger(__name__)
 
 _ENDPOINT, _NONCE = "plane", "nonce"
+_ARRIVED = "arrived/"  # a round's rendezvous: each peer's key under the group's prefix
 _GIVE_UP_AFTER = 2  # failures in a row after which this worker stops declaring its endpoint
 
 
@@ -92,7 +93,6 @@ class DataPlane:
         """Sum ``flat`` (contiguous fp32) in place over the group whose peers gathered
         ``gathered`` (peer -> data, in the group's order, ``own`` among them). Raises on any failure
         (a peer gone, a timeout): ``flat`` then holds no meaningful values."""
-        from torch._C._distributed_c10d import AllreduceOptions
         from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
         peers = list(gathered)
@@ -101,22 +101,23 @@ class DataPlane:
         name = hashlib.sha256("".join(str(d.get(_NONCE, "")) for d in declared).encode()).hexdigest()[:32]
         try:
             leader_host, leader_port = str(declared[0][_ENDPOINT]).rsplit(":", 1)
-            store = (
+            store = PrefixStore(
+                name,
                 self._store
                 if rank == 0
-                else TCPStore(leader_host, int(leader_port), is_master=False, timeout=self._connect)
+                else TCPStore(leader_host, int(leader_port), is_master=False, timeout=self._connect),
             )
-            options = ProcessGroupGloo._Options()
-            # the group's rendezvous: hivemind gathered every peer a moment ago, so one that is not
-            # there within the connect bound never comes (a follower that gave up on the group
+            # the group's rendezvous first: hivemind gathered every peer a moment ago, so one that is
+            # not there within the connect bound never comes (a follower that gave up on the group
             # its leader counted it in): the round fails then, not after the whole deadline
-            options._timeout = self._connect
+            store.set(f"{_ARRIVED}{rank}", "1")
+            store.wait([f"{_ARRIVED}{i}" for i in range(len(peers))], self._connect)
+            options = ProcessGroupGloo._Options()
+            options._timeout = self._timeout  # the all-reduce: the deadline
             options._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-            group = ProcessGroupGloo(PrefixStore(name, store), rank, len(peers), options)
-            reduce = AllreduceOptions()
-            reduce.timeout = self._timeout  # the all-reduce itself: the deadline
+            group = ProcessGroupGloo(store, rank, len(peers), options)
             try:
-                group.allreduce([flat], reduce).wait()
+                group.allreduce([flat]).wait()
             finally:
                 del group
         except Exception:

@@ -136,7 +136,7 @@ class Roster:
 
     def postponed_averaging(self, fragment: int, round_index: int) -> None:
         """This worker postponed round ``round_index``'s average of ``fragment`` (no group with a
-        helper, in a run of clients), announced with ``finished_averaging``'s."""
+        helper, in a run of clients). Called before ``finished_averaging``, which announces both."""
         with self._averaged_lock:
             self._postponed.extend([0] * (fragment + 1 - len(self._postponed)))
             self._postponed[fragment] = max(self._postponed[fragment], round_index + 1)

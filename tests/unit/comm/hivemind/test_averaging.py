@@ -175,12 +175,13 @@ def test_a_client_left_out_postpones_unless_the_run_is_a_round_ahead_with_a_help
     ("averaged", "postponed", "behind"),
     [
         ((7,), (0,), True),  # done with round 7 and did not postpone it: a group formed without us
+        ((7,), (6,), True),  # it postponed round 6, not round 7
         ((7,), (7,), False),  # postponed round 7 as we do: every client alike
         ((6,), (0,), False),  # still looking for round 7's group: it may postpone it too
         ((), (), False),  # a peer of another version says nothing: not known
     ],
 )
-def test_a_client_left_out_of_a_group_that_averaged_its_round_takes_the_state_instead_of_postponing(
+def test_a_client_whose_round_another_did_not_postpone_takes_the_state_instead_of_postponing(
     averaged, postponed, behind
 ):
     # the other client's record shows round 7 done either way (it counts a postponed round too): at

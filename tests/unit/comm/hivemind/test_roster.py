@@ -213,6 +213,9 @@ def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_wit
     roster = _roster(dht, 0, 1)
     for fragment, round_index in [(1, 4), (0, 2), (1, 3)]:  # a round done earlier never lowers the count
         roster.finished_averaging(fragment, round_index)
+    roster._publish()
+    entry = _roster(dht, 1, 1).entries()[0]
+    assert entry.averaged == (3, 5) and entry.postponed == (0, 0)  # said: none postponed, not "not said"
     roster.postponed_averaging(1, 3)
     roster._publish()
     entry = _roster(dht, 1, 1).entries()[0]
