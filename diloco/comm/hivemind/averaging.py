@@ -235,10 +235,9 @@ class HivemindAveraging(Averaging):
         return entries, [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
 
     def _run_is_ahead(self, round_index: int) -> bool:
-        """Whether a live worker's record shows a round after round ``round_index`` completed (a
-        record counts the rounds completed; one at this round may have postponed it as we would)."""
+        """Whether a live worker's record shows a round after round ``round_index`` completed (``_past``)."""
         read = self._records()
-        return read is not None and any(entry.round > round_index + 1 for entry in read[1])
+        return read is not None and any(_past(entry, round_index) for entry in read[1])
 
     def _others_done(self, fragment: int, round_index: int) -> bool:
         """Whether every other live worker's record says it is done with round ``round_index``'s
@@ -259,7 +258,7 @@ class HivemindAveraging(Averaging):
         last round for good). A record that does not say: not known."""
         read = self._records()
         return read is not None and any(
-            entry.round > round_index + 1
+            _past(entry, round_index)
             or (
                 fragment < min(len(entry.averaged), len(entry.postponed))
                 and entry.averaged[fragment] > round_index
@@ -390,3 +389,9 @@ def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(a.traffic.serving() for a in averagers) and time.monotonic() < deadline:
         time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
+
+
+def _past(entry: RosterEntry, round_index: int) -> bool:
+    """Whether a worker's record shows a round after round ``round_index`` completed (a record
+    counts the rounds completed; one at this round may have postponed it as we would)."""
+    return entry.round > round_index + 1

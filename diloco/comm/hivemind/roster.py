@@ -130,16 +130,14 @@ class Roster:
         or given up), sent with the next heartbeat: a worker that came late to that round, still
         looking for its group, stops waiting for us (``HivemindAveraging``)."""
         with self._averaged_lock:  # fragments end their averages on threads of their own
-            self._averaged.extend([0] * (fragment + 1 - len(self._averaged)))
-            self._averaged[fragment] = max(self._averaged[fragment], round_index + 1)
+            _count_up(self._averaged, fragment, round_index)
         self._wake.set()  # at once: a worker that came late stops waiting for us a heartbeat sooner
 
     def postponed_averaging(self, fragment: int, round_index: int) -> None:
         """This worker postponed round ``round_index``'s average of ``fragment`` (no group with a
         helper, in a run of clients). Called before ``finished_averaging``, which announces both."""
         with self._averaged_lock:
-            self._postponed.extend([0] * (fragment + 1 - len(self._postponed)))
-            self._postponed[fragment] = max(self._postponed[fragment], round_index + 1)
+            _count_up(self._postponed, fragment, round_index)
 
     def _averaged_counts(self) -> tuple[list[int], list[int]]:
         """The per-fragment counts of rounds done with (averaged, failed or given up) and postponed."""
@@ -355,6 +353,12 @@ def _layout(value) -> tuple:
         return tuple(tuple(tuple(int(n) for n in shape) for shape in fragment) for fragment in value)
     except (TypeError, ValueError):
         return ()
+
+
+def _count_up(counts: list[int], fragment: int, round_index: int) -> None:
+    """``counts[fragment]`` (one count per fragment, 0 where none yet) raised to past ``round_index``."""
+    counts.extend([0] * (fragment + 1 - len(counts)))
+    counts[fragment] = max(counts[fragment], round_index + 1)
 
 
 def _counts(value) -> tuple[int, ...]:
