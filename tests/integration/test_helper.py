@@ -80,20 +80,24 @@ def test_a_run_of_clients_averages_through_helpers_relays_a_state_and_outlives_a
     helper_logs = [(run_dir / f"helper-{h}.log").read_text() for h in range(2)]
     assert killed and killed[0], helper_logs[0][-3000:]
     reduced = [_reduced(log) for log in helper_logs]
+    kill_round = max(killed[0])
+    tails = "\n".join(log[-2000:] for log in helper_logs)
+    seen = f"round: workers reduced, by helper: {reduced}; helper 0 killed after round {kill_round}\n{tails}"
     # the helpers reduce parts of each round for all three workers (for two in the round sat out);
-    # after the kill, helper 1 alone
+    # after the kill, helper 1 alone, and a round after it may group only two workers: the killed
+    # helper's record lives on for a heartbeat TTL, and a worker that picked it is left out
     for by_round in reduced:
-        assert all(w == (2 if r == SKIPPED else 3) for r, w in by_round.items()), helper_logs
-    after_kill = [r for r in reduced[1] if r > max(killed[0])]
-    assert len(after_kill) >= 2, helper_logs[1][-3000:]
+        for r, w in by_round.items():
+            assert w == 2 if r == SKIPPED else (w in (2, 3) if r > kill_round else w == 3), seen
+    after_kill = [r for r in reduced[1] if r > kill_round]
+    assert len(after_kill) >= 2, seen
     # the state after the last round, sat out by worker 2, went through helper 1: a client uploaded it
     # (the clients stay after their last round while one is behind), worker 2 took it
     assert any(f"holding the state after round {SKIPPED} uploaded" in log for log in helper_logs), helper_logs
     assert "took the state of a peer (2 peers)" in (run_dir / "worker-2.log").read_text()
     # the helpers start once the workers announce what they average: they may miss the first round
     first = min([*reduced[0], *reduced[1]])
-    assert first <= 2, helper_logs
-    kill_round = max(killed[0])
+    assert first <= 2, seen
     rounds = [round_records(run_dir, worker) for worker in range(3)]
     for worker in range(3):
         log = (run_dir / f"worker-{worker}.log").read_text()
