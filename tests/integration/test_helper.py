@@ -67,11 +67,11 @@ def test_a_run_of_clients_averages_through_helpers_relays_a_state_and_outlives_a
     try:
         done = diloco_cli(
             "testbed", "--workers", "3", "--nat", "0,1,2", "--helpers", "2", "--run-dir", str(run_dir),
-            *FAST, f"inner.steps={SKIPPED * 20}", "outer.sync_every=20", "comm.hivemind.matchmaking_s=10",
+            *FAST, f"inner.steps={SKIPPED * 20}", "outer.sync_every=20", "comm.hivemind.matchmaking_s=7",
             "comm.deadline_s=30", "faults.worker=2", f"faults.skip_round={SKIPPED}",
-            # the killed helper's record is gone 8 s after its last heartbeat: only the round it was
-            # killed before waits the matchmaking window for it
-            "comm.hivemind.heartbeat_s=2",
+            # the killed helper's record is gone 6 s after its last heartbeat: only the round it was
+            # killed before waits the matchmaking window for it (as the last round waits for worker 2)
+            "comm.hivemind.heartbeat_s=1.5",
         )  # fmt: skip
     finally:
         stop.set()

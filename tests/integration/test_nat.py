@@ -40,7 +40,7 @@ def test_workers_behind_nat_average_with_a_public_one_and_one_joining_mid_run_ta
     ]  # fmt: skip
     before = set(leftovers())
     with (
-        Testbed(3, up_mbit=20, down_mbit=20, nat=[1, 2]) as testbed,
+        Testbed(3, up_mbit=0, down_mbit=0, nat=[1, 2]) as testbed,
         Cluster(overrides, run_dir, slots=3, testbed=testbed) as cluster,
     ):
         cluster.start(0)
