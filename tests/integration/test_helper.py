@@ -153,8 +153,13 @@ def test_a_volunteer_behind_nat_joins_a_run_of_clients_mid_way_taking_its_state_
     took = re.search(r"took the state (of a peer \(\d peers\) )?after round", logs["worker-2"])
     assert took, logs["worker-2"][-3000:]
     assert "holding the state after round" in logs["helper"], logs["helper"][-3000:]
+    # the run ends on one model. Its last round is usually averaged by all three; hivemind's
+    # matchmaking may leave one out of it (the other two then average without it, and it takes
+    # their state through the helper: its record says recovered)
     rounds = [round_records(run_dir, worker) for worker in range(3)]
     last = [worker[-1] for worker in rounds]
-    assert all(r["ok"] and r["peers"] == 3 for r in last), last
     assert len({r["param_sha256"] for r in last}) == 1, last
+    averaged = [r for r in last if r["ok"]]
+    assert len(averaged) >= 2 and all(r["peers"] == len(averaged) for r in averaged), last
+    assert all(r["ok"] or r["recovered"] for r in last), last
     assert set(leftovers()) <= before
