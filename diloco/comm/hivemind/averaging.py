@@ -234,10 +234,14 @@ class HivemindAveraging(Averaging):
             return None
         return entries, [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
 
+    def _any_other(self, holds: Callable[[RosterEntry], bool]) -> bool:
+        """Whether, in one roster read, ``holds`` for the record of another live worker that is not leaving."""
+        read = self._records()
+        return read is not None and any(holds(entry) for entry in read[1])
+
     def _run_is_ahead(self, round_index: int) -> bool:
         """Whether a live worker's record shows a round after round ``round_index`` completed (``_past``)."""
-        read = self._records()
-        return read is not None and any(_past(entry, round_index) for entry in read[1])
+        return self._any_other(lambda entry: _past(entry, round_index))
 
     def _others_done(self, fragment: int, round_index: int) -> bool:
         """Whether every other live worker's record says it is done with round ``round_index``'s
@@ -248,23 +252,19 @@ class HivemindAveraging(Averaging):
         entries, others = read
         if self._roster.live - set(entries):  # a read that missed a live worker's record: it may be looking
             return False
-        return bool(others) and all(fragment < len(e.averaged) and e.averaged[fragment] > round_index for e in others)
+        return bool(others) and all(_done_with(e, fragment, round_index) for e in others)
 
     def _others_went_on(self, fragment: int, round_index: int) -> bool:
-        """Whether, in one roster read, a live worker's record shows a later round done, or says it
-        is done with round ``round_index``'s average of ``fragment`` without having postponed it
-        (it averaged, or its round failed: either way it took an outer step that a postponed round
-        would not), so that postponing ours would leave our params apart from its (at the run's
-        last round for good). A record that does not say: not known."""
-        read = self._records()
-        return read is not None and any(
-            _past(entry, round_index)
-            or (
-                fragment < min(len(entry.averaged), len(entry.postponed))
-                and entry.averaged[fragment] > round_index
-                and entry.postponed[fragment] <= round_index
+        """Whether a live worker's record shows a later round done, or says it is done with round
+        ``round_index``'s average of ``fragment`` without having postponed it (it averaged, or its
+        round failed: either way it took an outer step that a postponed round would not), so that
+        postponing ours would leave our params apart from its (at the run's last round for good).
+        A record that does not say: not known."""
+        return self._any_other(
+            lambda entry: (
+                _past(entry, round_index)
+                or (_done_with(entry, fragment, round_index) and _postponed_before(entry, fragment, round_index))
             )
-            for entry in read[1]
         )
 
     def _clients_only(self) -> bool:
@@ -389,6 +389,18 @@ def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(a.traffic.serving() for a in averagers) and time.monotonic() < deadline:
         time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
+
+
+def _done_with(entry: RosterEntry, fragment: int, round_index: int) -> bool:
+    """Whether a worker's record says it is done with round ``round_index``'s average of ``fragment``
+    (averaged, failed or given up); a record that does not say: not."""
+    return fragment < len(entry.averaged) and entry.averaged[fragment] > round_index
+
+
+def _postponed_before(entry: RosterEntry, fragment: int, round_index: int) -> bool:
+    """Whether a worker's record says the last round of ``fragment`` it postponed came before round
+    ``round_index``; a record that does not say: not."""
+    return fragment < len(entry.postponed) and entry.postponed[fragment] <= round_index
 
 
 def _past(entry: RosterEntry, round_index: int) -> bool:
