@@ -87,7 +87,6 @@ def test_with_client_mode_forced_off_no_worker_calls_a_round_ok_that_lost_parts(
     done = diloco_cli(
         "testbed", "--workers", "3", "--nat", "1,2", "--run-dir", str(run_dir),
         *FAST, "inner.steps=10", "outer.sync_every=10", "comm.hivemind.client_mode=false",
-        "comm.hivemind.matchmaking_s=4",  # a group that does not fill (a NAT'd leader) waits the whole window
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     # hivemind's matchmaking puts all three in a round, or two (a NAT'd leader cannot be joined; one
