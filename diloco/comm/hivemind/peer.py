@@ -132,16 +132,26 @@ def first_entries(read: Callable[[], dict[int, RosterEntry]], timeout_s: float) 
 class Peer:
     """A worker's DHT peer. ``dht`` is hivemind's handle (the averagers run on it); ``call(fn)`` is
     a bounded request to it (``bounded_dht_call``); ``client_mode``: it dials out only, so it reduces
-    no part and serves no state. With ``comm.hivemind.client_mode=auto`` it starts listening and
-    becomes a client when the run's peers cannot dial it back. ``run_key``: ``comm.run_key``."""
+    no part and serves no state. With ``comm.hivemind.client_mode=auto`` a joiner starts as a client
+    and starts again as a full peer once the run's peers dialled it back (``reachability.py``).
+    ``run_key``: ``comm.run_key``; ``start``: how a DHT peer is started (``start_dht``)."""
 
-    def __init__(self, cfg: HivemindConfig, *, run_key: str):
-        self.cfg, self._run_key = cfg, run_key
+    def __init__(self, cfg: HivemindConfig, *, run_key: str, start: Callable = start_dht):
+        self.cfg, self._run_key, self._start_dht = cfg, run_key, start
         self.control_s = control_limit_s(cfg.request_timeout_s)
-        self._client_mode = cfg.client_mode == "true"
-        self._start()
+        own = [f"/ip4/{host}/tcp/{cfg.port}" for host in (cfg.host, cfg.announce_host) if host]
+        mode = reachability.first_mode(cfg.client_mode, own_maddrs=own, initial_peers=list(cfg.initial_peers))
+        if mode == reachability.LOOPBACK_CLIENT:
+            logger.warning(
+                "listening on loopback only (comm.hivemind.host=%s) while the run is at other addresses: joining as "
+                "a client: it sends its contribution, reduces no part, serves no state (set "
+                "comm.hivemind.host=0.0.0.0 to take a full part)",
+                cfg.host,
+            )
+        self._client_mode = mode != reachability.SERVER
+        self._start(port=cfg.port)
         self._dialbacks: dict[str, float] = {}  # requests answered: peer -> request time
-        if cfg.client_mode == "auto":
+        if mode == reachability.ASK:
             self._choose_mode()
 
     @property
@@ -149,8 +159,9 @@ class Peer:
         """Set for good once the peer has started (``comm.hivemind.client_mode=auto`` decides it then)."""
         return self._client_mode
 
-    def _start(self) -> None:
-        self.dht = start_dht(self.cfg, run_key=self._run_key, client_mode=self._client_mode)
+    def _start(self, *, port: int) -> None:
+        cfg = dataclasses.replace(self.cfg, port=port)
+        self.dht = self._start_dht(cfg, run_key=self._run_key, client_mode=self._client_mode)
         self._lock = threading.Lock()
         self.call = bounded_dht_call(self.dht, self._lock, timeout_s=self.control_s)
 
@@ -174,47 +185,44 @@ class Peer:
         return list(self.cfg.initial_peers) if self.client_mode else self.visible_addresses
 
     def _choose_mode(self) -> None:
-        """``comm.hivemind.client_mode=auto``: ask the run's peers to dial us back (reachability.py); if they
-        cannot, restart our peer in client mode. One that listens on loopback only in a run at other
-        addresses is a client at once (nobody there can dial it); one that starts a run, or joins a
-        run on loopback, is whatever it is: nobody else could tell."""
-        visible = self.visible_addresses
-        addresses = reachability.dialable_addresses(visible)
-        if self.cfg.initial_peers and reachability.listens_where_the_run_cannot_dial(visible, self.cfg.initial_peers):
-            logger.warning(
-                "listening on loopback only (comm.hivemind.host=%s) while the run is at other addresses: joining as "
-                "a client: it sends its contribution, reduces no part, serves no state (set "
-                "comm.hivemind.host=0.0.0.0 to take a full part)",
-                self.cfg.host,
-            )
-            self._become_client()
-            return
-        if not self.cfg.initial_peers or not addresses:
-            return
-        timeout_s = 2 * self.cfg.heartbeat_s + reachability.DIAL_TIMEOUT_S * len(addresses) + self.control_s
-        try:
-            verdict = reachability.ask(self.call, str(self.peer_id), addresses, timeout_s=timeout_s)
-        except Exception:  # the DHT did not take the request: as if nobody answered
-            logger.debug("reachability request failed", exc_info=True)
-            verdict = None
-        where = ", ".join(f"{host}:{port}" for host, port in addresses)
-        if verdict is None:
-            logger.warning("no peer answered the reachability check within %.0f s: joining as reachable", timeout_s)
-        elif verdict:
-            logger.info("reachable at %s", where)
-        else:
-            logger.warning(
-                "not reachable from outside at %s: joining as a client: it sends its contribution, reduces no part, "
-                "serves no state (forward a port and set comm.hivemind.announce_host to take a full part)",
-                where,
-            )
-            self._become_client()
+        """``comm.hivemind.client_mode=auto``, started as a client that still listens on its port: ask
+        the run's peers to dial that port back (reachability.py). A client is never in another peer's
+        routing table, so no peer's DHT request waits on an address that may not answer meanwhile.
+        Dialled back (or nobody answered, or nothing to dial): start again as a full peer, on the
+        same port; not dialled back: stay a client."""
+        addresses = reachability.dialable_addresses(self.visible_addresses)
+        if addresses:
+            timeout_s = 2 * self.cfg.heartbeat_s + reachability.DIAL_TIMEOUT_S * len(addresses) + self.control_s
+            try:
+                verdict = reachability.ask(self.call, str(self.peer_id), addresses, timeout_s=timeout_s)
+            except Exception:  # the DHT did not take the request: as if nobody answered
+                logger.debug("reachability request failed", exc_info=True)
+                verdict = None
+            where = ", ".join(f"{host}:{port}" for host, port in addresses)
+            if verdict is None:
+                logger.warning("no peer answered the reachability check within %.0f s: joining as reachable", timeout_s)
+            elif verdict:
+                logger.info("reachable at %s", where)
+            else:
+                logger.warning(
+                    "not reachable from outside at %s: joining as a client: it sends its contribution, reduces no "
+                    "part, serves no state (forward a port and set comm.hivemind.announce_host to take a full part)",
+                    where,
+                )
+                return
+        self._become_full_peer(port=self.cfg.port or (addresses[0][1] if addresses else 0))
 
-    def _become_client(self) -> None:
-        """Our peer restarted in client mode: it dials out only."""
+    def _become_full_peer(self, *, port: int) -> None:
+        """Our peer started again listening as a full peer: on ``port`` (the one dialled back), or
+        on any free port if another process took it meanwhile."""
         self.dht.shutdown()
-        self._client_mode = True
-        self._start()
+        self._client_mode = False
+        try:
+            self._start(port=port)
+        except CommError:
+            if port == self.cfg.port:
+                raise
+            self._start(port=self.cfg.port)
 
     def answer_dialbacks(self) -> None:
         """Dial back the peers that asked whether they are reachable (on the roster heartbeat's thread)."""

@@ -6,14 +6,21 @@ clients (``comm.hivemind.client_mode``): a client sends its contribution, reduce
 serves no state. With ``comm.hivemind.client_mode=auto`` (the default) a joining worker finds out
 which it is, in the spirit of libp2p's AutoNAT:
 
-1. it starts its peer listening as configured and writes a dial-back request on the DHT (key
-   ``diloco_dialback``, one subkey per peer) with the addresses it announces;
+1. it starts its peer as a client, which still listens on its port (so that no peer's routing
+   table takes an address that may not answer: every DHT request routed to it would wait out its
+   timeout), and writes a dial-back request on the DHT (key ``diloco_dialback``, one subkey per
+   peer) with the addresses it announces;
 2. every live worker that is not a client, and every bootstrap peer (``diloco bootstrap``), looks
    at the requests about once a heartbeat, opens a plain TCP connection to each address (a fresh
    one: the libp2p connection the requester opened to it says nothing of inbound reachability)
    and writes its verdict under ``diloco_dialback_verdict``;
-3. the requester takes the first verdict within ``timeout_s``: reachable, or not (it then restarts
-   its peer in client mode). No verdict in time (nobody answering yet): it stays as it is.
+3. the requester takes the first verdict within ``timeout_s``: reachable (it then starts its peer
+   again as a full peer, on the same port), or not (it stays a client). No verdict in time (nobody
+   answering yet): it takes itself for reachable.
+
+``first_mode`` says which peers ask: not one that starts a run (nobody to ask), nor one that joins
+a run on loopback from loopback (nobody else could tell), nor one on loopback joining a run
+elsewhere (nobody there can dial it: a client at once).
 
 The keys do not name the run, so a bootstrap peer answers for every run that uses it.
 """
@@ -32,6 +39,7 @@ REQUESTS_KEY = "diloco_dialback"
 VERDICTS_KEY = "diloco_dialback_verdict"
 DIAL_TIMEOUT_S = 2.0  # one TCP connection attempt to an announced address
 _RECORD_TTL_S = 60.0
+SERVER, CLIENT, LOOPBACK_CLIENT, ASK = "server", "client", "loopback client", "ask"
 _POLL_S = 0.5
 _MAX_DIALS = 16  # requests dialled back at the same time
 _MAX_ADDRESSES = 8  # a request's addresses dialled, at most
@@ -52,6 +60,18 @@ def listens_where_the_run_cannot_dial(own_maddrs: list[str], initial_peers: list
     addresses (a volunteer on another machine left ``comm.hivemind.host`` at its default): nobody there can
     dial it, so it can only take part as a client."""
     return not dialable_addresses(own_maddrs) and bool(dialable_addresses(initial_peers))
+
+
+def first_mode(client_mode: str, *, own_maddrs: list[str], initial_peers: list[str]) -> str:
+    """How a peer with ``comm.hivemind.client_mode=client_mode`` starts, listening at ``own_maddrs``
+    (its configured host and port, and announced address) in a run reached at ``initial_peers``:
+    ``SERVER``, ``CLIENT``, ``LOOPBACK_CLIENT`` (auto, but nobody in the run can dial it) or ``ASK``
+    (auto: a client that asks the run's peers to dial it back)."""
+    if client_mode != "auto":
+        return CLIENT if client_mode == "true" else SERVER
+    if not initial_peers or not dialable_addresses(own_maddrs):
+        return LOOPBACK_CLIENT if listens_where_the_run_cannot_dial(own_maddrs, initial_peers) else SERVER
+    return ASK
 
 
 def can_dial(host: str, port: int, timeout_s: float = DIAL_TIMEOUT_S) -> bool:
