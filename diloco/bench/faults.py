@@ -78,6 +78,8 @@ class FaultRun:
     # split: the cuts, one after another, each given as the workers on each side of it (default: one
     # cut into two halves); the next cut comes once the run is one model again
     cuts: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    first_cut_round: int = 3  # split: the round in the middle of which the first cut comes (2 at the earliest:
+    # every worker must have seen every other's roster record, which round 1 makes sure of)
     rate_mbit: float = 0.0  # testbed link rate; 0 = loopback (no testbed)
     split_run_s: float = SPLIT_RUN_S  # split: the least the run lasts, its steps paced to it
     timeout_s: float = 900.0
@@ -270,11 +272,12 @@ def split_cuts(plan: FaultRun) -> list[list[list[int]]]:
 
 
 def _split(run: Injection) -> None:
-    """Each cut in turn: cut the network between its sides in the middle of a round (round 3 for the
-    first); heal it ``outage_s`` after every worker has recorded the workers of the other sides
-    missing (the split seen); the next cut once the run is one model again, in the middle of the
-    round in progress or the next. The fault is over once the run is one model after the last cut."""
-    step = run.mid_round
+    """Each cut in turn: cut the network between its sides in the middle of a round (round
+    ``first_cut_round`` for the first); heal it ``outage_s`` after every worker has recorded the
+    workers of the other sides missing (the split seen); the next cut once the run is one model
+    again, in the middle of the round in progress or the next. The fault is over once the run is
+    one model after the last cut."""
+    step = (run.plan.first_cut_round - 1) * run.plan.sync_every + run.plan.sync_every // 2
     for sides in split_cuts(run.plan):
         if step >= run.plan.steps:
             run.notes.append("no round left for the next cut")

@@ -1,5 +1,5 @@
 """A run split by the network, in real network namespaces: the links between the sides of the run
-are cut (``Testbed.split``) in round 3 and healed once every worker has recorded the others missing;
+are cut (``Testbed.split``) in round 2 and healed once every worker has recorded the others missing;
 once the run is one model again it is cut a second time, into other sides, and healed the same way.
 Every worker must end on one model, and its records must show each split (the workers missing) and
 each merge (a round of the whole run, or the state of the other side taken). The first cut is into
@@ -54,6 +54,7 @@ def test_a_run_split_twice_records_each_split_and_ends_on_one_model_after_each_h
         outage_s=1.0,  # healed 1 s after every worker recorded the other side missing
         rate_mbit=0.0,  # links unshaped: the rounds after the last merge at this machine's pace
         cuts=CUTS,
+        first_cut_round=2,  # every worker saw the others' records in round 1
         split_run_s=RUN_S,
         timeout_s=360.0,
     )
