@@ -138,7 +138,7 @@ def test_a_volunteer_behind_nat_joins_a_run_of_clients_mid_way_taking_its_state_
         cluster.start(0)
         cluster.start(1)
         cluster.helper(3, log_name="helper.log")
-        cluster.wait_for_step(0, 3 * 20, 120)
+        cluster.wait_for_step(0, 2 * 20, 120)  # mid-way: after round 2 of 10
         cluster.processes[2] = cluster.join(slot=2, log_name="worker-2.log", only_address=True)
         try:
             cluster.wait_for_record(2, lambda record: record["ok"] and record["peers"] == 3, 120)
