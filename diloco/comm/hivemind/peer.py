@@ -2,9 +2,10 @@
 
 ``start_dht`` starts a DHT peer as ``comm.hivemind.*`` says and turns p2pd's one error type into the user's
 mistake; ``bounded_dht_call`` makes every DHT request wait a bounded time; ``Peer`` is a worker's
-own peer, which with ``comm.hivemind.client_mode=auto`` asks the run's peers to dial it back and restarts
-as a client when they cannot (``reachability.py``). ``roster_reader`` and ``probe_roster`` are the
-short-lived peers that ``diloco status`` and ``diloco join`` read the run's roster with.
+own peer, which with ``comm.hivemind.client_mode=auto`` starts as a client, asks the run's peers to
+dial it back and starts again as a full peer when they could (``reachability.py``).
+``roster_reader`` and ``probe_roster`` are the short-lived peers that ``diloco status`` and
+``diloco join`` read the run's roster with.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ from diloco.comm.run_key_env import resolve_run_key
 
 logger = logging.getLogger(__name__)
 
+_PORT_FREED_S = 5.0  # how long a peer started again waits for the port its previous p2pd held
+
+
+class PortInUse(CommError):
+    """``comm.hivemind.port`` is held by another process."""
+
+
+def own_maddrs(cfg: HivemindConfig) -> list[str]:
+    """The addresses a peer started with ``cfg`` listens at and announces: ``comm.hivemind.announce_host``
+    counts only with a fixed ``comm.hivemind.port``."""
+    announced = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else []
+    return [f"/ip4/{cfg.host}/tcp/{cfg.port}", *announced]
+
 
 def start_dht(
     cfg: HivemindConfig,
@@ -40,13 +54,13 @@ def start_dht(
     from diloco.comm.hivemind.owned_dht import OwnedDHT
 
     peers = list(cfg.initial_peers if initial_peers is None else initial_peers)
-    announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host and cfg.port else None
+    listen, *announce = own_maddrs(cfg)
     run_key = resolve_run_key(run_key)
     try:
         return OwnedDHT(
             initial_peers=peers,
-            host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
-            announce_maddrs=announce,
+            host_maddrs=[listen],
+            announce_maddrs=announce or None,
             client_mode=cfg.client_mode == "true" if client_mode is None else client_mode,
             use_relay=cfg.use_relay,
             use_auto_relay=cfg.use_auto_relay,
@@ -55,15 +69,15 @@ def start_dht(
             startup_timeout=cfg.startup_timeout_s,
         )
     except Exception as error:  # p2pd reports everything as one error type: tell the user which mistake
+        if "address already in use" in str(error):
+            raise PortInUse(
+                f"comm.hivemind.port={cfg.port} is already in use on {cfg.host}; pick another, or "
+                "comm.hivemind.port=0 for any free port"
+            ) from None
         raise CommError(_explain_start_failure(str(error), cfg, peers)) from None
 
 
 def _explain_start_failure(message: str, cfg: HivemindConfig, peers: list[str]) -> str:
-    if "address already in use" in message:
-        return (
-            f"comm.hivemind.port={cfg.port} is already in use on {cfg.host}; pick another, or "
-            "comm.hivemind.port=0 for any free port"
-        )
     if "bootstrap peers" in message or "initial" in message:
         return (
             f"could not reach any of comm.hivemind.initial_peers ({', '.join(peers)}): check the address, that the "
@@ -93,6 +107,16 @@ def bounded_dht_call(dht, lock: threading.Lock, *, timeout_s: float) -> Callable
 
 def visible_addresses(dht) -> list[str]:
     return [str(address) for address in dht.get_visible_maddrs()]
+
+
+def _listening_port(maddrs: list[str]) -> int:
+    """The TCP port of the first ``/ip4/IP/tcp/PORT`` address in ``maddrs`` (a peer listens on one
+    port, at each of its addresses); 0 when there is none."""
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp":
+            return int(parts[4])
+    return 0
 
 
 @contextlib.contextmanager
@@ -133,21 +157,17 @@ class Peer:
     """A worker's DHT peer. ``dht`` is hivemind's handle (the averagers run on it); ``call(fn)`` is
     a bounded request to it (``bounded_dht_call``); ``client_mode``: it dials out only, so it reduces
     no part and serves no state. With ``comm.hivemind.client_mode=auto`` a joiner starts as a client
-    and starts again as a full peer once the run's peers dialled it back (``reachability.py``).
+    and starts again as a full peer unless the run's peers could not dial it back (``reachability.py``).
     ``run_key``: ``comm.run_key``; ``start``: how a DHT peer is started (``start_dht``)."""
 
     def __init__(self, cfg: HivemindConfig, *, run_key: str, start: Callable = start_dht):
         self.cfg, self._run_key, self._start_dht = cfg, run_key, start
         self.control_s = control_limit_s(cfg.request_timeout_s)
-        own = [f"/ip4/{host}/tcp/{cfg.port}" for host in (cfg.host, cfg.announce_host) if host]
-        mode = reachability.first_mode(cfg.client_mode, own_maddrs=own, initial_peers=list(cfg.initial_peers))
+        mode = reachability.first_mode(
+            cfg.client_mode, own_maddrs=own_maddrs(cfg), initial_peers=list(cfg.initial_peers)
+        )
         if mode == reachability.LOOPBACK_CLIENT:
-            logger.warning(
-                "listening on loopback only (comm.hivemind.host=%s) while the run is at other addresses: joining as "
-                "a client: it sends its contribution, reduces no part, serves no state (set "
-                "comm.hivemind.host=0.0.0.0 to take a full part)",
-                cfg.host,
-            )
+            self._say_loopback_client()
         self._client_mode = mode != reachability.SERVER
         self._start(port=cfg.port)
         self._dialbacks: dict[str, float] = {}  # requests answered: peer -> request time
@@ -184,13 +204,25 @@ class Peer:
         """Where a newcomer joins the run through us: a client cannot be dialled, so the peers it joined through."""
         return list(self.cfg.initial_peers) if self.client_mode else self.visible_addresses
 
+    def _say_loopback_client(self) -> None:
+        logger.warning(
+            "listening on loopback only (comm.hivemind.host=%s) while the run is at other addresses: joining as "
+            "a client: it sends its contribution, reduces no part, serves no state (set "
+            "comm.hivemind.host=0.0.0.0 to take a full part)",
+            self.cfg.host,
+        )
+
     def _choose_mode(self) -> None:
         """``comm.hivemind.client_mode=auto``, started as a client that still listens on its port: ask
         the run's peers to dial that port back (reachability.py). A client is never in another peer's
         routing table, so no peer's DHT request waits on an address that may not answer meanwhile.
-        Dialled back (or nobody answered, or nothing to dial): start again as a full peer, on the
-        same port; not dialled back: stay a client."""
-        addresses = reachability.dialable_addresses(self.visible_addresses)
+        Dialled back, or nobody answered, or nothing to dial in a run that could not dial it either:
+        start again as a full peer, on the same port; not dialled back: stay a client."""
+        visible = self.visible_addresses
+        addresses = reachability.dialable_addresses(visible)
+        if not addresses and reachability.listens_where_the_run_cannot_dial(visible, self.cfg.initial_peers):
+            self._say_loopback_client()
+            return
         if addresses:
             timeout_s = 2 * self.cfg.heartbeat_s + reachability.DIAL_TIMEOUT_S * len(addresses) + self.control_s
             try:
@@ -210,19 +242,26 @@ class Peer:
                     where,
                 )
                 return
-        self._become_full_peer(port=self.cfg.port or (addresses[0][1] if addresses else 0))
+        self._become_full_peer(port=self.cfg.port or _listening_port(visible))
 
     def _become_full_peer(self, *, port: int) -> None:
-        """Our peer started again listening as a full peer: on ``port`` (the one dialled back), or
-        on any free port if another process took it meanwhile."""
+        """Our peer started again as a full peer on ``port``, the one dialled back, once the
+        previous p2pd let go of it (at most ``_PORT_FREED_S``); with ``comm.hivemind.port=0``, on any
+        free port if another process took it meanwhile."""
         self.dht.shutdown()
         self._client_mode = False
-        try:
-            self._start(port=port)
-        except CommError:
-            if port == self.cfg.port:
-                raise
-            self._start(port=self.cfg.port)
+        deadline = time.monotonic() + _PORT_FREED_S
+        while True:
+            try:
+                self._start(port=port)
+                return
+            except PortInUse:
+                if port and not self.cfg.port:
+                    port = 0  # any free one: the address announced is the one it listens at
+                elif time.monotonic() > deadline:
+                    raise
+                else:
+                    time.sleep(0.2)  # the previous p2pd is exiting (it was sent SIGTERM)
 
     def answer_dialbacks(self) -> None:
         """Dial back the peers that asked whether they are reachable (on the roster heartbeat's thread)."""
