@@ -16,24 +16,35 @@ from tests.conftest import TINY, read_records
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cli):
-    common = [*TINY, "inner.steps=30", "outer.sync_every=10", "checkpoint.every_rounds=1", "checkpoint.keep=5"]
-    for backend in ("hivemind", "simulator"):
-        done = diloco_cli(
-            "local", "--workers", "2", "--run-dir", str(tmp_path / backend), *common, f"comm.backend={backend}"
-        )
-        assert done.returncode == 0, done.stdout[-3000:]
-    # compared after the last round of the run's unbroken start over hivemind: under load hivemind
-    # can lose a round (a reducer's part, a group one peer never saw: seen in CI), which the
-    # worker recovers from by taking a peer's state, and the simulator, which loses nothing, then
-    # rightly differs. The first round is whole nearly always; the test needs one
-    rounds = [[r for r in read_records(tmp_path / "hivemind", w) if r["event"] == "round"] for w in range(2)]
+def _whole_start(run_dir) -> tuple[int, list]:
+    """How many rounds from the first both workers averaged whole, and their round records."""
+    rounds = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(2)]
     whole = 0
     while whole < min(map(len, rounds)) and all(r[whole]["ok"] and r[whole]["peers"] == 2 for r in rounds):
         whole += 1
+    return whole, rounds
+
+
+def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cli):
+    common = [*TINY, "inner.steps=30", "outer.sync_every=10", "checkpoint.every_rounds=1", "checkpoint.keep=5"]
+    runs = {"simulator": tmp_path / "simulator", "hivemind": tmp_path / "hivemind"}
+    done = diloco_cli("local", "--workers", "2", "--run-dir", str(runs["simulator"]), *common, "comm.backend=simulator")
+    assert done.returncode == 0, done.stdout[-3000:]
+    # compared after the last round of the run's unbroken start over hivemind: under load hivemind
+    # can lose a round (a reducer's part, a group one peer never saw: seen in CI), which the
+    # worker recovers from by taking a peer's state, and the simulator, which loses nothing, then
+    # rightly differs. The first round is whole nearly always (once in about 10 suites it was not:
+    # 256 values of one worker's lost); the test needs one, so such a run is run once more
+    for attempt in range(2):
+        runs["hivemind"] = tmp_path / f"hivemind-{attempt}"
+        done = diloco_cli("local", "--workers", "2", "--run-dir", str(runs["hivemind"]), *common)
+        assert done.returncode == 0, done.stdout[-3000:]
+        whole, rounds = _whole_start(runs["hivemind"])
+        if whole:
+            break
     assert whole >= 1, rounds
     name = f"round-{whole:06d}.pt"
-    first = {b: read_checkpoint(tmp_path / b / "checkpoints" / "worker-0" / name) for b in ("hivemind", "simulator")}
+    first = {b: read_checkpoint(run / "checkpoints" / "worker-0" / name) for b, run in runs.items()}
     real = torch.cat([p.flatten() for p in first["hivemind"]["outer"]["global_params"]])
     simulated = torch.cat([p.flatten() for p in first["simulator"]["outer"]["global_params"]])
     # relative to the size of the params: both ran the same arithmetic, up to the order of float sums
@@ -41,8 +52,8 @@ def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cl
     # sums (in arrival order): seen up to 1.1e-5 after a few rounds
     assert ((simulated - real).norm() / real.norm()).item() < 5e-5
     losses = {
-        b: next(r["val_loss"] for r in read_records(tmp_path / b, 0) if r["event"] == "round" and r["round"] == whole)
-        for b in ("hivemind", "simulator")
+        b: next(r["val_loss"] for r in read_records(run, 0) if r["event"] == "round" and r["round"] == whole)
+        for b, run in runs.items()
     }
     assert losses["simulator"] == pytest.approx(losses["hivemind"], rel=5e-3)
 
