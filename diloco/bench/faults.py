@@ -277,7 +277,7 @@ def _split(run: Injection) -> None:
     workers of the other sides missing (the split seen); the next cut once the run is one model
     again, in the middle of the round in progress or the next. The fault is over once the run is
     one model after the last cut."""
-    step = (run.plan.first_cut_round - 1) * run.plan.sync_every + run.plan.sync_every // 2
+    step = next_mid_round((run.plan.first_cut_round - 1) * run.plan.sync_every, run.plan.sync_every)
     for sides in split_cuts(run.plan):
         if step >= run.plan.steps:
             run.notes.append("no round left for the next cut")

@@ -33,8 +33,8 @@ def test_the_simulator_and_hivemind_agree_on_params_and_loss(tmp_path, diloco_cl
     # compared after the last round of the run's unbroken start over hivemind: under load hivemind
     # can lose a round (a reducer's part, a group one peer never saw: seen in CI), which the
     # worker recovers from by taking a peer's state, and the simulator, which loses nothing, then
-    # rightly differs. The first round is whole nearly always (once in about 10 suites it was not:
-    # 256 values of one worker's lost); the test needs one, so such a run is run once more
+    # rightly differs. The first round is whole nearly always, but hivemind may lose a part of it
+    # too; the test needs one whole round, so such a run is run once more
     for attempt in range(2):
         runs["hivemind"] = tmp_path / f"hivemind-{attempt}"
         done = diloco_cli("local", "--workers", "2", "--run-dir", str(runs["hivemind"]), *common)

@@ -109,16 +109,6 @@ def visible_addresses(dht) -> list[str]:
     return [str(address) for address in dht.get_visible_maddrs()]
 
 
-def _listening_port(maddrs: list[str]) -> int:
-    """The TCP port of the first ``/ip4/IP/tcp/PORT`` address in ``maddrs`` (a peer listens on one
-    port, at each of its addresses); 0 when there is none."""
-    for maddr in maddrs:
-        parts = maddr.split("/")
-        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp":
-            return int(parts[4])
-    return 0
-
-
 @contextlib.contextmanager
 def roster_reader(cfg: CommConfig):
     """A short-lived peer that reads the roster of run ``cfg.run_id`` through ``cfg.hivemind.initial_peers``:
@@ -242,7 +232,7 @@ class Peer:
                     where,
                 )
                 return
-        self._become_full_peer(port=self.cfg.port or _listening_port(visible))
+        self._become_full_peer(port=self.cfg.port or (addresses[0][1] if addresses else 0))
 
     def _become_full_peer(self, *, port: int) -> None:
         """Our peer started again as a full peer on ``port``, the one dialled back, once the
