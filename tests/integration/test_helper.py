@@ -17,7 +17,7 @@ import pytest
 from diloco.bench.faults import Cluster
 from diloco.tools import testbed as nets
 from diloco.tools.testbed import Testbed, leftovers
-from tests.conftest import TINY, round_records
+from tests.conftest import TINY, log_tails, round_records
 
 pytestmark = [
     pytest.mark.integration,
@@ -52,7 +52,10 @@ def _kill_when_reduced(log: Path, round_: int, slot: int, before: set[str], stop
     return sorted(done)
 
 
-KILLED_AFTER = 4  # helper 0 is killed once it has reduced this round
+# helper 0 is killed once it has reduced this round: the round after the kill may leave a worker out,
+# which takes the others' state at the round after that; two rounds of slack before the last (its
+# kill may come a round late: the next round's group can form in half a second)
+KILLED_AFTER = 3
 SKIPPED = 7  # worker 2 sits out this round, the last: the others average without it, and it takes their state
 
 
@@ -117,7 +120,9 @@ def test_a_run_of_clients_averages_through_helpers_relays_a_state_and_outlives_a
     # two that did not sit it out
     last = [worker[-1] for worker in rounds]
     assert [r["round"] for r in last] == [SKIPPED] * 3 and len({r["param_sha256"] for r in last}) == 1, last
-    assert all(r["ok"] and r["peers"] == 2 for r in last[:2]), last
+    if kill_round < SKIPPED - 2:  # the round that may leave a worker out came before the one before the last
+        outcome = [{k: r.get(k) for k in ("round", "ok", "peers", "recovered", "partial", "error")} for r in last]
+        assert all(r["ok"] and r["peers"] == 2 for r in last[:2]), (outcome, seen, log_tails(run_dir, 3))
     assert set(leftovers()) <= before
 
 

@@ -23,11 +23,11 @@ pytestmark = [
 
 # a heartbeat of 2 s: a worker cut off is not waited for 8 s after its last record (12 s at the
 # default; a DHT request to a peer across the cut takes up to 3 s to fail, so not much less), and
-# rounds of at least 5 s until the run is one model again after the second cut (then at this
+# rounds of at least 4 s until the run is one model again after the second cut (then at this
 # machine's pace): a split is seen in a round or two, and the run was one model again two or three
 # rounds after the heal on 2 idle cores, by five beside a busy one; 18 rounds leave room for both
 WORKERS, STEPS, SYNC_EVERY = 4, 360, 20
-RUN_S = STEPS * 0.25
+RUN_S = STEPS * 0.2
 HEARTBEAT = "comm.hivemind.heartbeat_s=2"
 CUTS = (((0, 1), (2, 3)), ((0, 1, 2), (3,)))
 

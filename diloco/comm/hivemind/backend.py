@@ -166,7 +166,7 @@ def _roster(cfg: CommConfig, peer: Peer, *, worker_index: int, planned: int, slo
         layout=layout,
         chores=[] if peer.client_mode else [peer.answer_dialbacks],
     )
-    every_s = REDIAL_HEARTBEATS * roster.heartbeat_s
+    every_s = (REDIAL_HEARTBEATS - 0.5) * roster.heartbeat_s  # the chores run about a heartbeat apart, not exactly
     roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers, every_s=every_s))
     return roster
 

@@ -6,7 +6,7 @@ tables; hivemind never dials them again on its own, so after the network heals e
 go on finding only its own records and its own groups: two runs. A worker that misses workers
 it has seen (``Roster.missing``: not live, never said they were leaving) dials them again, at
 the addresses their roster records announced, and the run's initial peers, every
-``REDIAL_HEARTBEATS`` heartbeats (``comm.hivemind.heartbeat_s``). A peer that answers is back in
+``REDIAL_HEARTBEATS`` heartbeats (``comm.hivemind.heartbeat_s``), one dial at a time. A peer that answers is back in
 the routing table both ways: the roster then shows the other side live, rounds expect it, and its
 groups meet ours (the merge itself is ``group_round.py``'s: a group that holds two models).
 """
@@ -21,7 +21,9 @@ from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
-REDIAL_HEARTBEATS = 3  # how often a worker that misses others dials them again: 9 s at the default heartbeat
+# how often a worker that misses others dials them again: each heartbeat, 3 s at the default (a dial is a
+# connect and a ping of each missing peer; one to a peer still cut off ends in DIAL_S)
+REDIAL_HEARTBEATS = 1
 DIAL_S = 5.0  # one dial and ping
 
 
