@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.bench.faults import Cluster
+from diloco.bench.faults import Cluster, written_records
 from diloco.tools import testbed as nets
 from diloco.tools.testbed import Testbed, leftovers
 from tests.conftest import TINY, log_tails, round_records
@@ -36,25 +36,27 @@ def _reduced(log: str) -> dict[int, int]:
     return {int(r): int(w) for r, w in REDUCED.findall(log)}
 
 
-def _kill_when_reduced(log: Path, round_: int, slot: int, before: set[str], stop: threading.Event) -> list[int]:
-    """Once ``log`` says its helper reduced round ``round_`` or a later one, SIGKILL everything in
-    the namespace of testbed slot ``slot`` (the helper and its daemon: the machine gone) and return
-    the rounds it reduced by then; [] if ``stop`` came first."""
-    while not stop.wait(0.2):  # polls the helper's log: the record that says the round is over
-        done = _reduced(log.read_text()) if log.exists() else {}
-        if max(done, default=0) >= round_:
+def _kill_after_round(run_dir: Path, round_: int, slot: int, before: set[str], stop: threading.Event) -> int | None:
+    """Once every worker of ``run_dir`` has recorded round ``round_`` or a later one (the round is
+    over for all: a helper that logged its part reduced may still be sending it back), SIGKILL
+    everything in the namespace of testbed slot ``slot`` (the helper and its daemon: the machine
+    gone) and return the last round every worker had recorded then; None if ``stop`` came first."""
+    while not stop.wait(0.2):  # polls the workers' records: the round is over
+        recorded = [[r["round"] for r in written_records(run_dir, w) if r["event"] == "round"] for w in range(3)]
+        done = min(max(rounds, default=0) for rounds in recorded)
+        if done >= round_:
             break
     else:
-        return []
+        return None
     (namespace,) = [name for name in set(leftovers()) - before if name.startswith("dln") and name.endswith(f"w{slot}")]
     pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
     subprocess.run(["kill", "-9", *pids], check=False)
-    return sorted(done)
+    return done
 
 
-# helper 0 is killed once it has reduced this round: the round after the kill may leave a worker out,
-# which takes the others' state at the round after that; two rounds of slack before the last (its
-# kill may come a round late: the next round's group can form in half a second)
+# helper 0 is killed once every worker has recorded this round: the round after the kill may leave
+# a worker out, which takes the others' state at the round after that; a round of slack before the
+# last (the kill may come a round late: the next round's group can form in half a second)
 KILLED_AFTER = 3
 SKIPPED = 7  # worker 2 sits out this round, the last: the others average without it, and it takes their state
 
@@ -62,9 +64,9 @@ SKIPPED = 7  # worker 2 sits out this round, the last: the others average withou
 def test_a_run_of_clients_averages_through_helpers_relays_a_state_and_outlives_a_helper(diloco_cli, tmp_path):
     run_dir = tmp_path / "run"
     before = set(leftovers())
-    killed: list[list[int]] = []
+    killed: list[int | None] = []
     stop = threading.Event()
-    kill = lambda: killed.append(_kill_when_reduced(run_dir / "helper-0.log", KILLED_AFTER, 3, before, stop))  # noqa: E731
+    kill = lambda: killed.append(_kill_after_round(run_dir, KILLED_AFTER, 3, before, stop))  # noqa: E731
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()
     try:
@@ -83,7 +85,7 @@ def test_a_run_of_clients_averages_through_helpers_relays_a_state_and_outlives_a
     helper_logs = [(run_dir / f"helper-{h}.log").read_text() for h in range(2)]
     assert killed and killed[0], helper_logs[0][-3000:]
     reduced = [_reduced(log) for log in helper_logs]
-    kill_round = max(killed[0])
+    kill_round = killed[0]
     tails = "\n".join(log[-2000:] for log in helper_logs)
     seen = f"round: workers reduced, by helper: {reduced}; helper 0 killed after round {kill_round}\n{tails}"
     # the helpers reduce parts of each round for all three workers (for two in the round sat out);
