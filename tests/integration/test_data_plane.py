@@ -102,6 +102,17 @@ def _run_peers(
             bootstrap.shutdown()
 
 
+def _run_peers_over_the_plane(count: int, bad: dict[int, str] | None = None) -> dict:
+    """``_run_peers`` over the gloo plane, run once more if the plane failed the round: about once
+    in 20 multi-worker runs hivemind's matchmaking puts a peer in a leader's group that it never
+    joins, and the others' rendezvous on the plane then fails at its bound (10 s), whatever the test
+    is about. A plane that fails every time fails the second run too."""
+    found = _run_peers(count, ["gloo"] * count, bad)
+    if not any(report["error"].startswith("data plane: ") for report in found.values()):
+        return found
+    return _run_peers(count, ["gloo"] * count, bad)
+
+
 def _mean(indices: list[int]) -> list[torch.Tensor]:
     weights = [1.0 + i for i in indices]
     vectors = [_tensors(i) for i in indices]
@@ -109,7 +120,7 @@ def _mean(indices: list[int]) -> list[torch.Tensor]:
 
 
 def test_three_peers_over_the_plane_end_identical_and_count_the_ring_bytes():
-    found = _run_peers(3, ["gloo"] * 3)
+    found = _run_peers_over_the_plane(3)
     assert all(found[i]["ok"] and found[i]["peers"] == 3 for i in range(3)), found
     assert len({found[i]["digest"] for i in range(3)}) == 1, "peers differ"
     assert all(found[i]["sent"] == ring_bytes(NUMEL, 3) for i in range(3))
@@ -118,8 +129,9 @@ def test_three_peers_over_the_plane_end_identical_and_count_the_ring_bytes():
 
 
 def test_a_dropped_contribution_takes_part_with_nothing_and_the_others_average():
-    found = _run_peers(3, ["gloo"] * 3, bad={2: "nan"})
-    assert found[0]["ok"] and found[1]["ok"] and found[0]["digest"] == found[1]["digest"]
+    found = _run_peers_over_the_plane(3, bad={2: "nan"})
+    errors = {i: report["error"] for i, report in found.items()}
+    assert found[0]["ok"] and found[1]["ok"] and found[0]["digest"] == found[1]["digest"], errors
     assert found[0]["peers"] == 2
     assert not found[2]["ok"] and found[2]["peers"] == 0  # it knows it was dropped: no retry, takes the state
     for got, want in zip(found[0]["tensors"], _mean([0, 1])):
