@@ -24,7 +24,7 @@ from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, st
 from diloco.comm.hivemind.helper_record import live_helper_ids, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.redial import REDIAL_HEARTBEATS, Redial
+from diloco.comm.hivemind.redial import Redial, redial_every_s
 from diloco.comm.hivemind.roster import Roster
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
@@ -166,7 +166,7 @@ def _roster(cfg: CommConfig, peer: Peer, *, worker_index: int, planned: int, slo
         layout=layout,
         chores=[] if peer.client_mode else [peer.answer_dialbacks],
     )
-    every_s = (REDIAL_HEARTBEATS - 0.5) * roster.heartbeat_s  # the chores run about a heartbeat apart, not exactly
+    every_s = redial_every_s(roster.heartbeat_s)
     roster.chores.append(Redial(peer.send, roster, cfg.hivemind.initial_peers, every_s=every_s))
     return roster
 

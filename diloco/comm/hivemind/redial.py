@@ -6,9 +6,10 @@ tables; hivemind never dials them again on its own, so after the network heals e
 go on finding only its own records and its own groups: two runs. A worker that misses workers
 it has seen (``Roster.missing``: not live, never said they were leaving) dials them again, at
 the addresses their roster records announced, and the run's initial peers, every
-``REDIAL_HEARTBEATS`` heartbeats (``comm.hivemind.heartbeat_s``), one dial at a time. A peer that answers is back in
-the routing table both ways: the roster then shows the other side live, rounds expect it, and its
-groups meet ours (the merge itself is ``group_round.py``'s: a group that holds two models).
+``REDIAL_HEARTBEATS`` heartbeats (``comm.hivemind.heartbeat_s``), one dial at a time. A peer that
+answers is back in the routing table both ways: the roster then shows the other side live, rounds
+expect it, and its groups meet ours (the merge itself is ``group_round.py``'s: a group that holds
+two models).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ logger = logging.getLogger(__name__)
 # connect and a ping of each missing peer; one to a peer still cut off ends in DIAL_S)
 REDIAL_HEARTBEATS = 1
 DIAL_S = 5.0  # one dial and ping
+
+
+def redial_every_s(heartbeat_s: float) -> float:
+    """The least time between two dials: ``REDIAL_HEARTBEATS`` heartbeats less half a heartbeat, as
+    the heartbeat's chores run about a heartbeat apart, not exactly."""
+    return (REDIAL_HEARTBEATS - 0.5) * heartbeat_s
 
 
 async def _dial_and_ping(dht, node, *, maddrs: Sequence[str], timeout_s: float) -> int:
