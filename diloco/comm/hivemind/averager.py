@@ -109,6 +109,7 @@ class _TrafficCounters:
         self._transfer_us = mp.Value(ctypes.c_int64, 0)  # time in all-reduces, from the group's start to our end
         self._codec = mp.Value(ctypes.c_int64, 0)  # the candidate the last all-reduce used (codec.candidates)
         self._left_behind = mp.Value(ctypes.c_int64, 0)  # groups that broke for a member that had left them
+        self._lost_reducers = mp.Value(ctypes.c_int64, 0)  # other members whose averaged parts never all came
 
     def add(
         self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0, transfer_s: float = 0.0
@@ -160,6 +161,15 @@ class _TrafficCounters:
         with self._left_behind.get_lock():
             self._left_behind.value += change
             return self._left_behind.value
+
+    def reducers_lost(self, change: int = 0) -> int:
+        """Other members of our groups so far (after adding ``change``) whose exchange with us
+        failed inside an all-reduce: a member that crashed or was cut off from us (or stalled past
+        its timeout, or sent what we could not read). A retry among the survivors expects that many
+        fewer (``averaging.py``)."""
+        with self._lost_reducers.get_lock():
+            self._lost_reducers.value += change
+            return self._lost_reducers.value
 
     def transfer_s(self) -> float:
         """Seconds spent in all-reduces so far (the link's share of the rounds: comm/link_meter.py)."""
@@ -380,8 +390,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != expected_parts:
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
         except BaseException as error:
-            if isinstance(error, Exception):
+            if isinstance(error, Exception):  # not a cancellation: the exchange itself failed
                 logger.debug("caught %r when communicating with %s", error, peer_id, exc_info=True)
+                self.traffic.reducers_lost(+1)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 

@@ -8,7 +8,8 @@ looking for that round's group at once. Rounds wait up to
 ``comm.hivemind.matchmaking_s`` for the group the roster expects (``roster.py``: the planned
 workers minus those seen gone, plus those that joined) and start at once when it is full. A round
 whose group broke (a peer crashed inside the all-reduce) is tried once more among the survivors,
-under a key of its own, while its deadline lasts. One attempt is ``group_round.py``.
+under a key of its own, while its deadline lasts; it starts as soon as the survivors are all
+there. One attempt is ``group_round.py``.
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ class HivemindAveraging(Averaging):
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind
         limit = time.monotonic() + round_limit_s(deadline_s)
-        left_before = averager.traffic.groups_left_behind()
+        left_before, lost_before = averager.traffic.groups_left_behind(), averager.traffic.reducers_lost()
         first = Attempt(round_index, 0, expected, deadline_s, limit, helpers, left_before, fragment=fragment)
         self._roster.group = first.group_size  # announced: a helper waits for the same group
         result = self.group_round.run(averager, flat, tensors, weight, first)
@@ -295,16 +296,14 @@ class HivemindAveraging(Averaging):
             # the survivors hold partial averages that differ (or their own values); averaging once
             # more among them, under a key of its own, gives them the same result instead. They
             # retry at about the same time; the retry's leader starts after
-            # comm.hivemind.matchmaking_s with whoever is there.
+            # comm.hivemind.matchmaking_s with whoever is there, or as soon as the group is whole
+            # less the members we lost inside the all-reduce (a group left behind lost none: its
+            # late member retries too).
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
             retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
-            retry = self.group_round.run(
-                averager,
-                flat,
-                tensors,
-                weight,
-                Attempt(round_index, 1, expected, retry_s, limit, helpers, fragment=fragment),
-            )
+            lost = 0 if left_behind else averager.traffic.reducers_lost() - lost_before
+            again = Attempt(round_index, 1, expected, retry_s, limit, helpers, fragment=fragment, lost=lost)
+            retry = self.group_round.run(averager, flat, tensors, weight, again)
             retry.bytes_sent += result.bytes_sent
             retry.bytes_recv += result.bytes_recv
             result = retry

@@ -99,11 +99,14 @@ class Attempt:
     # refused late must not stop it)
     left_before: int | None = None
     fragment: int = dataclasses.field(kw_only=True)  # the fragment of the params it averages
+    # a retry's: the members of the broken group lost inside its all-reduce (crashed, or cut off
+    # from us), not waited for: the survivors start as soon as they are all there
+    lost: int = dataclasses.field(default=0, kw_only=True)
 
     @property
     def group_size(self) -> int:
         """The group hivemind starts the all-reduce with as soon as it is complete."""
-        return max(2, self.expected + self.helpers)
+        return max(2, self.expected + self.helpers - self.lost)
 
 
 class GroupRound:

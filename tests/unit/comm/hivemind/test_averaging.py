@@ -37,10 +37,12 @@ class _LateLeaderAverager:
         self.traffic, self.exclusions = _TrafficCounters(), SimpleNamespace(excluded_peers=lambda: set())
         self.buffers, self.peer_mean = [torch.zeros_like(peer_mean)], peer_mean
         self.group_bits: list[str] = []
+        self.targets: list[int] = []  # the group size each attempt started the all-reduce at
         self.cancelled = 0
 
     def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
         self.group_bits.append(group_bits)
+        self.targets.append(target_group_size)
 
     @contextlib.contextmanager
     def tensors_within(self, timeout_s: float):
@@ -83,6 +85,8 @@ def _averaging(
     client_mode: bool = False,
     helpers: int = 0,
     fragments: int = 1,
+    expected: int = 2,
+    published: bool = False,
     **roster,
 ) -> HivemindAveraging:
     """A round's averaging over the scripted ``averager`` (the same one for each of ``fragments``);
@@ -100,8 +104,9 @@ def _averaging(
         flats=averager.buffers * fragments,
         plane=None,
         num_workers=2,
-        group_size=lambda: 2,
-        published=lambda: False,  # no state offered yet (a first round): the refusal alone says it broke
+        group_size=lambda: expected,
+        # False: no state offered yet (a first round): a refusal alone says the group broke
+        published=lambda: published,
         helpers=lambda: helpers,
     )
 
@@ -116,6 +121,31 @@ def test_a_worker_that_refused_a_group_counting_it_in_too_late_retries_with_that
     assert LEFT_BEHIND in caplog.text  # the retry's warning says why
     assert result.ok and result.peers == 2, result
     assert torch.equal(tensors[0], mean)
+
+
+@pytest.mark.parametrize("left_behind", [False, True])
+def test_a_retry_after_a_member_was_lost_inside_the_all_reduce_starts_once_the_survivors_are_there(left_behind):
+    # a group of the 3 expected broke inside its all-reduce: one member's parts never came back
+    # (it crashed). The retry's group is the 2 survivors, not the 3 it would wait the matchmaking
+    # window for; unless the group broke for a member that had left it (it retries too)
+    averager = _LateLeaderAverager(torch.full((4,), 2.0))
+
+    def step(weight: float, gather: dict, timeout: float, wait: bool):
+        if len(averager.group_bits) == 1:
+            averager.traffic.add(sent=100, failed_values=2)  # the lost member's share: our own values
+            averager.traffic.reducers_lost(+1)
+            if left_behind:
+                averager.traffic.groups_left_behind(+1)
+            return _Control(averager, [{"us": gather, "a": dict(gather), "b": dict(gather)}])
+        averager.buffers[0].copy_(averager.peer_mean)
+        return _Control(averager, [{"us": gather, "a": dict(gather)}])
+
+    averager.step = step
+    averaging = _averaging(averager, deadline_s=30.0, expected=3, published=True)
+    result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=30.0)
+    assert averager.group_bits == [round_group_bits(6), round_group_bits(6, attempt=1)]
+    assert averager.targets == [3, 3 if left_behind else 2]
+    assert result.ok and result.peers == 2 and result.expected == 3, result
 
 
 def test_a_worker_that_refused_no_group_does_not_retry_a_round_that_found_no_group():
