@@ -587,6 +587,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)
         die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
         logging.getLogger("hivemind.averaging.averager").addFilter(drop_expected_step_failures)
+        logging.getLogger("asyncio").addFilter(drop_result_of_a_cancelled_step)
         super().run()
 
     def set_group(self, group_bits: str, *, target_group_size: int, timeout_s: float) -> None:
@@ -769,6 +770,15 @@ def drop_expected_step_failures(record: logging.LogRecord) -> bool:
     failure in one line with the exception's message (core/outer.py). hivemind's record of an
     expected failure (no group found, a group that broke up) is left out; any other stays."""
     return not (record.exc_info and isinstance(record.exc_info[1], (AllreduceException, MatchmakingException)))
+
+
+def drop_result_of_a_cancelled_step(record: logging.LogRecord) -> bool:
+    """A logging filter for asyncio in the averager's process: a step the worker stopped waiting
+    for (``GroupRound.await_step`` cancels it) may still end inside hivemind, whose task then fails
+    to set the cancelled step's result, and asyncio logs that with a traceback. The worker has
+    reported the round already; any other record stays."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(error, concurrent.futures.InvalidStateError) and "CANCELLED" in str(error))
 
 
 def serialize_state(state: dict) -> io.BytesIO:

@@ -1,5 +1,6 @@
-"""What the averager's process logs: an expected failure of a step without its traceback; how long
-a part for a group we do not know waits for us to register it."""
+"""What the averager's process logs: an expected failure of a step without its traceback, nor the
+result of a step the worker cancelled; how long a part for a group we do not know waits for us to
+register it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ import time
 
 import pytest
 from hivemind.averaging.allreduce import AllreduceException
+from hivemind.utils.mpfuture import MPFuture
 
-from diloco.comm.hivemind.averager import check_declared_weight, drop_expected_step_failures, group_registered
+from diloco.comm.hivemind.averager import (
+    check_declared_weight,
+    drop_expected_step_failures,
+    drop_result_of_a_cancelled_step,
+    group_registered,
+)
 from diloco.compression import PayloadError
 
 
@@ -28,6 +35,20 @@ def test_a_step_that_found_no_group_is_left_to_the_workers_one_line_and_a_bug_ke
     assert drop_expected_step_failures(_record_of(AssertionError("a bug")))
     plain = logging.LogRecord("hivemind.averaging.averager", logging.ERROR, __file__, 1, "a message", (), None)
     assert drop_expected_step_failures(plain)
+
+
+def test_the_result_of_a_step_the_worker_cancelled_is_not_logged_and_another_invalid_state_is():
+    step = MPFuture()
+    step.cancel()  # the worker stopped waiting for the step (GroupRound.await_step)
+    with pytest.raises(Exception) as late:
+        step.set_result(None)  # what hivemind's task does once the step ends
+    assert not drop_result_of_a_cancelled_step(_record_of(late.value))
+    done = MPFuture()
+    done.set_result(None)
+    with pytest.raises(Exception) as twice:
+        done.set_result(None)
+    assert drop_result_of_a_cancelled_step(_record_of(twice.value))
+    assert drop_result_of_a_cancelled_step(_record_of(AssertionError("a bug")))
 
 
 async def _registered_after(delay_s: float, *, joining: bool, group: bytes = b"ours") -> tuple[bool, float]:
