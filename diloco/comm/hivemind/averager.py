@@ -112,13 +112,21 @@ class _TrafficCounters:
         self._lost_reducers = mp.Value(ctypes.c_int64, 0)  # other members whose averaged parts never all came
 
     def add(
-        self, *, sent: int = 0, recv: int = 0, failed_values: int = 0, own_drops: int = 0, transfer_s: float = 0.0
+        self,
+        *,
+        sent: int = 0,
+        recv: int = 0,
+        failed_values: int = 0,
+        own_drops: int = 0,
+        lost_reducers: int = 0,
+        transfer_s: float = 0.0,
     ) -> None:
         for counter, amount in (
             (self._sent, sent),
             (self._recv, recv),
             (self._failed_values, failed_values),
             (self._own_drops, own_drops),
+            (self._lost_reducers, lost_reducers),
             (self._transfer_us, round(transfer_s * 1e6)),
         ):
             if amount:
@@ -162,14 +170,12 @@ class _TrafficCounters:
             self._left_behind.value += change
             return self._left_behind.value
 
-    def reducers_lost(self, change: int = 0) -> int:
-        """Other members of our groups so far (after adding ``change``) whose exchange with us
-        failed inside an all-reduce: a member that crashed or was cut off from us (or stalled past
-        its timeout, or sent what we could not read). A retry among the survivors expects that many
-        fewer (``averaging.py``)."""
-        with self._lost_reducers.get_lock():
-            self._lost_reducers.value += change
-            return self._lost_reducers.value
+    def reducers_lost(self) -> int:
+        """Other members of our groups so far whose averaged parts never all came back to us inside
+        an all-reduce: a member that crashed or was cut off from us (or stalled past its timeout,
+        or sent what we could not read), counted once its all-reduce is over. A retry among the
+        survivors expects that many fewer (``averaging.py``)."""
+        return self._lost_reducers.value
 
     def transfer_s(self) -> float:
         """Seconds spent in all-reduces so far (the link's share of the rounds: comm/link_meter.py)."""
@@ -209,6 +215,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self.traffic, self.codec = traffic, codec
         self._left_behind = False  # a member of this group refused our parts: counted once
+        self.lost_reducers = 0  # other members whose averaged parts did not all come back to us
         self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
         # a codec that gathers (gathered.py): what each sender sent of each part of our share,
         # and what we sent each reducer of each part of theirs
@@ -358,13 +365,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         numels = [part.numel() for part in self._input_parts(peer_index)]
         expected_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
         loop = asyncio.get_event_loop()
+        part_index = 0  # the averaged parts it sent back so far
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
-            part_index = 0
             async for message in aiter_with_timeout(self._count_received(stream), self.reducer_timeout):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     if message.code == averaging_pb2.BAD_GROUP_ID and self._never_sent(peer_id):
@@ -392,7 +399,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException as error:
             if isinstance(error, Exception):  # not a cancellation: the exchange itself failed
                 logger.debug("caught %r when communicating with %s", error, peer_id, exc_info=True)
-                self.traffic.reducers_lost(+1)
+                if part_index < expected_parts:  # not one that failed as its stream closed
+                    self.lost_reducers += 1
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
@@ -712,7 +720,9 @@ class ExactAverager(StateDownload, DecentralizedAverager):
             self.exclusions.record(runner.sender_peer_ids, screening, excluded, runner, own=self.peer_id)
         finally:
             self.traffic.add(
-                failed_values=runner.tensor_part_container.failed_size, transfer_s=time.monotonic() - started
+                failed_values=runner.tensor_part_container.failed_size,
+                lost_reducers=runner.lost_reducers,
+                transfer_s=time.monotonic() - started,
             )
             _log_left_out(runner)
 

@@ -297,11 +297,11 @@ class HivemindAveraging(Averaging):
             # more among them, under a key of its own, gives them the same result instead. They
             # retry at about the same time; the retry's leader starts after
             # comm.hivemind.matchmaking_s with whoever is there, or as soon as the group is whole
-            # less the members we lost inside the all-reduce (a group left behind lost none: its
-            # late member retries too).
+            # less the members lost inside the all-reduce (a group left behind lost none: its late
+            # member retries too).
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
             retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
-            lost = 0 if left_behind else averager.traffic.reducers_lost() - lost_before
+            lost = 0 if left_behind else _lost_members(averager, result, since=lost_before, helpers=helpers)
             again = Attempt(round_index, 1, expected, retry_s, limit, helpers, fragment=fragment, lost=lost)
             retry = self.group_round.run(averager, flat, tensors, weight, again)
             retry.bytes_sent += result.bytes_sent
@@ -406,3 +406,12 @@ def _past(entry: RosterEntry, round_index: int) -> bool:
     """Whether a worker's record shows a round after round ``round_index`` completed (a record
     counts the rounds completed; one at this round may have postponed it as we would)."""
     return entry.round > round_index + 1
+
+
+def _lost_members(averager, result: SyncResult, *, since: int, helpers: int) -> int:
+    """The members of a broken group that its retry need not wait for: those whose averaged parts
+    never all came back to us (the averager's count was ``since`` when the round began). None when
+    every other member failed us, or the group is not known: we are then the one that was cut off
+    or stalled, and the others may all retry."""
+    lost = averager.traffic.reducers_lost() - since
+    return 0 if lost >= result.group + helpers - 1 else lost

@@ -123,17 +123,25 @@ def test_a_worker_that_refused_a_group_counting_it_in_too_late_retries_with_that
     assert torch.equal(tensors[0], mean)
 
 
-@pytest.mark.parametrize("left_behind", [False, True])
-def test_a_retry_after_a_member_was_lost_inside_the_all_reduce_starts_once_the_survivors_are_there(left_behind):
-    # a group of the 3 expected broke inside its all-reduce: one member's parts never came back
-    # (it crashed). The retry's group is the 2 survivors, not the 3 it would wait the matchmaking
-    # window for; unless the group broke for a member that had left it (it retries too)
+@pytest.mark.parametrize(
+    ("lost", "left_behind", "target"),
+    [
+        (1, False, 2),  # one member crashed: the retry's group is the 2 survivors
+        (1, True, 3),  # the group broke for a member that had left it: it retries too
+        (2, False, 3),  # every other member failed us: we were cut off, the others may all retry
+    ],
+)
+def test_a_retry_after_a_member_was_lost_inside_the_all_reduce_starts_once_the_survivors_are_there(
+    lost, left_behind, target
+):
+    # a group of the 3 expected broke inside its all-reduce: ``lost`` members' parts never all came
+    # back. The retry waits for the group less those, not for the 3 it would wait the matchmaking
+    # window for
     averager = _LateLeaderAverager(torch.full((4,), 2.0))
 
     def step(weight: float, gather: dict, timeout: float, wait: bool):
-        if len(averager.group_bits) == 1:
-            averager.traffic.add(sent=100, failed_values=2)  # the lost member's share: our own values
-            averager.traffic.reducers_lost(+1)
+        if len(averager.group_bits) == 1:  # the lost members' shares hold our own values
+            averager.traffic.add(sent=100, failed_values=2 * lost, lost_reducers=lost)
             if left_behind:
                 averager.traffic.groups_left_behind(+1)
             return _Control(averager, [{"us": gather, "a": dict(gather), "b": dict(gather)}])
@@ -144,7 +152,7 @@ def test_a_retry_after_a_member_was_lost_inside_the_all_reduce_starts_once_the_s
     averaging = _averaging(averager, deadline_s=30.0, expected=3, published=True)
     result = averaging.all_reduce_mean([torch.zeros(4)], 1.0, round_index=6, deadline_s=30.0)
     assert averager.group_bits == [round_group_bits(6), round_group_bits(6, attempt=1)]
-    assert averager.targets == [3, 3 if left_behind else 2]
+    assert averager.targets == [3, target]
     assert result.ok and result.peers == 2 and result.expected == 3, result
 
 
