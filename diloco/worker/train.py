@@ -72,7 +72,7 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
             with watchdog.phase("hashing"):
                 param_hash = tensors_digest(sync.synced_params)
             if sync.declares_params and placement.ranks == 1:  # a site's ranks hold shards of their own
-                log.declare_params(round_index, param_hash)  # before evaluating: a peer may be checking a state
+                log.declare_params(round_index, param_hash, peers=end.result.peers)  # a peer may be checking a state
                 backend.membership.report_progress(round_index, step, log.live)
             params_key = (param_hash, worker.held_out_hash) if sync.model_is_synced else None
             with watchdog.phase("evaluating"):

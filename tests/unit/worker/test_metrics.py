@@ -195,5 +195,6 @@ def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_
     assert rounds[1]["expected"] == 4 and "missing" not in rounds[1]
     assert rounds[2]["sides"] == [2, 2] and "expected" not in rounds[2]
     assert "params" not in log.live  # declared by blocking rounds only (train.py)
-    log.declare_params(3, "ab" * 32)
-    assert log.live["params"] == "ab" * 8 and log.live["params_round"] == 3  # what the roster tells a group
+    log.declare_params(4, "ab" * 32, peers=3)  # the run's last round: no later record follows
+    assert log.live["params"] == "ab" * 8 and log.live["params_round"] == 4  # what the roster tells a group
+    assert log.live["peers"] == 3  # the round's own count, not the last recorded round's (4)
