@@ -301,7 +301,8 @@ class HivemindAveraging(Averaging):
             # member retries too).
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
             retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
-            lost = 0 if left_behind else _lost_members(averager, result, since=lost_before, helpers=helpers)
+            lost = averager.traffic.reducers_lost() - lost_before
+            lost = 0 if left_behind else _not_waited_for(lost, group=result.group, helpers=helpers)
             again = Attempt(round_index, 1, expected, retry_s, limit, helpers, fragment=fragment, lost=lost)
             retry = self.group_round.run(averager, flat, tensors, weight, again)
             retry.bytes_sent += result.bytes_sent
@@ -408,10 +409,9 @@ def _past(entry: RosterEntry, round_index: int) -> bool:
     return entry.round > round_index + 1
 
 
-def _lost_members(averager, result: SyncResult, *, since: int, helpers: int) -> int:
-    """The members of a broken group that its retry need not wait for: those whose averaged parts
-    never all came back to us (the averager's count was ``since`` when the round began). None when
+def _not_waited_for(lost: int, *, group: int, helpers: int) -> int:
+    """Of a broken group of ``group`` workers (0: not known) and ``helpers`` helpers, the members its
+    retry need not wait for: the ``lost`` whose averaged parts never all came back to us. None when
     every other member failed us, or the group is not known: we are then the one that was cut off
     or stalled, and the others may all retry."""
-    lost = averager.traffic.reducers_lost() - since
-    return 0 if lost >= result.group + helpers - 1 else lost
+    return 0 if lost >= group + helpers - 1 else lost
