@@ -18,7 +18,8 @@
     diloco bench gpu                                        # one GPU: inner-step MFU, outer sync's local work
 
 Mistakes in the command line, the config or the data path end with one line on stderr and
-exit code 2; Ctrl-C stops everything this command started and exits 130.
+exit code 2. Ctrl-C, or SIGTERM to the process or its whole process group, stops everything this
+command started (a worker first marks itself as leaving the run) and exits 130 with one line.
 """
 
 from __future__ import annotations
@@ -169,6 +170,10 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
     try:
         end = train(cfg, on_ready=announce, join=join)
+    except KeyboardInterrupt:  # train() marked the worker as leaving and stopped its peers
+        raise KeyboardInterrupt(
+            f"worker {cfg.worker.index} left the run; the same command again resumes it from its last checkpoint"
+        ) from None
     except StopRequested as stop:
         print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
         return 3
@@ -420,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"diloco: error: {_out_of_gpu_memory()}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("diloco: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        print("diloco: interrupted" + (f": {interrupt}" if str(interrupt) else ""), file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -9,6 +9,12 @@ with the process at its top. Elsewhere these calls do nothing.
 
 A launcher that stops its children on purpose does it with ``stop_all``: SIGTERM (a worker shuts
 its peers down), a grace period, then SIGKILL for each child's whole session.
+
+A terminal's Ctrl-C, and a SIGTERM to a whole process group (what ``timeout``, Slurm and systemd
+send), reach every process of the group at once. Only the process at the top acts on them: it
+marks the worker as leaving through its DHT peer and then stops its children in order. So the
+children it starts are shielded (``shielded_from_interrupts``): hivemind's processes ignore both
+signals, and p2pd runs in a process group of its own; each still dies with its parent.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
 
 _PR_SET_PDEATHSIG = 1
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 10.0  # how long a worker gets to shut its peers down after being asked to stop
 
 
@@ -79,9 +87,36 @@ def die_with_parent(sig: int = signal.SIGKILL, *, parent_pid: int | None = None)
         os._exit(1)
 
 
+@contextlib.contextmanager
+def shielded_from_interrupts():
+    """Processes forked inside this block ignore SIGINT and SIGTERM (they inherit the disposition):
+    the process that starts them stops them in order when it is interrupted, and they die with it.
+    This process's own handlers are back as the block ends. A no-op outside the main thread, which
+    alone may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in INTERRUPTS}
+    try:
+        for sig in INTERRUPTS:
+            signal.signal(sig, signal.SIG_IGN)
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _own_group_dying_with_parent(sig: int, owner: int) -> None:
+    """In a daemon's child before exec: a process group of its own (a signal to its parent's group,
+    a terminal's Ctrl-C, does not reach it), and ``sig`` when its parent dies."""
+    os.setpgid(0, 0)
+    die_with_parent(sig, parent_pid=owner)
+
+
 def asyncio_children_die_with_this_process(sig: int = signal.SIGTERM) -> None:
     """Called in a process: every process it starts from now on through
-    ``asyncio.create_subprocess_exec`` (hivemind starts its p2pd so) dies with it."""
+    ``asyncio.create_subprocess_exec`` (hivemind starts its p2pd so) dies with it, in a process
+    group of its own (``shielded_from_interrupts``: Go's runtime would not keep an ignored SIGTERM)."""
     if sys.platform != "linux" or getattr(asyncio.subprocess.create_subprocess_exec, "_dies_with_parent", False):
         return
     start = asyncio.subprocess.create_subprocess_exec
@@ -90,7 +125,7 @@ def asyncio_children_die_with_this_process(sig: int = signal.SIGTERM) -> None:
     @functools.wraps(start)
     async def create_subprocess_exec(*args, **kwargs):
         if kwargs.get("preexec_fn") is None:
-            kwargs["preexec_fn"] = functools.partial(die_with_parent, sig, parent_pid=owner)
+            kwargs["preexec_fn"] = functools.partial(_own_group_dying_with_parent, sig, owner)
         return await start(*args, **kwargs)
 
     create_subprocess_exec._dies_with_parent = True

@@ -42,7 +42,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from diloco.lifetime import die_with_parent, stop_all
+from diloco.lifetime import die_with_parent, shielded_from_interrupts, stop_all
 from diloco.tools.testbed import enter_namespace
 
 # what the server imports once, so that no child does: the command line, a worker's and a helper's
@@ -104,7 +104,7 @@ def prepare() -> None:
     was itself started warm needs none: it forks its children itself (``context``)."""
     if AVAILABLE and not _forks_itself():
         context()
-        forkserver.ensure_running()
+        _ensure_server()
 
 
 def context() -> multiprocessing.context.BaseContext:
@@ -127,7 +127,7 @@ def start(command: list[str], log: Path, *, netns: str | None = None, env: dict[
     if forked.get_start_method() == "fork":
         server = os.getpid()
     else:
-        forkserver.ensure_running()
+        _ensure_server()
         server = forkserver._forkserver._forkserver_pid
     environment = (os.getcwd(), {**os.environ, **(env or {})})
     process = forked.Process(
@@ -140,6 +140,13 @@ def start(command: list[str], log: Path, *, netns: str | None = None, env: dict[
         atexit.register(_stop_the_live_ones)  # after multiprocessing's own exit handler, so it runs before it
     _started.append(child)
     return child
+
+
+def _ensure_server() -> None:
+    """This process's server (and multiprocessing's resource tracker), started if need be, shielded
+    from a Ctrl-C or SIGTERM to the process group: this process stops it, once its children are."""
+    with shielded_from_interrupts():
+        forkserver.ensure_running()
 
 
 _started: list[WarmChild] = []

@@ -91,10 +91,10 @@ def _training_launcher(run_dir):
 
 def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
     with _training_launcher(tmp_path / "run") as (launcher, spawned):
-        launcher.send_signal(signal.SIGINT)
+        os.killpg(launcher.pid, signal.SIGINT)  # a terminal's Ctrl-C: the launcher's whole group
         output, _ = launcher.communicate(timeout=120)  # generous: CI machines are shared and slow
         assert launcher.returncode == 130, output[-3000:]
-        assert "Traceback" not in output
+        assert "Traceback" not in output and "Warning" not in output, output[-3000:]
         _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
 
 
@@ -255,3 +255,69 @@ def test_a_worker_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_pr
     assert [r for r, _ in list_checkpoints(tmp_path, 0)] == [0]
     torch.manual_seed(0)
     assert torch.equal(load_latest_checkpoint(tmp_path, 0)["model"]["w"], torch.randn(1 << 20))
+
+
+@contextlib.contextmanager
+def _running(argv: list[str], log: Path, marker: str):
+    """A fresh ``python -m diloco.cli ARGV`` in a session of its own, as a terminal starts it (its
+    output in ``log``), once it has written ``marker``; its group and every process below it are
+    killed afterwards, whatever happened."""
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "diloco.cli", *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    seen: set[int] = set()
+    try:
+        _wait_for(lambda: marker in log.read_text() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
+        assert process.poll() is None, log.read_text()[-3000:]
+        seen = _descendants(process.pid)
+        yield process
+    finally:
+        _kill_tree(process, seen | _descendants(process.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def _interrupt_group(process: subprocess.Popen, sig: int, log: Path) -> None:
+    """``sig`` to ``process``'s whole group, as a terminal's Ctrl-C (or ``timeout``, or systemd) sends
+    it: the command ends with exit 130, one line and no traceback, and leaves no process behind."""
+    below = _descendants(process.pid)
+    assert below, "the command started no hivemind process"
+    os.killpg(process.pid, sig)
+    assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
+    output = log.read_text()
+    assert "Traceback" not in output and "diloco: interrupted" in output, output[-3000:]
+    _wait_for(lambda: not any(_alive(pid) for pid in below), 20, "every child to exit")
+
+
+def _address(log: Path, prefix: str) -> str:
+    """The first peer address printed after ``prefix`` in ``log``."""
+    return log.read_text().split(prefix, 1)[1].split("['", 1)[1].split("'", 1)[0]
+
+
+def test_ctrl_c_and_sigterm_to_the_group_stop_bootstrap_train_join_and_helper(tmp_path):
+    run = [*TINY, "inner.steps=100000", "outer.sync_every=10", "worker.count=1", "worker.slots=3",
+           "comm.hivemind.host=127.0.0.1", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    logs = {name: tmp_path / f"{name}.log" for name in ("bootstrap", "train", "join", "helper")}
+    with _running(["bootstrap", "--host", "127.0.0.1", "--port", "0"], logs["bootstrap"], "peer up") as bootstrap:
+        peers = f"comm.hivemind.initial_peers=['{_address(logs['bootstrap'], 'bootstrap peer up')}']"
+        with _running(["train", *run, peers], logs["train"], "is up; join this run") as worker:
+            address = _address(logs["train"], "join this run with")
+            volunteer = [
+                "join",
+                "--peers",
+                address,
+                f"run.dir={tmp_path / 'volunteer'}",
+                "comm.hivemind.host=127.0.0.1",
+            ]
+            with _running(volunteer, logs["join"], "is up; join this run") as joined:
+                helper_argv = ["helper", "--peers", address, "comm.hivemind.host=127.0.0.1"]
+                with _running(helper_argv, logs["helper"], "reducing for its workers") as helper:
+                    _interrupt_group(helper, signal.SIGINT, logs["helper"])
+                _interrupt_group(joined, signal.SIGINT, logs["join"])
+                assert "worker 1 left the run" in logs["join"].read_text()
+                # the volunteer marked itself as leaving: the run's worker saw it go, not time out
+                _wait_for(lambda: "worker 1 left the run" in logs["train"].read_text(), 30, "worker 0 to see it leave")
+            _interrupt_group(worker, signal.SIGTERM, logs["train"])
+        _interrupt_group(bootstrap, signal.SIGTERM, logs["bootstrap"])

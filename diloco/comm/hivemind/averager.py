@@ -82,7 +82,7 @@ from diloco.comm.robust import (
     screen,
 )
 from diloco.compression import PAYLOAD_FORMAT, Codec, PayloadError, all_finite
-from diloco.lifetime import die_with_parent
+from diloco.lifetime import die_with_parent, shielded_from_interrupts
 
 logger = logging.getLogger(__name__)
 
@@ -590,6 +590,13 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         self.schema_hash = keyed_schema_hash(run_key, schema)
         if start:
             self.run_in_background(await_ready=True)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind's own sets SIGINT to SIG_IGN in the worker and leaves it so: Ctrl-C did nothing
+        with shielded_from_interrupts():
+            self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
 
     def run(self):
         # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)

@@ -338,6 +338,8 @@ class Roster:
         self._live = live  # before _seen: a worker seen for the first time is never missing
         self._seen |= live
         self._servers_seen |= {i for i in live if i in entries and entries[i].serves_state}
+        for index in sorted(leaving - self._left - {self.worker_index}):
+            logger.info("worker %d left the run", index)
         self._left |= leaving
         self._left -= live  # one that left and is back (the same index, restarted) is live again
         now = self._clock()
