@@ -78,11 +78,13 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run one worker")
     train.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    train.add_argument("--run-dir", help="run directory (default runs/<run.name>; the same as run.dir=DIR)")
 
     join = commands.add_parser("join", help="join a live run in a free slot, starting from the run's current state")
     join.add_argument("config", nargs="?", help="the run's YAML config (default: taken from a live peer)")
     join.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     join.add_argument("--peers", required=True, help="multiaddr(s) of live peers of the run, comma-separated")
+    join.add_argument("--run-dir", help="run directory (default runs/<run.name>; the same as run.dir=DIR)")
 
     status = commands.add_parser("status", help="list the live workers of a run: round, steps, loss, tokens/s")
     status.add_argument("config", nargs="?", help="the run's YAML config (for its run id and run key)")
@@ -154,6 +156,8 @@ def _cmd_train(args, *, join: bool = False) -> int:
     from diloco.worker.train import train
 
     config_path, overrides = _split_config(args.config, args.overrides)
+    if args.run_dir:
+        overrides = [*overrides, f"run.dir={args.run_dir}"]
     cfg = load_config(config_path, overrides)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.worker.site:
         # under torchrun each rank is a worker (comm.backend=torchdist), unless the ranks are one site

@@ -172,7 +172,8 @@ def test_wandb_offline_run_is_written_into_the_run_directory(tmp_path, diloco_cl
         *TINY,
         "inner.steps=10",
         "outer.sync_every=5",
-        f"run.dir={run_dir}",
+        "--run-dir",
+        str(run_dir),
         "logging.wandb=offline",
         "checkpoint.every_rounds=0",
     )
@@ -297,7 +298,9 @@ def _address(log: Path, prefix: str) -> str:
 
 
 def test_ctrl_c_and_sigterm_to_the_group_stop_bootstrap_train_join_and_helper(tmp_path):
-    run = [*TINY, "inner.steps=100000", "outer.sync_every=10", "worker.count=1", "worker.slots=3",
+    # a terminal's Ctrl-C and systemd's or timeout's SIGTERM reach the whole process group; on the way,
+    # a volunteer finds the run full (both of its slots held)
+    run = [*TINY, "inner.steps=100000", "outer.sync_every=10", "worker.count=1", "worker.slots=2",
            "comm.hivemind.host=127.0.0.1", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
     logs = {name: tmp_path / f"{name}.log" for name in ("bootstrap", "train", "join", "helper")}
     with _running(["bootstrap", "--host", "127.0.0.1", "--port", "0"], logs["bootstrap"], "peer up") as bootstrap:
@@ -312,6 +315,10 @@ def test_ctrl_c_and_sigterm_to_the_group_stop_bootstrap_train_join_and_helper(tm
                 "comm.hivemind.host=127.0.0.1",
             ]
             with _running(volunteer, logs["join"], "is up; join this run") as joined:
+                full = subprocess.run([sys.executable, "-m", "diloco.cli", *volunteer], capture_output=True, text=True,
+                                      timeout=120)  # fmt: skip
+                assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+                assert "diloco: error: run 'diloco' is full: its 2 data shards are all held" in full.stderr
                 helper_argv = ["helper", "--peers", address, "comm.hivemind.host=127.0.0.1"]
                 with _running(helper_argv, logs["helper"], "reducing for its workers") as helper:
                     _interrupt_group(helper, signal.SIGINT, logs["helper"])

@@ -1,7 +1,7 @@
 """Mistakes a user can make that no other test covers, each answered by one line on stderr that
 names the problem and the fix, exit code 2, no traceback, and nothing of the run overwritten.
 (Bad keys and values, a missing data path or config file: test_config.py; a port in use and an
-unreachable peer: test_lifecycle.py; a wrong run key: test_volunteer.py; the testbed without
+unreachable peer, a full run: test_lifecycle.py; a wrong run key: test_volunteer.py; the testbed without
 root: test_testbed.py; a run id nobody answers for: test_status.py.)"""
 
 from __future__ import annotations
