@@ -220,17 +220,32 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
 
 
+def read_newest(
+    directory: Path, worker_index: int, *, newer_than: int = -1
+) -> tuple[tuple[int, Path, dict[str, Any]] | None, dict[Path, str]]:
+    """The newest of this worker's checkpoints past round ``newer_than`` that reads whole, as
+    (round, path, state), or None; and each newer one that did not (truncated, bit-flipped,
+    unreadable, gone), with what is wrong with it."""
+    damaged: dict[Path, str] = {}
+    for round_index, path in reversed(list_checkpoints(directory, worker_index)):
+        if round_index <= newer_than:
+            break
+        try:
+            return (round_index, path, read_checkpoint(path)), damaged
+        except Exception as exc:  # corrupt, truncated, or unreadable: the previous one may do
+            damaged[path] = str(exc).removeprefix(f"{path}: ")
+    return None, damaged
+
+
 def load_latest_checkpoint(directory: Path, worker_index: int) -> dict[str, Any] | None:
     """Newest valid checkpoint of this worker, skipping corrupt ones with a warning; None if there is none."""
-    for _, path in reversed(list_checkpoints(directory, worker_index)):
-        try:
-            state = read_checkpoint(path)
-        except Exception as exc:  # corrupt, truncated, or unreadable: fall back to the previous one
-            logger.warning("skipping unusable checkpoint %s: %s", path, exc)
-            continue
-        logger.info("loaded checkpoint %s", path)
-        return state
-    return None
+    found, damaged = read_newest(directory, worker_index)
+    for path, reason in damaged.items():
+        logger.warning("skipping unusable checkpoint %s: %s", path, reason)
+    if found is None:
+        return None
+    logger.info("loaded checkpoint %s", found[1])
+    return found[2]
 
 
 def capture_rng_state() -> dict[str, Any]:
