@@ -109,27 +109,30 @@ def _taken(state: dict) -> dict:
 
 
 def told(resume: Resume, worker_index: int, *, step: int, round_index: int, caught_up: bool) -> tuple[dict, str] | None:
-    """The ``resume`` record and its one console line, once the worker knows where it starts
-    (``caught_up``: it took a live peer's state, rounds ahead of what it resumed from); None for
-    a worker that had nothing on disk."""
-    if resume.source == "fresh" and not resume.damaged and not caught_up:
+    """The ``resume`` record and its one console line, once the worker knows where it starts,
+    (``step``, ``round_index``); ``caught_up``: it took a live peer's state there, rounds ahead of
+    what it resumed from. None for a worker that had nothing on disk (a new one, a newcomer)."""
+    if resume.source == "fresh" and not resume.damaged:
         return None
-    source = "live run" if caught_up else resume.source
     record = {
-        "source": source,
+        "source": "live run" if caught_up else resume.source,
         "round": round_index,
         "step": step,
         "damaged": [f"{path.parent.name}/{path.name}" for path in resume.damaged],
         "checkpoint": f"{resume.path.parent.name}/{resume.path.name}" if resume.path else None,
     }
-    if caught_up:
-        done = f"took the live run's state after round {round_index} (step {step})"
-    elif resume.state is None:
-        done = "no whole checkpoint of another worker, no live peer ahead: STARTS AFRESH from step 0"
+    if resume.state is not None:
+        whose = {"own": "its", "own_older": "its older"}.get(resume.source, f"{resume.source}'s")
+        at = f"step {resume.state['step']}, after round {resume.state['round']}"
+        done = f"resumed at {at}, from {whose} checkpoint {resume.path.name}"
     else:
-        whose = {"own": "its", "own_older": "its older"}.get(source, f"{source}'s")
-        done = f"resumed from {whose} checkpoint of round {round_index} (step {step})"
-    return record, f"worker {worker_index}: {_damage(resume.damaged)}{done}"
+        done = "no whole checkpoint of its own or of another worker"
+    if caught_up:
+        done += f"{', then' if resume.state else ';'} took the live run's state after round {round_index} (step {step})"
+    elif resume.state is None:
+        done += ", no live peer rounds ahead: STARTS AFRESH at step 0"
+    separator = ": " if resume.damaged else " "
+    return record, f"worker {worker_index}{separator}{_damage(resume.damaged)}{done}"
 
 
 def _damage(damaged: dict[Path, str]) -> str:

@@ -47,6 +47,13 @@ def test_a_whole_newest_checkpoint_is_resumed_as_the_workers_own(tmp_path):
     resume = choose_resume(tmp_path, 0, model_shapes=SHAPES)
     assert (resume.source, resume.state["round"], resume.damaged) == ("own", 2, {})
     assert resume.state["rng"] == {"worker": 0}
+    # the words diloco's tests and benchmarks look for in a restarted worker's log: "resumed at step"
+    record, line = told(resume, 0, step=10, round_index=2, caught_up=False)
+    assert line == "worker 0 resumed at step 10, after round 2, from its checkpoint round-000002.pt"
+    assert (record["source"], record["damaged"], record["checkpoint"]) == ("own", [], "worker-0/round-000002.pt")
+    record, line = told(resume, 0, step=20, round_index=4, caught_up=True)  # its peers were rounds ahead
+    assert line.endswith("round-000002.pt, then took the live run's state after round 4 (step 20)")
+    assert (record["source"], record["round"], record["step"]) == ("live run", 4, 20)
 
 
 def test_a_damaged_newest_takes_another_workers_checkpoint_of_a_newer_round_over_its_own_older(tmp_path):
@@ -112,7 +119,8 @@ def test_told_says_in_one_line_what_was_damaged_and_where_the_state_came_from(tm
         "checkpoint": "worker-1/round-000004.pt",
     }
     assert line.startswith("worker 0: its newest checkpoint round-000004.pt is damaged (payload is 952 bytes")
-    assert line.endswith("; resumed from worker 1's checkpoint of round 4 (step 20)") and "\n" not in line
+    assert line.endswith("; resumed at step 20, after round 4, from worker 1's checkpoint round-000004.pt")
+    assert "\n" not in line
 
 
 def test_a_worker_with_every_checkpoint_damaged_and_no_other_state_starts_afresh_and_says_so(tmp_path):
@@ -124,10 +132,10 @@ def test_a_worker_with_every_checkpoint_damaged_and_no_other_state_starts_afresh
     assert resume.source == "fresh" and resume.state is None
     record, line = told(resume, 0, step=0, round_index=0, caught_up=False)
     assert record["source"] == "fresh" and record["damaged"] == ["worker-0/round-000004.pt", "worker-0/round-000002.pt"]
-    assert "round-000004.pt, round-000002.pt are damaged" in line and "STARTS AFRESH from step 0" in line
+    assert "round-000004.pt, round-000002.pt are damaged" in line and line.endswith("STARTS AFRESH at step 0")
     # a live peer rounds ahead served its state: that is what it says instead
     record, line = told(resume, 0, step=15, round_index=3, caught_up=True)
-    assert record["source"] == "live run" and line.endswith("took the live run's state after round 3 (step 15)")
+    assert record["source"] == "live run" and line.endswith("; took the live run's state after round 3 (step 15)")
     # a new worker (nothing on disk) has nothing to tell
     assert (
         told(choose_resume(tmp_path / "new", 0, model_shapes=SHAPES), 0, step=0, round_index=0, caught_up=False) is None
