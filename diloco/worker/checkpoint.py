@@ -4,8 +4,9 @@ A worker hands its state to a ``CheckpointWriter`` after an outer round and goes
 the writer copies the state's tensors (to host memory: a snapshot, so later steps cannot change
 what is written) and writes that snapshot from a thread of its own. It never runs two writes at
 once: a save that comes while the previous one is still writing waits for it. At start-up the
-worker calls ``load_latest_checkpoint(run_dir / "checkpoints", i)``. The state is an opaque dict
-(model and optimizer state dicts, ``capture_rng_state()``, sampler position, round, ...).
+worker reads its newest whole checkpoint (``read_newest``; which state it resumes from when its
+own newest is damaged: resume.py). The state is an opaque dict (model and optimizer state dicts,
+``capture_rng_state()``, sampler position, round, ...).
 
 Layout: ``<directory>/worker-<i>/round-<r:06d>.pt``. Each file is
 
@@ -16,7 +17,7 @@ digest is computed; the header is filled in after, then the file is fsynced, ren
 name (atomic on POSIX) and the folder fsynced. So a crash at any moment (``kill -9`` in the middle
 of a write included) leaves either the old set of checkpoints or the new one, never a half file
 under a final name. Loading checks length and digest, so a truncated or bit-flipped file is skipped
-with a warning and the previous checkpoint is used instead. Leftover temp files (names starting
+(and the previous checkpoint, or another worker's newer one, is used instead: resume.py). Leftover temp files (names starting
 with ``.``) are ignored.
 """
 
