@@ -17,8 +17,8 @@ digest is computed; the header is filled in after, then the file is fsynced, ren
 name (atomic on POSIX) and the folder fsynced. So a crash at any moment (``kill -9`` in the middle
 of a write included) leaves either the old set of checkpoints or the new one, never a half file
 under a final name. Loading checks length and digest, so a truncated or bit-flipped file is skipped
-(and the previous checkpoint, or another worker's newer one, is used instead: resume.py). Leftover temp files (names starting
-with ``.``) are ignored.
+(and the previous checkpoint, or another worker's newer one, is used instead: resume.py).
+Leftover temp files (names starting with ``.``) are ignored.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ _TAKEN = ("model", "inner_optimizer", "outer", "overlap", "step", "round", "tota
 class Resume:
     """Where a worker's state comes from. ``source``: ``own`` (its newest checkpoint), ``own_older``
     (an older one of its own: newer ones are damaged), ``worker <j>`` (another worker's), ``fresh``
-    (nothing on disk: the seed's initial state); ``Worker.begin`` adds ``live run`` (it caught up
+    (nothing usable on disk: the seed's initial state); ``Worker.begin`` adds ``live run`` (it caught up
     with peers rounds ahead). ``damaged``: its own files that did not read whole, with why."""
 
     source: str
@@ -130,7 +130,7 @@ def told(resume: Resume, worker_index: int, *, step: int, round_index: int, caug
     if caught_up:
         done += f"{', then' if resume.state else ';'} took the live run's state after round {round_index} (step {step})"
     elif resume.state is None:
-        done += ", no live peer rounds ahead: STARTS AFRESH at step 0"
+        done += ", and took no live run's state: STARTS AFRESH at step 0"
     separator = ": " if resume.damaged else " "
     return record, f"worker {worker_index}{separator}{_damage(resume.damaged)}{done}"
 
