@@ -210,6 +210,15 @@ class ShardSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, y)``: int64 [batch_size, block_size], ``y`` is ``x`` shifted left by one."""
+        return _windows(self.tokens, self._next_starts(), self.block_size)
+
+    def skip(self, batches: int) -> None:
+        """Move on as if ``batches`` more batches had been drawn: the same draws, no windows gathered."""
+        for _ in range(batches):
+            self._next_starts()
+
+    def _next_starts(self) -> torch.Tensor:
+        """Where the next batch's windows start; counts the batch as drawn."""
         # Offsets so that offset + block_size + 1 <= length (randint's high is exclusive).
         offsets = torch.randint(0, self.length - self.block_size, (self.batch_size,), generator=self.generator)
         if len(self.starts) == 1:  # one region: no region draw, so the windows are those drawn before chunks existed
@@ -218,7 +227,7 @@ class ShardSampler:
             region = torch.randint(0, len(self.starts), (self.batch_size,), generator=self.generator)
             starts = self.starts[region] + offsets
         self.batches_drawn += 1
-        return _windows(self.tokens, starts, self.block_size)
+        return starts
 
     def state_dict(self) -> dict[str, Any]:
         return {

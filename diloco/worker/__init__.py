@@ -7,6 +7,7 @@
 - ``sites.py``       several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites
 - ``joining.py``     a newcomer or a restarted worker takes a live peer's state before its first round
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume, written off the loop
+- ``resume.py``      which state a restarted worker resumes from (its own, or another worker's when its own is damaged)
 - ``records.py``     what a worker records per event: the JSONL line, the wandb point, the console line
 - ``metrics.py``     the sinks (JSONL file, wandb) and the run summary
 - ``watchdog.py``    the worker's phases, their bounds, and thread stacks when one is passed

@@ -1,8 +1,9 @@
 """A worker set up from its config: data, model, optimizers, the resumed state, the transport,
 its records and how its rounds sync. ``train.py`` runs the loop over what ``build_worker`` returns.
 
-Rerunning the same command resumes from the newest valid checkpoint: ``Worker.state_dict`` lists
-what a checkpoint holds once, and ``build_worker`` loads it back part by part.
+Rerunning the same command resumes from the newest valid checkpoint (or, when the worker's own
+newest is damaged, the newest usable state: resume.py): ``Worker.state_dict`` lists what a
+checkpoint holds once, and ``build_worker`` loads it back part by part.
 """
 
 from __future__ import annotations
@@ -26,18 +27,13 @@ from diloco.core.overlap import OverlappedOuter, fragments_for
 from diloco.core.rounds import RoundClock
 from diloco.data.corpus import ShardSampler, load_corpus, val_batches
 from diloco.models.gpt import build_model
-from diloco.worker.checkpoint import (
-    CheckpointWriter,
-    capture_rng_state,
-    checkpoint_folder,
-    load_latest_checkpoint,
-    restore_rng_state,
-)
+from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, checkpoint_folder, restore_rng_state
 from diloco.worker.faults import with_bad_payloads, with_faults
 from diloco.worker.joining import catch_up_with_run, published_run
 from diloco.worker.memory import check_model_fits
 from diloco.worker.placement import Placement, placement_for
 from diloco.worker.records import Totals, WorkerLog, totals_state
+from diloco.worker.resume import Resume, choose_resume, model_shapes, told
 from diloco.worker.sync_modes import Accounting, BlockingRounds, DataParallelRounds, OverlappedRounds, SyncMode
 from diloco.worker.watchdog import Watchdog
 
@@ -70,6 +66,7 @@ class Worker:
     start_step: int
     start_round: int
     totals: Totals
+    resume: Resume  # where its state came from (resume.py)
 
     def state_dict(self, step: int, round_index: int) -> dict:
         """What a checkpoint after round ``round_index`` holds (a sharded site's rank: its own shards)."""
@@ -86,6 +83,17 @@ class Worker:
             "totals": totals_state(self.totals, self.log),
         }
         return self.placement.checkpoint_state(state)
+
+    def begin(self) -> tuple[int, int]:
+        """Where training starts, (step, round): the resumed state's, or the live run's when its
+        peers are rounds ahead (blocking rounds catch up with them: joining.py); how the worker
+        resumed is recorded, in one line."""
+        step, round_index = self.sync.begin(self.start_step, self.start_round)
+        caught_up = round_index != self.start_round
+        resumed = told(self.resume, self.cfg.worker.index, step=step, round_index=round_index, caught_up=caught_up)
+        if resumed is not None:
+            self.log.resume(*resumed)
+        return step, round_index
 
     def save_checkpoint(self, step: int, round_index: int) -> None:
         with self.watchdog.phase("checkpointing"):
@@ -134,15 +142,11 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     trained = _build_trained(cfg, placement, vocab_size=vocab_size)
 
     # resume: rerunning the same command continues from the newest valid checkpoint
-    step, round_index, totals = 0, 0, Totals()
     checkpoints = run_dir / "checkpoints"
-    if (state := load_latest_checkpoint(checkpoints, cfg.worker.index)) is not None:
-        placement.check_resume(checkpoints)
-        trained.load_state_dict(state, checkpoints)
-        sampler.load_state_dict(state["sampler"])
-        restore_rng_state(state["rng"])
-        step, round_index, totals = state["step"], state["round"], Totals(**state["totals"])
-        logger.info("worker %d resumed at step %d, after round %d", cfg.worker.index, step, round_index)
+    resume = _resume(cfg, placement, trained, sampler, checkpoints)
+    state = resume.state
+    step, round_index = (state["step"], state["round"]) if state else (0, 0)
+    totals = Totals(**state["totals"]) if state else Totals()
     if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
         save_config(cfg, run_dir / "config.yaml")
 
@@ -184,9 +188,28 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
             start_step=step,
             start_round=round_index,
             totals=totals,
+            resume=resume,
         )
         undo.pop_all()  # all set: they are the worker's to close (Worker.close)
     return worker
+
+
+def _resume(cfg: Config, placement: Placement, trained: _Trained, sampler: ShardSampler, checkpoints: Path) -> Resume:
+    """The state chosen by ``choose_resume`` (resume.py), loaded: this worker's own whole, or
+    what it takes of another worker's (its data position rebuilt on its own shard, its RNG its
+    seed's). Only one process holding the whole model takes another worker's checkpoint."""
+    shapes = model_shapes(trained.model) if placement.ranks == 1 else None
+    resume = choose_resume(checkpoints, cfg.worker.index, model_shapes=shapes)
+    if (state := resume.state) is None:
+        return resume
+    placement.check_resume(checkpoints)
+    trained.load_state_dict(state, checkpoints)
+    if resume.own:
+        sampler.load_state_dict(state["sampler"])
+        restore_rng_state(state["rng"])
+    else:
+        sampler.skip(state["batches_drawn"])
+    return resume
 
 
 def _placement(cfg: Config, *, join: bool) -> Placement:

@@ -4,8 +4,9 @@ A worker hands its state to a ``CheckpointWriter`` after an outer round and goes
 the writer copies the state's tensors (to host memory: a snapshot, so later steps cannot change
 what is written) and writes that snapshot from a thread of its own. It never runs two writes at
 once: a save that comes while the previous one is still writing waits for it. At start-up the
-worker calls ``load_latest_checkpoint(run_dir / "checkpoints", i)``. The state is an opaque dict
-(model and optimizer state dicts, ``capture_rng_state()``, sampler position, round, ...).
+worker reads its newest whole checkpoint (``read_newest``; which state it resumes from when its
+own newest is damaged: resume.py). The state is an opaque dict (model and optimizer state dicts,
+``capture_rng_state()``, sampler position, round, ...).
 
 Layout: ``<directory>/worker-<i>/round-<r:06d>.pt``. Each file is
 
@@ -16,8 +17,8 @@ digest is computed; the header is filled in after, then the file is fsynced, ren
 name (atomic on POSIX) and the folder fsynced. So a crash at any moment (``kill -9`` in the middle
 of a write included) leaves either the old set of checkpoints or the new one, never a half file
 under a final name. Loading checks length and digest, so a truncated or bit-flipped file is skipped
-with a warning and the previous checkpoint is used instead. Leftover temp files (names starting
-with ``.``) are ignored.
+(and the previous checkpoint, or another worker's newer one, is used instead: resume.py).
+Leftover temp files (names starting with ``.``) are ignored.
 """
 
 from __future__ import annotations
@@ -220,17 +221,32 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
 
 
+def read_newest(
+    directory: Path, worker_index: int, *, newer_than: int = -1
+) -> tuple[tuple[int, Path, dict[str, Any]] | None, dict[Path, str]]:
+    """The newest of this worker's checkpoints past round ``newer_than`` that reads whole, as
+    (round, path, state), or None; and each newer one that did not (truncated, bit-flipped,
+    unreadable, gone), with what is wrong with it."""
+    damaged: dict[Path, str] = {}
+    for round_index, path in reversed(list_checkpoints(directory, worker_index)):
+        if round_index <= newer_than:
+            break
+        try:
+            return (round_index, path, read_checkpoint(path)), damaged
+        except Exception as exc:  # corrupt, truncated, or unreadable: the previous one may do
+            damaged[path] = str(exc).removeprefix(f"{path}: ")
+    return None, damaged
+
+
 def load_latest_checkpoint(directory: Path, worker_index: int) -> dict[str, Any] | None:
     """Newest valid checkpoint of this worker, skipping corrupt ones with a warning; None if there is none."""
-    for _, path in reversed(list_checkpoints(directory, worker_index)):
-        try:
-            state = read_checkpoint(path)
-        except Exception as exc:  # corrupt, truncated, or unreadable: fall back to the previous one
-            logger.warning("skipping unusable checkpoint %s: %s", path, exc)
-            continue
-        logger.info("loaded checkpoint %s", path)
-        return state
-    return None
+    found, damaged = read_newest(directory, worker_index)
+    for path, reason in damaged.items():
+        logger.warning("skipping unusable checkpoint %s: %s", path, reason)
+    if found is None:
+        return None
+    logger.info("loaded checkpoint %s", found[1])
+    return found[2]
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -2,7 +2,8 @@
 read), the wandb point, and the console line.
 
 Record fields: ``step`` records every ``logging.log_every`` inner steps,
-``round`` records after every outer sync, one ``end`` record when the worker finishes.
+``round`` records after every outer sync, one ``end`` record when the worker finishes; a ``resume``
+record first when it resumed (from which checkpoint, and which of its own were damaged).
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class WorkerLog:
     def _emit(self, record: dict, step: int) -> None:
         self.jsonl.log(record)
         self.wandb.log(record, step=step)
+
+    def resume(self, record: dict, line: str) -> None:
+        """How the worker resumed (resume.py): its record and one console line, a warning when
+        some of its checkpoints were damaged."""
+        self._emit({"event": "resume", **record}, record["step"])
+        logger.log(logging.WARNING if record["damaged"] else logging.INFO, "%s", line)
 
     def step(self, step: int, round_index: int, loss, lr: float, *, due: bool) -> None:
         """Count an inner step; write a record when ``due`` (reading the loss syncs, so only then)."""

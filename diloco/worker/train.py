@@ -39,14 +39,12 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     worker = build_worker(cfg, join=join)  # data, model, optimizers, resumed state, transport: build.py
     model, placement, backend, held_out = worker.model, worker.placement, worker.backend, worker.held_out
     sync, clock, log, watchdog = worker.sync, worker.clock, worker.log, worker.watchdog
-    step, round_index = worker.start_step, worker.start_round
     samples_per_step = cfg.inner.batch_size * placement.ranks
     try:
         if on_ready is not None:
             on_ready(backend.membership.addresses)
-        behind = round_index
-        step, round_index = sync.begin(step, round_index)  # blocking: catch up with a run rounds ahead
-        if round_index != behind and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
+        step, round_index = worker.begin()  # blocking: catch up with a run rounds ahead; tell how it resumed
+        if round_index != worker.start_round and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
             worker.save_checkpoint(step, round_index)  # took the run's final state: it is this worker's last
         samples_this_round, val_loss = 0, None
         clock.start_round()

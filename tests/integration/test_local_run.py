@@ -91,6 +91,42 @@ def test_rerunning_a_stopped_run_resumes_from_its_checkpoint(tmp_path, diloco_cl
     assert len(set(_round_hashes(run_dir, 2)[4])) == 1
 
 
+@pytest.mark.timeout(480)
+def test_a_worker_whose_newest_checkpoint_is_damaged_resumes_from_the_others_and_the_run_stays_one_model(
+    tmp_path, diloco_cli
+):
+    run_dir = tmp_path / "run"
+    common = ["local", "--workers", "2", "--run-dir", str(run_dir), *TINY, "outer.sync_every=5"]
+    first = diloco_cli(*common, "inner.steps=20")
+    assert first.returncode == 0, first.stdout[-4000:]
+    newest = sorted((run_dir / "checkpoints" / "worker-0").glob("round-*.pt"))[-1]
+    assert newest.name == "round-000004.pt"  # its own round 3 is kept too (checkpoint.keep=2)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+    def resumed(worker: int) -> list[tuple]:
+        records = read_records(run_dir, worker)
+        return [(r["source"], r["round"], r["damaged"]) for r in records if r["event"] == "resume"]
+
+    # the same command: the run is over; from its own round 3 worker 0 would train round 4 alone
+    again = diloco_cli(*common, "inner.steps=20")
+    assert again.returncode == 0, again.stdout[-4000:]
+    took_worker_1s = ("worker 1", 4, ["worker-0/round-000004.pt"])
+    assert resumed(0) == [took_worker_1s], log_tails(run_dir, 2)
+    assert json.loads((run_dir / "summary.json").read_text())["params_agree"], again.stdout[-2000:]
+    line = "worker 0: its newest checkpoint round-000004.pt is damaged"
+    assert line in (run_dir / "worker-0.log").read_text()
+
+    # with more steps the run goes on, as one model
+    more = diloco_cli(*common, "inner.steps=30")
+    assert more.returncode == 0, more.stdout[-4000:]
+    assert resumed(0) == [took_worker_1s] * 2, log_tails(run_dir, 2)
+    assert resumed(1) == [("own", 4, [])] * 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["params_agree"] and summary["inner_steps"] == 30, summary
+    hashes = _round_hashes(run_dir, 2)
+    assert sorted(hashes) == [1, 2, 3, 4, 5, 6] and all(len(h) == 1 for h in hashes.values()), hashes
+
+
 @pytest.mark.parametrize(
     "overlap",
     [

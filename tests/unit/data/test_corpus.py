@@ -129,6 +129,20 @@ def test_resumed_sampler_continues_with_exactly_the_next_batches():
     assert resumed.batches_drawn == original.batches_drawn == 8
 
 
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_a_skipped_sampler_draws_what_one_that_drew_as_many_batches_draws_next(chunk):
+    tokens = _positions(3000)
+    drawn, skipped = (
+        ShardSampler(tokens, block_size=BLOCK, batch_size=16, shard_index=1, num_shards=3, seed=0, chunk=chunk)
+        for _ in range(2)
+    )
+    for _ in range(7):
+        drawn.next_batch()
+    skipped.skip(7)
+    assert skipped.batches_drawn == 7
+    torch.testing.assert_close(skipped.next_batch(), drawn.next_batch())
+
+
 def test_loading_state_from_another_shard_or_chunking_is_refused():
     tokens = _positions(3000)
     with pytest.raises(ValueError, match="shard_index"):

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from diloco.comm.base import Membership
 from diloco.comm.simulator import SimulatedBackend
 from diloco.config import load_config
+from diloco.tools.launcher import simulate
 from diloco.worker import build
 from diloco.worker.build import build_worker
+from diloco.worker.checkpoint import read_checkpoint
 from tests.conftest import TINY
 
 
@@ -35,5 +40,25 @@ def test_a_new_worker_starts_at_step_0_and_lists_every_part_of_its_checkpoint(tm
         state = worker.state_dict(0, 0)
         parts = {"model", "inner_optimizer", "outer", "error_feedback", "overlap", "sampler", "rng"}
         assert parts | {"step", "round", "totals"} == set(state)
+    finally:
+        worker.close()
+
+
+def test_a_worker_resuming_from_another_workers_checkpoint_takes_the_runs_state_and_keeps_its_own_data(tmp_path):
+    overrides = [*TINY, "comm.backend=simulator", "comm.run_id=build_resume", "compression.name=topk"]
+    cfg = load_config(None, [*overrides, "inner.steps=20", "outer.sync_every=5", f"run.dir={tmp_path}"])
+    simulate(cfg, workers=2)
+    newest = tmp_path / "checkpoints" / "worker-0" / "round-000004.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])
+    theirs = read_checkpoint(tmp_path / "checkpoints" / "worker-1" / "round-000004.pt")
+    assert theirs["error_feedback"]["residuals"] is not None  # top-k leaves a residual: worker 1's own
+
+    worker = build_worker(replace(cfg, worker=replace(cfg.worker, index=0, count=2)))
+    try:
+        assert (worker.resume.source, worker.start_step, worker.start_round) == ("worker 1", 20, 4)
+        for mine, saved in zip(worker.outer.global_params, theirs["outer"]["global_params"], strict=True):
+            assert torch.equal(mine, saved)
+        assert worker.error_feedback.residuals is None
+        assert (worker.sampler.shard_index, worker.sampler.batches_drawn) == (0, theirs["sampler"]["batches_drawn"])
     finally:
         worker.close()
