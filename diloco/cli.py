@@ -176,9 +176,9 @@ def _cmd_train(args, *, join: bool = False) -> int:
         end = train(cfg, on_ready=announce, join=join)
     except StopRequested as stop:
         print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
-        write_summary(cfg.run_dir, errors={cfg.worker.index: f"stopped: {stop}"})
+        write_summary(cfg.run_dir, errors={cfg.worker.index: f"stopped: {stop}"}, unless_running=True)
         return 3
-    write_summary(cfg.run_dir)  # the run directory's, other workers' records included
+    write_summary(cfg.run_dir, unless_running=True)  # the directory's: the last of its workers to end writes it
     print(
         f"worker {cfg.worker.index} finished: {end['inner_steps']} steps, {end['rounds']} rounds, "
         f"val_loss {end['val_loss']:.4f}, params {end['param_sha256'][:16]}",

@@ -297,10 +297,16 @@ def models_of(ends: list[dict]) -> list[dict[str, Any]]:
     return sorted(models.values(), key=lambda m: -len(m["workers"]))
 
 
-def write_summary(run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None) -> dict[str, Any]:
-    """``summarize_run`` and write it to ``<run_dir>/summary.json`` atomically (temp file + rename):
-    workers of one run sharing a directory may each write it at their end."""
+def write_summary(
+    run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None, unless_running: bool = False
+) -> dict[str, Any]:
+    """``summarize_run`` and write it to ``<run_dir>/summary.json`` atomically (temp file + rename);
+    with ``unless_running``, only when no worker of the directory runs: workers of one run sharing
+    a directory each try at their end, and the last to end writes it (each writes its end record
+    first, so two ending at once do not both skip it)."""
     summary = summarize_run(run_dir, ended=ended, errors=errors)
+    if unless_running and summary["running_workers"]:
+        return summary
     run_dir = Path(run_dir)
     fd, tmp_name = tempfile.mkstemp(dir=run_dir, prefix=".summary.", suffix=".tmp")
     try:

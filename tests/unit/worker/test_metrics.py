@@ -246,3 +246,13 @@ def test_round_records_carry_the_wall_time(tmp_path):
     (step,) = [r for r in _lines(tmp_path / "worker-0.jsonl") if r["event"] == "step" and r["step"] == 10]
     (round_record,) = [r for r in _lines(tmp_path / "worker-0.jsonl") if r["event"] == "round"]
     assert round_record["time_s"] >= step["time_s"] >= 5.0
+
+
+def test_workers_sharing_a_directory_leave_its_summary_to_the_last_one_to_end(tmp_path):
+    write_session(tmp_path, 0)
+    write_session(tmp_path, 1, finished=False)  # still running (this process)
+    assert write_summary(tmp_path, unless_running=True)["running_workers"] == [1]
+    assert not (tmp_path / "summary.json").exists()
+    write_session(tmp_path, 1)  # it ends (a rerun's session, here)
+    write_summary(tmp_path, unless_running=True)
+    assert json.loads((tmp_path / "summary.json").read_text())["workers"] == 2
