@@ -48,7 +48,7 @@ def failure_of_process(index: int, code: int, log: Path, offset: int) -> Failure
     try:
         with log.open("rb") as file:
             file.seek(offset)
-            lines = [line.strip() for line in file.read().decode(errors="replace").splitlines() if line.strip()]
+            lines = [line.rstrip() for line in file.read().decode(errors="replace").splitlines() if line.strip()]
     except FileNotFoundError:
         lines = []
     errors = [line.removeprefix(ERROR_PREFIX) for line in lines if line.startswith(ERROR_PREFIX)]
@@ -59,11 +59,17 @@ def failure_of_process(index: int, code: int, log: Path, offset: int) -> Failure
         message = stopped[-1].removeprefix(f"worker {index} stopped: ")
     elif code < 0:
         message = f"killed by signal {-code}"
-    elif lines:
-        message = lines[-1]
     else:
-        message = "it wrote nothing"
+        message = _exception_line(lines) or (lines[-1] if lines else "it wrote nothing")
     return Failure(code, message, log)
+
+
+def _exception_line(lines: list[str]) -> str | None:
+    """The exception of the last traceback in ``lines``: its first line not indented (the frames are)."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    return next((line for line in lines[starts[-1] + 1 :] if not line[0].isspace()), None)
 
 
 def failure_of_exception(error: BaseException) -> Failure:

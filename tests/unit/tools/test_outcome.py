@@ -34,7 +34,9 @@ def test_a_workers_error_is_its_diloco_error_line_of_this_launch(tmp_path):
 
 def test_a_crashed_workers_error_is_its_tracebacks_last_line_or_its_exit(tmp_path):
     log = tmp_path / "worker-0.log"
-    log.write_text('Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: boom\n')
+    log.write_text('Traceback (most recent call last):\n  File "x.py", line 1\n    f()\nRuntimeError: boom\n')
+    with log.open("a") as file:
+        file.write("12:00:01 INFO hivemind: shutting down\n")  # what its exit handlers wrote after
     assert failure_of_process(0, 1, log, 0).message == "RuntimeError: boom"
     assert failure_of_process(0, -9, log, 0).message == "killed by signal 9"
     assert failure_of_process(0, 1, log, log.stat().st_size).message == "it wrote nothing"
