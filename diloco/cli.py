@@ -9,6 +9,7 @@
     diloco bootstrap --host 0.0.0.0 --port 31337            # a DHT peer others can join through
     diloco config [CONFIG] [KEY=VALUE ...]                  # print the resolved configuration
     diloco config --reference                               # every key, type, default, meaning
+    diloco summary runs/tiny                                # a run at a glance from its records, live or ended
     diloco plot runs/a runs/b --out curves.png              # loss against tokens, time and bytes
     diloco corpus runs/pycorpus [--vocab 32768]             # site-packages' Python source, a BPE, a token cache
     diloco bench overhead                                   # inner-step throughput vs a bare loop
@@ -121,6 +122,9 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     config.add_argument("config", nargs="?", help="YAML config")
     config.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
 
+    summary = commands.add_parser("summary", help="a run at a glance from its records: live or finished")
+    summary.add_argument("run_dir", metavar="RUN_DIR")
+
     plot = commands.add_parser("plot", help="validation loss against tokens, wall time and bytes")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", required=True, help="PNG file to write")
@@ -153,6 +157,7 @@ def _raise_keyboard_interrupt(signum, frame):
 def _cmd_train(args, *, join: bool = False) -> int:
     from diloco.config import load_config
     from diloco.worker.faults import StopRequested
+    from diloco.worker.metrics import write_summary
     from diloco.worker.train import train
 
     config_path, overrides = _split_config(args.config, args.overrides)
@@ -180,7 +185,9 @@ def _cmd_train(args, *, join: bool = False) -> int:
         ) from None
     except StopRequested as stop:
         print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
+        write_summary(cfg.run_dir, errors={cfg.worker.index: f"stopped: {stop}"}, unless_running=True)
         return 3
+    write_summary(cfg.run_dir, unless_running=True)  # the directory's: the last of its workers to end writes it
     print(
         f"worker {cfg.worker.index} finished: {end['inner_steps']} steps, {end['rounds']} rounds, "
         f"val_loss {end['val_loss']:.4f}, params {end['param_sha256'][:16]}",
@@ -335,6 +342,13 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_summary(args) -> int:
+    from diloco.tools.summary import summary_text
+
+    print(summary_text(Path(args.run_dir)))
+    return 0
+
+
 def _cmd_corpus(args) -> int:
     from diloco.tools.corpus import build_corpus
 
@@ -365,6 +379,7 @@ COMMANDS = {
     "helper": _cmd_helper,
     "bootstrap": _cmd_bootstrap,
     "config": _cmd_config,
+    "summary": _cmd_summary,
     "plot": _cmd_plot,
     "corpus": _cmd_corpus,
     "bench": _cmd_bench,

@@ -137,10 +137,12 @@ def _train(job: Job, cfg) -> dict:
     """The arm's run to the end: simulated in this process, or (``comm.backend=hivemind`` among the
     overrides) as ``diloco local`` runs it, one process a worker over real hivemind peers on loopback."""
     from diloco.tools.launcher import run_local, simulate
+    from diloco.tools.outcome import EXIT_PARAMS_DIFFER
 
     if cfg.comm.backend != "hivemind":
         return simulate(cfg, workers=job.arm.workers)
-    if run_local(cfg, None, job.words(), workers=job.arm.workers) != 0:
+    # workers that ended on different params finished: the summary says so (params_agree)
+    if run_local(cfg, None, job.words(), workers=job.arm.workers) not in (0, EXIT_PARAMS_DIFFER):
         raise RuntimeError(f"{job.arm.name} seed {job.seed}: a worker failed; see the logs in {cfg.run_dir}")
     return json.loads((cfg.run_dir / "summary.json").read_text())
 

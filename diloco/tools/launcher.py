@@ -10,7 +10,10 @@ reaches only this launcher, which stops the workers in order; forked from a warm
 ``warm_start.py``, which saves each seconds of imports) with ``cores / M`` torch threads
 (several workers on one machine slow each other far more than the sum of their work
 otherwise). Worker output goes to ``RUN_DIR/worker-<i>.log``; progress is read from the
-workers' JSONL records. At the end the launcher writes ``summary.json`` and prints it.
+workers' JSONL records, each opened by a ``start`` record the launcher writes (the files are
+appended to by every rerun: this launch is what follows it). At the end the launcher writes
+``summary.json`` and prints it, with each failed worker's error (``outcome.py``, which also
+gives the exit code).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from diloco.comm.run_key_env import RUN_KEY_ENV
 from diloco.config import Config
 from diloco.lifetime import stop_all, terminate_with_parent
 from diloco.tools import warm_start
+from diloco.tools.outcome import Failure, failure_of_exception, failure_of_process, report
 from diloco.tools.testbed import Testbed
-from diloco.worker.metrics import format_duration, format_summary, write_summary
+from diloco.worker.metrics import format_duration, mark_start, write_summary
 
 logger = logging.getLogger(__name__)
 Child = subprocess.Popen | warm_start.WarmChild  # a worker or helper this launcher started (start_child)
@@ -179,9 +183,13 @@ def run_local(
         print(f"bootstrap peer: {peers[0]}")
         where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
         print(f"run directory:  {run_dir}   ({workers} workers {where}, {threads} threads each)")
+        log_paths = [run_dir / f"worker-{i}.log" for i in range(workers)]
+        log_offsets = [path.stat().st_size if path.exists() else 0 for path in log_paths]  # earlier runs'
+        for i in range(workers):
+            mark_start(run_dir, i)  # this launch's records follow; a worker that writes none failed
         progress = _Progress(run_dir, workers)
         for i in range(workers):
-            log = (run_dir / f"worker-{i}.log").open("ab")
+            log = log_paths[i].open("ab")
             logs.append(log)
             command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
             children.append(start_child(command, log, testbed=testbed, slot=i))
@@ -203,15 +211,21 @@ def run_local(
             log.close()
         stop_all([bootstrap])
 
-    failed = [i for i, child in enumerate(children) if child.returncode != 0]
-    summary = write_summary(run_dir)
-    print(format_summary(summary))
-    for i in failed:
-        print(f"worker {i} failed (exit code {children[i].returncode}); see {run_dir / f'worker-{i}.log'}")
+    failures = {
+        i: failure_of_process(i, child.returncode, log_paths[i], log_offsets[i])
+        for i, child in enumerate(children)
+        if child.returncode != 0
+    }
     for i, code in enumerate(helper_codes):
         if code not in (None, 0):
-            print(f"helper {i} failed (exit code {code}); see {run_dir / f'helper-{i}.log'}")
-    return 1 if failed else 0
+            print(f"helper {i} failed (exit code {code}); see {run_dir / f'helper-{i}.log'}", file=sys.stderr)
+    return _report(cfg, failures)
+
+
+def _report(cfg: Config, failures: dict[int, Failure]) -> int:
+    """Write ``summary.json`` of the run that just ended, print it and its failures; the exit code."""
+    summary = write_summary(cfg.run_dir, ended=True, errors=_errors(failures))
+    return report(summary, failures, params_may_differ=cfg.outer.eager)  # eager: they differ by design
 
 
 def start_child(
@@ -270,7 +284,18 @@ def _watch(progress: _Progress, total_steps: int, states, out: TextIO = sys.stdo
 def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
     """Run M simulated workers as threads of this process (``comm.backend=simulator``), each the real
     ``train()`` loop; return the run's summary (also written to ``summary.json``)."""
+    return write_summary(cfg.run_dir, ended=True, errors=_errors(_simulate(cfg, workers, show_progress)))
+
+
+def _errors(failures: dict[int, Failure]) -> dict[int, str]:
+    return {i: failure.describe() for i, failure in failures.items()}
+
+
+def _simulate(cfg: Config, workers: int, show_progress: bool) -> dict[int, Failure]:
+    """``simulate``'s run: the workers that failed, each with its error."""
     from diloco.comm.simulator import forget_group, group_for
+    from diloco.errors import UserError
+    from diloco.worker.faults import StopRequested
     from diloco.worker.train import train
 
     run_dir = cfg.run_dir
@@ -278,6 +303,7 @@ def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
     forget_group(cfg.comm.run_id)
     group = group_for(cfg.comm.run_id, workers)
     states = ["running"] * workers
+    failures: dict[int, Failure] = {}
 
     def run_worker(index: int) -> None:
         worker_cfg = copy.deepcopy(cfg)
@@ -286,12 +312,16 @@ def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
             group.wait_turn(index)  # torch's RNG is global: set-up must take turns like the steps do
             train(worker_cfg)
             states[index] = "done"
-        except Exception:
-            logger.exception("worker %d failed", index)
+        except Exception as error:
+            if not isinstance(error, UserError | StopRequested):  # a bug: its traceback in the log
+                logger.exception("worker %d failed", index)
+            failures[index] = failure_of_exception(error)
             states[index] = "failed"
         finally:
             group.finish(index)
 
+    for i in range(workers):
+        mark_start(run_dir, i)  # this run's records follow; a worker that writes none failed
     threads = [threading.Thread(target=run_worker, args=(i,), daemon=True, name=f"worker-{i}") for i in range(workers)]
     for thread in threads:
         thread.start()
@@ -300,21 +330,17 @@ def simulate(cfg: Config, *, workers: int, show_progress: bool = False) -> dict:
     for thread in threads:
         thread.join()
     forget_group(cfg.comm.run_id)
-    return write_summary(run_dir)
+    return failures
 
 
 def run_simulated(cfg: Config, *, workers: int) -> int:
-    """``diloco local ... comm.backend=simulator``: simulate, show progress, print the summary."""
+    """``diloco local ... comm.backend=simulator``: simulate, show progress, print the summary and
+    each failed worker's error; the exit code (``outcome.py``)."""
     print(
         f"run directory:  {cfg.run_dir}   ({workers} simulated workers taking turns, {torch.get_num_threads()} threads)"
     )
     logging.getLogger("diloco.worker.records").setLevel(logging.WARNING)  # the progress lines say it
-    summary = simulate(cfg, workers=workers, show_progress=True)
-    print(format_summary(summary))
-    if summary["failed_workers"]:
-        print(f"workers {summary['failed_workers']} failed; see the log above")
-        return 1
-    return 0
+    return _report(cfg, _simulate(cfg, workers, show_progress=True))
 
 
 def start_bootstrap(*, host: str, timeout_s: float, log: Path, run_key: str = "") -> tuple[Child, list[str]]:

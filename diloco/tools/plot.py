@@ -2,7 +2,8 @@
 
 Reads the round records of each run directory (worker 0's, since every worker holds the same
 global params) and draws one line per run, labelled with the run directory's name. Tokens are
-counted over all workers; bytes are what one worker sent.
+counted over all workers; bytes are what one worker sent; wall time is the worker's training
+time at the record (a resumed run's includes its time before).
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ def load_curve(run_dir: Path) -> dict:
     files = sorted(run_dir.glob("worker-*.jsonl"))
     if not files:
         raise PlotError(f"{run_dir} has no worker-*.jsonl records (is it a run directory?)")
-    rounds = [r for r in map(json.loads, files[0].read_text().splitlines()) if r.get("event") == "round"]
-    if not rounds:
+    records = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+    if not any(r.get("event") == "round" for r in records):
         raise PlotError(f"{run_dir} has no round records yet")
     workers = len(files)
-    sent, curve = 0, {"name": run_dir.name, "tokens": [], "seconds": [], "bytes": [], "val_loss": []}
-    for record in rounds:
+    sent, seconds, curve = 0, 0.0, {"name": run_dir.name, "tokens": [], "seconds": [], "bytes": [], "val_loss": []}
+    for record in records:
+        if record.get("event") == "step":  # a round record from before they carried the time: its last step's
+            seconds = record["time_s"]
+        if record.get("event") != "round":
+            continue
         sent += record["bytes_sent"]
         curve["tokens"].append(record["tokens"] * workers)
-        curve["seconds"].append(record.get("time_s", 0.0))
+        curve["seconds"].append(record.get("time_s", seconds))
         curve["bytes"].append(sent)
         curve["val_loss"].append(record["val_loss"])
     return curve
@@ -47,6 +52,17 @@ def load_curve(run_dir: Path) -> dict:
 
 def plot_curves(curves: list[dict], out: Path, *, axes: tuple[str, ...] = ("tokens", "seconds", "bytes")) -> Path:
     """Draw ``curves`` side by side, one panel per x axis, and save a PNG."""
+    plt = pyplot()
+    figure = draw_curves(curves, axes)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def draw_curves(curves: list[dict], axes: tuple[str, ...] = ("tokens", "seconds", "bytes")):
+    """The figure of ``plot_curves``: one panel per x axis, a line per curve in each."""
     plt = pyplot()
     titles = {"tokens": "tokens (all workers)", "seconds": "wall time (s)", "bytes": "bytes sent per worker"}
     figure, panels = plt.subplots(1, len(axes), figsize=(5.5 * len(axes), 4.2), squeeze=False)
@@ -63,8 +79,4 @@ def plot_curves(curves: list[dict], out: Path, *, axes: tuple[str, ...] = ("toke
         panel.grid(alpha=0.3)
     panels[0][0].legend(fontsize=7)
     figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return figure

@@ -5,7 +5,8 @@
 - ``build_wandb_logger``: a ``WandbLogger`` for ``logging.wandb=offline|online``, else a ``NullLogger``
   with the same methods.
 - ``summarize_run`` / ``write_summary`` / ``format_summary``: build ``summary.json`` from the workers'
-  ``"event": "end"`` records and print it.
+  records of their latest session (from their last ``"event": "start"`` record on: a rerun appends
+  to the same files) and print it.
 
 Sync an offline wandb run later with ``wandb sync runs/<name>/wandb/offline-run-*``.
 """
@@ -17,7 +18,9 @@ import logging
 import math
 import os
 import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,24 +158,101 @@ def _rounded(value: float | None, digits: int) -> float | None:
     return None if value is None or math.isnan(value) else round(value, digits)
 
 
-def summarize_run(run_dir: Path) -> dict[str, Any]:
-    """Build the summary.json dict (its fields: README.md) from every ``worker-*.jsonl`` in ``run_dir``.
+def start_record(worker: int) -> dict[str, Any]:
+    """The record that opens a session of worker ``worker``'s file: written by the launcher that
+    starts the worker (before it starts) and by the worker when its records open. ``pid`` and
+    ``host``: the process that wrote it, which tells a reader whether that session may still run."""
+    return {
+        "event": "start",
+        "worker": worker,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "unix_time": round(time.time(), 3),
+    }
 
-    A worker counts as finished when its file holds an ``"event": "end"`` record (the last one is used);
-    per-worker quantities are means over finished workers, ``tokens`` is their sum.
-    """
+
+def mark_start(run_dir: Path, worker: int) -> None:
+    """Open a new session in worker ``worker``'s records (``start_record``), before starting it."""
+    with JsonlWriter(run_dir, worker) as writer:
+        writer.log(start_record(worker))
+
+
+def worker_files(run_dir: Path) -> list[tuple[int, Path]]:
+    """The ``worker-<i>.jsonl`` files of ``run_dir`` as (i, path), by worker index."""
     files = []
     for path in Path(run_dir).iterdir():
-        match = _WORKER_FILE_RE.match(path.name)
-        if match:
+        if match := _WORKER_FILE_RE.match(path.name):
             files.append((int(match.group(1)), path))
-    ends, failed = [], []
-    for index, path in sorted(files):
-        end = next((r for r in reversed(_read_records(path)) if r.get("event") == "end"), None)
-        if end is None:
-            failed.append(index)
-        else:
+    return sorted(files)
+
+
+def session_records(path: Path) -> list[dict[str, Any]]:
+    """A worker's records of its latest session: from its last ``start`` record on (its file is
+    appended to by every rerun of the run; a file from before start records: all of it)."""
+    records = _read_records(path)
+    starts = [i for i, record in enumerate(records) if record.get("event") == "start"]
+    return records[starts[-1] :] if starts else records
+
+
+def _may_run(session: list[dict[str, Any]]) -> bool:
+    """Whether the process that opened ``session`` is alive on this machine (a worker, or the
+    launcher that is starting it); False when that cannot be told (another machine, no start)."""
+    start = session[0] if session and session[0].get("event") == "start" else None
+    if start is None or start.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(start["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _progress(index: int, session: list[dict[str, Any]], state: str) -> dict[str, Any]:
+    """Where worker ``index`` stands in its session: its latest step, round and losses."""
+    latest: dict[str, dict[str, Any]] = {}
+    for record in session:
+        latest[record.get("event", "")] = record
+    step, rnd, end = latest.get("step", {}), latest.get("round", {}), latest.get("end", {})
+    return {
+        "worker": index,
+        "state": state,
+        "step": end.get("inner_steps", max(step.get("step", 0), rnd.get("step", 0))),
+        "round": end.get("rounds", rnd.get("round", 0)),
+        "loss": step.get("loss"),
+        "val_loss": end.get("val_loss", rnd.get("val_loss")),
+    }
+
+
+def _outcomes(run_dir: Path, ended: bool, errors: dict[int, str]) -> tuple[list[dict], list[dict]]:
+    """Each worker's end record of this session (finished ones) and where each stands (all)."""
+    ends, progress = [], []
+    for index, path in worker_files(run_dir):
+        session = session_records(path)
+        end = next((r for r in reversed(session) if r.get("event") == "end"), None)
+        if index in errors:
+            state = "failed"
+        elif end is not None:
+            state = "finished"
             ends.append(end)
+        else:
+            state = "running" if not ended and _may_run(session) else "failed"
+        progress.append(_progress(index, session, state))
+    return ends, progress
+
+
+def summarize_run(run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None) -> dict[str, Any]:
+    """Build the summary.json dict (its fields: README.md) from every ``worker-*.jsonl`` in ``run_dir``,
+    each read from its latest session on (``session_records``).
+
+    A worker counts as finished when its session holds an ``"event": "end"`` record, unless
+    ``errors`` (worker -> one line: what its launcher saw) says it failed; one without is running
+    while the process that opened its session is (unless the caller knows the run ``ended``), else
+    failed. Per-worker quantities are means over finished workers, ``tokens`` is their sum.
+    """
+    errors = errors or {}
+    ends, progress = _outcomes(Path(run_dir), ended, errors)
 
     def mean_of(key: str) -> float | None:
         return _mean([float(e[key]) for e in ends if e.get(key) is not None])
@@ -198,7 +278,10 @@ def summarize_run(run_dir: Path) -> dict[str, Any]:
         "param_sha256": hashes,
         "params_agree": len(hashes) > 0 and None not in hashes and len(set(hashes)) == 1,
         "models": models_of(ends),
-        "failed_workers": failed,
+        "failed_workers": [p["worker"] for p in progress if p["state"] == "failed"],
+        "running_workers": [p["worker"] for p in progress if p["state"] == "running"],
+        "errors": {str(index): errors[index] for index in sorted(errors)},
+        "progress": progress,
         "per_worker": ends,
     }
 
@@ -214,9 +297,16 @@ def models_of(ends: list[dict]) -> list[dict[str, Any]]:
     return sorted(models.values(), key=lambda m: -len(m["workers"]))
 
 
-def write_summary(run_dir: Path) -> dict[str, Any]:
-    """``summarize_run`` and write it to ``<run_dir>/summary.json`` atomically (temp file + rename)."""
-    summary = summarize_run(run_dir)
+def write_summary(
+    run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None, unless_running: bool = False
+) -> dict[str, Any]:
+    """``summarize_run`` and write it to ``<run_dir>/summary.json`` atomically (temp file + rename);
+    with ``unless_running``, only when no worker of the directory runs: workers of one run sharing
+    a directory each try at their end, and the last to end writes it (each writes its end record
+    first, so two ending at once do not both skip it)."""
+    summary = summarize_run(run_dir, ended=ended, errors=errors)
+    if unless_running and summary["running_workers"]:
+        return summary
     run_dir = Path(run_dir)
     fd, tmp_name = tempfile.mkstemp(dir=run_dir, prefix=".summary.", suffix=".tmp")
     try:
@@ -234,24 +324,40 @@ def _fmt(value: Any, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def _workers(indices: list[int]) -> str:
+    """``worker 1`` or ``workers 0, 2``."""
+    return ("worker " if len(indices) == 1 else "workers ") + ", ".join(map(str, indices))
+
+
+def format_failures(summary: dict[str, Any]) -> list[str]:
+    """One line per failed worker of a summary, with its error where its launcher saw one (``errors``)."""
+    errors = summary.get("errors") or {}
+    return [
+        f"worker {index} {errors.get(str(index), 'failed: it ended without an end record')}"
+        for index in summary.get("failed_workers") or []
+    ]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A few human-readable lines with the main fields of a summary dict."""
     mb = 1e6
     sent, recv = summary.get("bytes_sent"), summary.get("bytes_recv")
-    failed = summary.get("failed_workers") or []
+    failed, running = summary.get("failed_workers") or [], summary.get("running_workers") or []
     hashes = summary.get("param_sha256") or []
     if not hashes:
         params = "params: no finished worker"
     elif len(set(hashes)) == 1 and hashes[0] is not None:
         params = f"params: identical across {len(hashes)} workers (sha256 {hashes[0][:12]})"
-    else:
-        params = f"params: DIFFER, {len(set(hashes))} distinct hashes across {len(hashes)} workers"
-        for model in summary.get("models") or []:  # a split run: which workers hold which model
-            loss, digest = _fmt(model.get("val_loss"), ".4f"), (model.get("param_sha256") or "none")[:12]
-            params += f"\n  workers {', '.join(map(str, model['workers']))}: val loss {loss}, params {digest}"
+    else:  # a split run, or a bug: which workers hold which params
+        params = "params: DIFFER: sha256 " + "; ".join(
+            f"{(model.get('param_sha256') or 'none')[:12]} on {_workers(model['workers'])}"
+            f" (val loss {_fmt(model.get('val_loss'), '.4f')})"
+            for model in summary.get("models") or []
+        )
     lines = [
         f"run {summary.get('run', '?')}: {summary['workers']} workers finished"
-        + (f", failed: {failed}" if failed else ""),
+        + (f", failed: {failed}" if failed else "")
+        + (f", running: {running}" if running else ""),
         f"inner steps {summary['inner_steps']}, rounds {summary['rounds']}, tokens {summary['tokens']:,}",
         f"final val loss {_fmt(summary['final_val_loss'], '.4f')}",
         f"per worker: sent {_fmt(None if sent is None else sent / mb, '.2f', ' MB')}, "

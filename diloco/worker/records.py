@@ -1,9 +1,11 @@
 """What a worker records, one call per event: the JSONL line (the contract benchmarks and plots
 read), the wandb point, and the console line.
 
-Record fields: ``step`` records every ``logging.log_every`` inner steps,
+Record fields: a ``start`` record when the worker's records open (a session: a rerun appends to
+the same file; a launcher writes one too, before it starts the worker), ``step`` records every
+``logging.log_every`` inner steps and at the first step of the session (progress shows at once),
 ``round`` records after every outer sync, one ``end`` record when the worker finishes; a ``resume``
-record first when it resumed (from which checkpoint, and which of its own were damaged).
+record when it resumed (from which checkpoint, and which of its own were damaged).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from diloco.comm.base import SyncResult
 from diloco.config import LoggingConfig
-from diloco.worker.metrics import JsonlWriter, build_wandb_logger, format_duration
+from diloco.worker.metrics import JsonlWriter, build_wandb_logger, format_duration, start_record
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +56,14 @@ class WorkerLog:
     ):
         self.worker_index, self.total_steps, self.tokens_per_step = worker_index, total_steps, tokens_per_step
         self.jsonl = JsonlWriter(run_dir, worker_index)
+        self.jsonl.log(start_record(worker_index))
         self.wandb = build_wandb_logger(
             cfg, run_dir=run_dir, run_name=run_name, worker_index=worker_index, config_dict=config_dict
         )
         self.started = time.perf_counter() - wall_s_before
         self._window_start, self._window_steps = time.perf_counter(), 0
         self._eta_from: tuple[int, float] | None = None  # (step, time) of this process's first step record
+        self._stepped = False  # whether this process wrote a step record yet (its first step writes one)
         # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
         self.live: dict = {}
 
@@ -81,10 +85,12 @@ class WorkerLog:
         logger.log(logging.WARNING if record["damaged"] else logging.INFO, "%s", line)
 
     def step(self, step: int, round_index: int, loss, lr: float, *, due: bool) -> None:
-        """Count an inner step; write a record when ``due`` (reading the loss syncs, so only then)."""
+        """Count an inner step; write a record when ``due`` (reading the loss syncs, so only then)
+        and at this process's first step."""
         self._window_steps += 1
-        if not due:
+        if not due and self._stepped:
             return
+        self._stepped = True
         loss_value = loss.item()  # waits for the device's queued steps: the window ends when they are done
         tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
         record = {
@@ -149,6 +155,7 @@ class WorkerLog:
             "comm_s": round(comm_s, 4),
             "param_sha256": param_hash,
             "tokens": step * self.tokens_per_step,
+            "time_s": round(self.elapsed_s(), 4),
         }
         if phases_s:  # seconds in each phase since the last record (watchdog.py): where the round went
             record["phases_s"] = {name: round(seconds, 4) for name, seconds in phases_s.items()}

@@ -12,10 +12,13 @@ from diloco.worker.metrics import (
     NullLogger,
     WandbLogger,
     build_wandb_logger,
+    format_failures,
     format_summary,
+    mark_start,
     summarize_run,
     write_summary,
 )
+from tests.records import mark_start_of_a_gone_process, write_session
 
 
 def _lines(path) -> list[dict]:
@@ -102,8 +105,8 @@ def test_the_summary_of_a_run_that_ended_split_names_each_model_with_its_workers
     summary = summarize_run(tmp_path)
     assert [(m["workers"], m["val_loss"]) for m in summary["models"]] == [([0, 1], 2.07), ([2], 2.01)]
     text = format_summary(summary)
-    assert "workers 0, 1: val loss 2.0700, params aaaaaaaaaaaa" in text
-    assert "workers 2: val loss 2.0100, params bbbbbbbbbbbb" in text
+    params = "params: DIFFER: sha256 aaaaaaaaaaaa on workers 0, 1 (val loss 2.0700); bbbbbbbbbbbb on worker 2"
+    assert params + " (val loss 2.0100)" in text
 
 
 def test_write_summary_writes_json_atomically(tmp_path):
@@ -190,7 +193,7 @@ def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_
     for number, result in enumerate((cut, fewer, met), start=1):
         log.round(number, 20 * number, result, comm_s=1.0, recovered=False, val_loss=3.0, param_hash="ab" * 32)
     log.close()
-    rounds = [json.loads(line) for line in (tmp_path / "worker-0.jsonl").read_text().splitlines()]
+    rounds = [r for r in _lines(tmp_path / "worker-0.jsonl") if r["event"] == "round"]
     assert rounds[0]["missing"] == [2, 3] and "expected" not in rounds[0]
     assert rounds[1]["expected"] == 4 and "missing" not in rounds[1]
     assert rounds[2]["sides"] == [2, 2] and "expected" not in rounds[2]
@@ -198,3 +201,58 @@ def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_
     log.declare_params(4, "ab" * 32, peers=3)  # the run's last round: no later record follows
     assert log.live["params"] == "ab" * 8 and log.live["params_round"] == 4  # what the roster tells a group
     assert log.live["peers"] == 3  # the round's own count, not the last recorded round's (4)
+
+
+def test_a_rerun_is_summarized_from_its_own_records_and_a_worker_that_wrote_none_failed(tmp_path):
+    for worker in (0, 1):
+        write_session(tmp_path, worker, val_loss=2.5)  # the run before, finished
+    for worker in (0, 1):
+        mark_start(tmp_path, worker)  # a launcher starts both again; neither writes a record (a config mistake)
+    summary = summarize_run(tmp_path, ended=True)
+    assert summary["workers"] == 0 and summary["failed_workers"] == [0, 1], summary
+    assert summary["final_val_loss"] is None and summary["per_worker"] == []
+
+    write_session(tmp_path, 0, val_loss=2.25)  # then a rerun in which worker 0 finishes and worker 1 stops early
+    write_session(tmp_path, 1, finished=False)
+    summary = summarize_run(tmp_path, ended=True, errors={1: "failed (exit code 1): RuntimeError: boom"})
+    assert summary["workers"] == 1 and summary["failed_workers"] == [1]
+    assert summary["final_val_loss"] == 2.25 and [e["worker"] for e in summary["per_worker"]] == [0]
+    assert format_failures(summary) == ["worker 1 failed (exit code 1): RuntimeError: boom"]
+
+
+def test_a_worker_without_an_end_record_is_running_while_its_process_lives(tmp_path):
+    write_session(tmp_path, 0, finished=False)  # written by this process, which is alive
+    summary = summarize_run(tmp_path)
+    assert summary["running_workers"] == [0] and summary["failed_workers"] == []
+    assert summary["progress"] == [
+        {"worker": 0, "state": "running", "step": 10, "round": 1, "loss": 3.0, "val_loss": 2.0}
+    ]
+    assert summarize_run(tmp_path, ended=True)["failed_workers"] == [0]  # its launcher knows it ended
+
+    mark_start_of_a_gone_process(tmp_path, 1)
+    summary = summarize_run(tmp_path)
+    assert summary["running_workers"] == [0] and summary["failed_workers"] == [1]
+    assert format_failures(summary) == ["worker 1 failed: it ended without an end record"]
+
+
+def test_a_worker_logs_a_step_record_at_its_first_step_then_every_log_every(tmp_path):
+    write_session(tmp_path, 0)
+    steps = [r["step"] for r in _lines(tmp_path / "worker-0.jsonl") if r["event"] == "step"]
+    assert steps == [1, 5, 10]  # progress shows from the first step on
+
+
+def test_round_records_carry_the_wall_time(tmp_path):
+    write_session(tmp_path, 0)
+    (step,) = [r for r in _lines(tmp_path / "worker-0.jsonl") if r["event"] == "step" and r["step"] == 10]
+    (round_record,) = [r for r in _lines(tmp_path / "worker-0.jsonl") if r["event"] == "round"]
+    assert round_record["time_s"] >= step["time_s"] >= 5.0
+
+
+def test_workers_sharing_a_directory_leave_its_summary_to_the_last_one_to_end(tmp_path):
+    write_session(tmp_path, 0)
+    write_session(tmp_path, 1, finished=False)  # still running (this process)
+    assert write_summary(tmp_path, unless_running=True)["running_workers"] == [1]
+    assert not (tmp_path / "summary.json").exists()
+    write_session(tmp_path, 1)  # it ends (a rerun's session, here)
+    write_summary(tmp_path, unless_running=True)
+    assert json.loads((tmp_path / "summary.json").read_text())["workers"] == 2
