@@ -154,6 +154,11 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
     config_path, overrides = _split_config(args.config, args.overrides)
     cfg = load_config(config_path, overrides)
+    if cfg.comm.backend == "simulator" and cfg.worker.count > 1:
+        raise UsageError(
+            f"comm.backend=simulator runs a run's workers as threads of one process: `diloco local --workers "
+            f"{cfg.worker.count}` starts them (`diloco train` is one worker, whose rounds would wait for the others)"
+        )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.worker.site:
         # under torchrun each rank is a worker (comm.backend=torchdist), unless the ranks are one site
         overrides = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *overrides]
@@ -227,7 +232,7 @@ def _local_run_config(args):
     (cfg, config path, the overrides every worker gets)."""
     import torch
 
-    from diloco.config import load_config
+    from diloco.config import load_config, make_run_dir
     from diloco.data.corpus import load_corpus
     from diloco.worker.memory import check_model_fits
 
@@ -252,6 +257,7 @@ def _local_run_config(args):
         global_on_gpu=cfg.outer.global_device == "model",
         stepping_at_once=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: they take turns
     )
+    make_run_dir(cfg.run_dir)  # a place that cannot hold it is refused before any worker starts
     return cfg, config_path, overrides
 
 

@@ -18,7 +18,7 @@ import torch
 from diloco.comm import CommBackend, CommConfig, build_backend
 from diloco.comm.bounds import phase_bounds, site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
-from diloco.config import Config, ConfigError, save_config, to_dict
+from diloco.config import Config, ConfigError, make_run_dir, save_config, to_dict
 from diloco.core.digest import tensors_digest
 from diloco.core.inner import build_inner_optimizer
 from diloco.core.outer import GradientAveraging, OuterStep
@@ -125,7 +125,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     ``join`` a live run is required (checked before the first step, ``joining.py``)."""
     placement = _placement(cfg, join=join)
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
     sampler, held_out, vocab_size = _data(cfg, ranks=placement.ranks)
