@@ -30,7 +30,7 @@ import signal
 import sys
 from pathlib import Path
 
-from diloco.errors import UsageError, UserError
+from diloco.errors import UsageError, UserError, make_folder
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -232,7 +232,7 @@ def _local_run_config(args):
     (cfg, config path, the overrides every worker gets)."""
     import torch
 
-    from diloco.config import load_config, make_run_dir
+    from diloco.config import ConfigError, load_config
     from diloco.data.corpus import load_corpus
     from diloco.worker.memory import check_model_fits
 
@@ -257,7 +257,7 @@ def _local_run_config(args):
         global_on_gpu=cfg.outer.global_device == "model",
         stepping_at_once=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: they take turns
     )
-    make_run_dir(cfg.run_dir)  # a place that cannot hold it is refused before any worker starts
+    make_folder(cfg.run_dir, "run.dir", ConfigError)  # a place that cannot hold it: refused before any worker starts
     return cfg, config_path, overrides
 
 

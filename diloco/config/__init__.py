@@ -4,7 +4,7 @@
 - ``loading.py``    ``load_config`` (defaults <- YAML <- CLI overrides) and the config written back
 - ``checks.py``     ``validate``: the checks across sections (a section's own live beside its code)
 - ``shapes.py``     a section given a value, a list given a scalar: one line before omegaconf merges
-- ``run_dir.py``    the run directory: a file in its place refused with the config, created at the start
+- ``run_dir.py``    the run directory: a file in its place refused with the config
 - ``rules.py``      the defaults an outer rule brings to other sections (``outer.optimizer=sparseloco``)
 - ``reference.py``  the reference table of every key (docs/configuration.md), from the schema itself
 
@@ -24,7 +24,6 @@ and what is allowed; the CLI prints it and exits 2.
 from __future__ import annotations
 
 from diloco.config.loading import load_config, masked, save_config, to_dict, to_yaml
-from diloco.config.run_dir import make_run_dir
 from diloco.config.schema import CheckpointConfig, Config, FaultConfig, LoggingConfig, RunConfig, WorkerConfig
 from diloco.errors import ConfigError
 
@@ -37,7 +36,6 @@ __all__ = [
     "RunConfig",
     "WorkerConfig",
     "load_config",
-    "make_run_dir",
     "masked",
     "save_config",
     "to_dict",

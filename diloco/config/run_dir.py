@@ -1,6 +1,7 @@
-"""The run directory (``run.dir``, or ``runs/<run.name>``): checked with the config, so that a
-file in its place is refused before anything starts, and created when a run starts, so that a
-place nobody can write (``/proc/x``, a read-only disk) is one line rather than a traceback."""
+"""The run directory (``run.dir``, or ``runs/<run.name>``), checked with the config, so that a
+file in its place is refused before anything starts. Where it is created (``build_worker``,
+``diloco local``), ``errors.make_folder`` makes a place nobody can write (``/proc/x``, a
+read-only disk) one line rather than a traceback."""
 
 from __future__ import annotations
 
@@ -21,14 +22,3 @@ def check_run_dir(path: Path) -> None:
         raise ConfigError(f"run.dir={path} cannot be used ({error.strerror}): choose another run.dir") from None
     if existing is not None and not existing.is_dir():
         raise ConfigError(f"run.dir={path}: {existing} is a file, not a directory: choose another run.dir")
-
-
-def make_run_dir(path: Path) -> Path:
-    """``path`` created (with its parents) if missing; ``ConfigError`` naming it where it cannot be."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(
-            f"run.dir={path} cannot be created ({error.strerror}): choose a run.dir in a place you can write"
-        ) from None
-    return path

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from diloco.data.source import BYTE_VOCAB_SIZE, DataConfig, describe_path, read_text, text_files, token_dtype
-from diloco.errors import DataError
+from diloco.errors import DataError, make_folder
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def load_token_cache(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:
     if not (cfg.dataset or cfg.path):
         header = _prebuilt(cfg, folder)
     else:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder, "data.token_cache", DataError)
         identity = _identity(cfg)
         with _exclusive(folder / LOCK_FILE):
             header = _read_header(folder)

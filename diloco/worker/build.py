@@ -18,13 +18,14 @@ import torch
 from diloco.comm import CommBackend, CommConfig, build_backend
 from diloco.comm.bounds import phase_bounds, site_limit_s
 from diloco.compression import ErrorFeedback, build_codec
-from diloco.config import Config, ConfigError, make_run_dir, save_config, to_dict
+from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.core.digest import tensors_digest
 from diloco.core.inner import build_inner_optimizer
 from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter, fragments_for
 from diloco.core.rounds import RoundClock
 from diloco.data.corpus import ShardSampler, load_corpus, val_batches
+from diloco.errors import make_folder
 from diloco.models.gpt import build_model
 from diloco.worker.checkpoint import (
     CheckpointWriter,
@@ -125,7 +126,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     ``join`` a live run is required (checked before the first step, ``joining.py``)."""
     placement = _placement(cfg, join=join)
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
-    make_run_dir(run_dir)
+    make_folder(run_dir, "run.dir", ConfigError)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
     sampler, held_out, vocab_size = _data(cfg, ranks=placement.ranks)

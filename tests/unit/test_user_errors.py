@@ -136,7 +136,7 @@ def test_a_run_directory_that_cannot_be_created_is_one_line(command, capsys):
     assert main([*command, *TINY, "inner.steps=5", "run.dir=/proc/diloco-run"]) == 2
     assert _one_error_line(capsys) == (
         "diloco: error: run.dir=/proc/diloco-run cannot be created (No such file or directory): "
-        "choose a run.dir in a place you can write"
+        "point run.dir at a place you can write"
     )
 
 
@@ -193,3 +193,33 @@ def test_one_simulated_worker_of_several_is_pointed_at_diloco_local(tmp_path, ca
     assert main(argv) == 2
     assert "`diloco local --workers 2` starts them" in _one_error_line(capsys)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "setting"),
+    [
+        (["plot", "{run}", "--out", "{file}/curves.png"], "--out={file}/curves.png"),
+        (["corpus", "{file}/corpus", "--max-bytes", "1000"], "OUT_DIR={file}/corpus"),
+        (
+            ["train", *TINY, "inner.steps=5", "data.path={data}", "data.token_cache={file}/cache", "run.dir={run}"],
+            "data.token_cache={file}/cache",
+        ),
+    ],
+    ids=["plot", "corpus", "token-cache"],
+)
+def test_a_folder_to_write_under_a_file_names_the_file(argv, setting, tmp_path, capsys):
+    if argv[0] == "plot":
+        pytest.importorskip("matplotlib")  # an optional extra
+    places = {"file": tmp_path / "notes.txt", "run": tmp_path / "run", "data": tmp_path / "text.txt"}
+    places["file"].write_text("the user's notes\n")
+    places["data"].write_text("to be or not to be, that is the question\n" * 200)
+    (places["run"] / "worker-0.jsonl").parent.mkdir()
+    (places["run"] / "worker-0.jsonl").write_text(
+        '{"event": "round", "round": 1, "step": 5, "val_loss": 2.0, "bytes_sent": 10, "tokens": 100}\n'
+    )
+    assert main([word.format(**places) for word in argv]) == 2
+    name = setting.split("=")[0]
+    assert _one_error_line(capsys) == (
+        f"diloco: error: {setting.format(**places)} cannot be created ({places['file']} is a file): "
+        f"point {name} at a place you can write"
+    )
