@@ -32,7 +32,7 @@ import signal
 import sys
 from pathlib import Path
 
-from diloco.errors import UsageError, UserError
+from diloco.errors import UsageError, UserError, make_folder
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -164,6 +164,11 @@ def _cmd_train(args, *, join: bool = False) -> int:
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
     cfg = load_config(config_path, overrides)
+    if cfg.comm.backend == "simulator" and cfg.worker.count > 1:
+        raise UsageError(
+            f"comm.backend=simulator runs a run's workers as threads of one process: `diloco local --workers "
+            f"{cfg.worker.count}` starts them (`diloco train` is one worker, whose rounds would wait for the others)"
+        )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.worker.site:
         # under torchrun each rank is a worker (comm.backend=torchdist), unless the ranks are one site
         overrides = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *overrides]
@@ -243,7 +248,7 @@ def _local_run_config(args):
     (cfg, config path, the overrides every worker gets)."""
     import torch
 
-    from diloco.config import load_config
+    from diloco.config import ConfigError, load_config
     from diloco.data.corpus import load_corpus
     from diloco.worker.memory import check_model_fits
 
@@ -268,6 +273,7 @@ def _local_run_config(args):
         global_on_gpu=cfg.outer.global_device == "model",
         stepping_at_once=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: they take turns
     )
+    make_folder(cfg.run_dir, "run.dir", ConfigError)  # a place that cannot hold it: refused before any worker starts
     return cfg, config_path, overrides
 
 

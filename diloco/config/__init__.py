@@ -3,6 +3,8 @@
 - ``schema.py``     ``Config``, composed from each section's dataclass
 - ``loading.py``    ``load_config`` (defaults <- YAML <- CLI overrides) and the config written back
 - ``checks.py``     ``validate``: the checks across sections (a section's own live beside its code)
+- ``shapes.py``     a section given a value, a list given a scalar: one line before omegaconf merges
+- ``run_dir.py``    the run directory: a file in its place refused with the config
 - ``rules.py``      the defaults an outer rule brings to other sections (``outer.optimizer=sparseloco``)
 - ``reference.py``  the reference table of every key (docs/configuration.md), from the schema itself
 

@@ -10,6 +10,7 @@ import math
 from diloco.comm import BACKENDS, DATA_PLANES
 from diloco.comm.run_key_env import RUN_KEY_ENV, resolve_run_key
 from diloco.compression import ADAPTIVE, validate_compression_config
+from diloco.config.run_dir import check_run_dir
 from diloco.config.schema import BAD_PAYLOADS, CLIENT_MODES, FORGED_PAYLOADS, SITE_SHARDINGS, WANDB_MODES, Config
 from diloco.config.trust import TRUST_LEVELS
 from diloco.core.inner import PRECISIONS, validate_inner_config
@@ -241,8 +242,13 @@ def _check_hivemind(cfg: Config) -> None:
 
 
 def _check_records(cfg: Config) -> None:
-    """The ``logging.*`` and ``checkpoint.*`` settings: what a worker records and keeps."""
+    """The ``logging.*`` and ``checkpoint.*`` settings and the run directory: what a worker
+    records and keeps, and where."""
+    check_run_dir(cfg.run_dir)
     require(cfg.logging.eval_every >= 1, f"logging.eval_every={cfg.logging.eval_every} must be at least 1")
+    for key in ("eval_batches", "eval_batch_size"):  # none: a round's val_loss would be NaN, or a traceback
+        value = getattr(cfg.logging, key)
+        require(value >= 1, f"logging.{key}={value} must be at least 1 (the held-out loss needs a batch)")
     require(
         cfg.logging.wandb in WANDB_MODES,
         f"logging.wandb={cfg.logging.wandb!r} is not one of {', '.join(WANDB_MODES)}",
@@ -251,6 +257,10 @@ def _check_records(cfg: Config) -> None:
     require(
         cfg.checkpoint.every_rounds >= 0,
         f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
+    )
+    require(
+        cfg.checkpoint.keep >= 1,
+        f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1 (checkpoint.every_rounds=0 writes none)",
     )
 
 

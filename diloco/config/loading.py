@@ -2,14 +2,13 @@
 <- ``KEY=VALUE`` overrides, with omegaconf's struct mode on so a typo is an error, then checked
 (checks.py); and the config written back (``save_config``, ``to_yaml``, ``to_dict``, ``masked``).
 
-A key that moved (``MOVED_KEYS``) is an error naming its new place in an override; in a file (a
-run's own ``config.yaml`` written before it moved, say) it is read at its new place, with a warning,
-so that an older run resumes and joins with its settings."""
+A key that moved (``MOVED_KEYS``) is an error naming its new place, in an override and in a file
+alike; so is a value of another shape than the schema's (shapes.py). A file's mistakes name the
+file, and a YAML error its line and column."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from pathlib import Path
 
@@ -21,10 +20,9 @@ from diloco.comm.run_key_env import MASKED_RUN_KEY
 from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
+from diloco.config.shapes import check_shapes
 from diloco.config.trust import trust_defaults
 from diloco.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -33,7 +31,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     OmegaConf.set_struct(schema, True)
     layers = []
     if path is not None:
-        layers.append(_read_yaml(Path(path)))
+        layers.append(_read_yaml(Path(path), schema))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not KEY=VALUE (for example inner.lr=3e-4)")
@@ -41,6 +39,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     overrides = [f"{item}''" if item.endswith("=") else item for item in overrides]
     try:
         command_line = OmegaConf.from_dotlist(list(overrides))
+        check_shapes(schema, command_line, in_file=False)
         layers.append(command_line)
         merged = OmegaConf.merge(schema, *layers)
         # an outer rule's and the trust level's defaults for other sections, under what the user set
@@ -89,34 +88,53 @@ def _redacted(cfg: Config):
     return conf
 
 
-def _read_yaml(path: Path):
+def _read_yaml(path: Path, schema):
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {path} is a directory, not a YAML config file (such as configs/tiny.yaml, "
+            "or a run directory's config.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
         loaded = OmegaConf.load(path)
     except Exception as error:  # yaml.YAMLError and friends: report, don't trace
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"config file {path} is not valid YAML: {first_line}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(error)}") from None
     if loaded is None or not OmegaConf.is_dict(loaded):
         raise ConfigError(f"config file {path} must be a mapping of sections (model:, inner:, ...)")
-    _move_to_new_places(loaded, path)
+    _refuse_old_places(loaded, path)
+    try:
+        check_shapes(schema, loaded, in_file=True)
+    except ConfigError as error:
+        raise ConfigError(f"config file {path}: {error}") from None
     return loaded
 
 
-def _move_to_new_places(loaded, path: Path) -> None:
-    """The keys of ``loaded`` that moved (``MOVED_KEYS``) put where they are now, each with a warning;
-    where the file sets both, the new place wins."""
+def _yaml_problem(error: Exception) -> str:
+    """Where and what, and what yaml was reading there: ``line 4, column 6: did not find expected
+    ',' or ']' (while parsing a flow sequence from line 3, column 10)``."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is not None and problem:
+        where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+        start, context = getattr(error, "context_mark", None), getattr(error, "context", None)
+        if start is not None and context:
+            where += f" ({context} from line {start.line + 1}, column {start.column + 1})"
+        return where
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _refuse_old_places(loaded, path: Path) -> None:
+    """A key of ``loaded`` that moved (``MOVED_KEYS``) is an error naming its new place, as on the
+    command line."""
     comm = loaded.get("comm")
     if not OmegaConf.is_dict(comm):
         return
-    for name in [name for name in comm if f"comm.{name}" in MOVED_KEYS]:
-        new = MOVED_KEYS[f"comm.{name}"]
-        logger.warning("config file %s: comm.%s is now %s (read as such; write it there)", path, name, new)
-        if not OmegaConf.is_dict(comm.get("hivemind")):
-            comm.hivemind = {}
-        if name not in comm.hivemind:
-            comm.hivemind[name] = comm[name]
-        del comm[name]
+    for name in comm:
+        if (new := MOVED_KEYS.get(f"comm.{name}")) is not None:
+            raise ConfigError(
+                f"config file {path}: comm.{name} is now {new}: move it under `comm: hivemind:` in the file"
+            )
 
 
 # keys that moved to a section of their own: the old key -> the new one (every hivemind setting

@@ -35,6 +35,7 @@ from diloco.data.source import (
     BYTE_VOCAB_SIZE,
     DataConfig,
     describe_path,
+    read_text,
     text_files,
     truncate_documents,
 )
@@ -72,11 +73,11 @@ def _read_path(path: str, cap: int) -> tuple[list[bytes], str]:
     p = Path(path).expanduser()
     files = text_files(path)
     if p.is_file():
-        data = p.read_bytes()[:cap] if cap else p.read_bytes()
+        data = read_text(p, path, cap)
         if not data:
             raise DataError(f"data.path {path!r} is an empty file")
         return [data], describe_path(path, files)
-    documents = [f.read_bytes() for f in files]
+    documents = [read_text(f, path) for f in files]
     if not any(documents):
         raise DataError(f"data.path {path!r}: all {len(files)} text files are empty")
     return documents, describe_path(path, files)

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco.data.source import BYTE_VOCAB_SIZE, DataConfig, describe_path, text_files, token_dtype
-from diloco.errors import DataError
+from diloco.data.source import BYTE_VOCAB_SIZE, DataConfig, describe_path, read_text, text_files, token_dtype
+from diloco.errors import DataError, make_folder
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def load_token_cache(cfg: DataConfig) -> tuple[torch.Tensor, int, str]:
     if not (cfg.dataset or cfg.path):
         header = _prebuilt(cfg, folder)
     else:
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder, "data.token_cache", DataError)
         identity = _identity(cfg)
         with _exclusive(folder / LOCK_FILE):
             header = _read_header(folder)
@@ -230,15 +230,15 @@ def _open_source(cfg: DataConfig) -> tuple[Iterator[list[bytes]], str]:
 
         return open_documents(cfg, streaming=True)
     files = text_files(cfg.path)
-    return _file_batches(files), describe_path(cfg.path, files)
+    return _file_batches(files, cfg.path), describe_path(cfg.path, files)
 
 
-def _file_batches(files: list[Path]) -> Iterator[list[bytes]]:
-    """Each file one document, read in order and batched by ``BATCH_BYTES`` / ``BATCH_FILES``."""
+def _file_batches(files: list[Path], path: str) -> Iterator[list[bytes]]:
+    """Each of ``data.path``'s files one document, read in order and batched by ``BATCH_BYTES`` / ``BATCH_FILES``."""
     batch: list[bytes] = []
     size = read = 0
     for index, file in enumerate(files):
-        batch.append(file.read_bytes())
+        batch.append(read_text(file, path))
         size += len(batch[-1])
         if size >= BATCH_BYTES or len(batch) >= BATCH_FILES or index == len(files) - 1:
             read += size

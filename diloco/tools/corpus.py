@@ -20,7 +20,7 @@ from typing import Any
 from diloco.data.pysource import TEXT_DIR, collect_python_sources, train_bpe_tokenizer
 from diloco.data.source import DataConfig
 from diloco.data.token_cache import load_token_cache
-from diloco.errors import DataError
+from diloco.errors import DataError, make_folder
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def build_corpus(out_dir: str, *, vocab_size: int = 32768, max_bytes: int = 0) -
         raise DataError(f"OUT_DIR {out_dir!r} is a file; the corpus goes in a folder (created if missing)")
     if max_bytes < 0:
         raise DataError(f"--max-bytes={max_bytes} must be >= 0 (0 = all of it)")
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, "OUT_DIR", DataError)
     manifest = collect_python_sources(out, max_bytes=max_bytes)
     tokenizer = _tokenizer(out, manifest, vocab_size)
     cfg = DataConfig(path=str(out / TEXT_DIR), tokenizer=str(tokenizer), token_cache=str(out / CACHE_DIR))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diloco.errors import PlotError
+from diloco.errors import PlotError, make_folder
 
 
 def pyplot():
@@ -55,9 +55,13 @@ def plot_curves(curves: list[dict], out: Path, *, axes: tuple[str, ...] = ("toke
     plt = pyplot()
     figure = draw_curves(curves, axes)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
+    try:
+        make_folder(out.parent, "--out", PlotError, shown=out)
+        figure.savefig(out, dpi=110)
+    except OSError as error:
+        raise PlotError(f"--out={out} cannot be written ({error.strerror}): point --out at a place you can write") from None
+    finally:
+        plt.close(figure)
     return out
 
 

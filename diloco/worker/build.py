@@ -26,6 +26,7 @@ from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter, fragments_for
 from diloco.core.rounds import RoundClock
 from diloco.data.corpus import ShardSampler, load_corpus, val_batches
+from diloco.errors import make_folder
 from diloco.models.gpt import build_model
 from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, checkpoint_folder, restore_rng_state
 from diloco.worker.faults import with_bad_payloads, with_faults
@@ -133,7 +134,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     ``join`` a live run is required (checked before the first step, ``joining.py``)."""
     placement = _placement(cfg, join=join)
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(run_dir, "run.dir", ConfigError)
     if cfg.worker.threads:
         torch.set_num_threads(cfg.worker.threads)
     sampler, held_out, vocab_size = _data(cfg, ranks=placement.ranks)

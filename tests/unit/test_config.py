@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import re
 
 import pytest
+from omegaconf import OmegaConf
 
-from diloco.config import ConfigError, load_config, save_config
+from diloco.config import Config, ConfigError, load_config, save_config
 
 
 def test_defaults_then_yaml_then_overrides(tmp_path):
@@ -43,6 +43,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["comm.backend=carrier_pigeon"], "comm.backend"),
         (["comm.hivemind.initial_peers=[garbage]"], "comm.hivemind.initial_peers"),
         (["inner.lr"], "KEY=VALUE"),
+        (["checkpoint.keep=0"], "checkpoint.keep=0 must be at least 1"),
+        (["logging.eval_batches=0"], "logging.eval_batches=0 must be at least 1"),
+        (["logging.eval_batch_size=0"], "logging.eval_batch_size=0 must be at least 1"),
     ],
 )
 def test_each_mistake_names_its_key(overrides, expected):
@@ -50,6 +53,54 @@ def test_each_mistake_names_its_key(overrides, expected):
         load_config(None, overrides)
     message = str(info.value)
     assert expected in message and "\n" not in message
+
+
+def _list_keys(node=None, prefix: str = "") -> list[str]:
+    """Every list-typed key of the schema, found by walking it."""
+    node = OmegaConf.structured(Config) if node is None else node
+    keys = []
+    for name in node:
+        if OmegaConf.is_dict(node[name]):
+            keys += _list_keys(node[name], f"{prefix}{name}.")
+        elif OmegaConf.is_list(node[name]):
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+@pytest.mark.parametrize("key", _list_keys())
+def test_every_list_key_given_a_scalar_or_a_mapping_shows_the_list_to_write(tmp_path, key):
+    assert "comm.hivemind.initial_peers" in _list_keys()
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{key}=a,b"])
+    assert str(info.value) == f"{key} must be a list: {key}=\"['a','b']\""
+    with pytest.raises(ConfigError, match=re.escape(f"{key} must be a list: {key}=\"['...']\"")):
+        load_config(None, [f"{key}={{x: 1}}"])  # omegaconf alone: a TypeError's traceback
+    section, name = key.rsplit(".", 1)
+    path = tmp_path / "c.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{section}.{name}=one"])))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config file {path}: {key} must be a list: {name}: ['one'] in the file"
+
+
+def test_a_section_given_a_value_is_named_a_section_and_an_empty_one_in_a_file_sets_nothing(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["inner=5"])
+    assert str(info.value) == (
+        "inner is a section, not a value (5 given): set its keys, such as inner.steps=... "
+        "(`diloco config` prints every key)"
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text("comm:\n  hivemind: 3\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path}: comm.hivemind is a section, not a value")):
+        load_config(path)
+    path.write_text("inner:\n  # steps: 40\nouter:\n  lr: 0.5\n")  # every key of inner commented out
+    assert load_config(path) == load_config(None, ["outer.lr=0.5"])
+
+
+def test_a_directory_as_the_config_file_is_named_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(f"config file {tmp_path} is a directory, not a YAML config file")):
+        load_config(tmp_path)
 
 
 def test_missing_or_malformed_yaml_is_a_config_error(tmp_path):
@@ -74,30 +125,21 @@ def test_missing_or_malformed_yaml_is_a_config_error(tmp_path):
         ("data_plane", "gloo", "gloo"),
     ],
 )
-def test_a_key_that_moved_to_comm_hivemind_is_an_error_in_an_override_and_read_at_its_new_place_in_a_file(
-    tmp_path, caplog, old, value, taken
+def test_a_key_that_moved_to_comm_hivemind_is_an_error_naming_its_new_place_in_an_override_and_in_a_file(
+    tmp_path, old, value, taken
 ):
-    """An override names the new key in one line; a file (an older run's config.yaml) is read with a
-    warning; the same setting under comm.hivemind is taken as it is."""
+    """The same one line wherever the old key is written; under comm.hivemind it is taken as it is."""
     expected = f"comm.{old} is now comm.hivemind.{old}"
     with pytest.raises(ConfigError, match=re.escape(expected)) as info:
         load_config(None, [f"comm.{old}={value}"])
     assert "\n" not in str(info.value)
     path = tmp_path / "old.yaml"
     path.write_text(f"comm:\n  deadline_s: 30\n  {old}: {value}\n")
-    with caplog.at_level(logging.WARNING, logger="diloco.config.loading"):
-        cfg = load_config(path)
-    assert getattr(cfg.comm.hivemind, old) == taken and cfg.comm.deadline_s == 30
-    assert f"{expected} (read as such; write it there)" in caplog.text
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config file {path}: {expected}: move it under `comm: hivemind:` in the file"
     path.write_text(f"comm:\n  deadline_s: 30\n  hivemind:\n    {old}: {value}\n")  # where it is now
     assert getattr(load_config(path).comm.hivemind, old) == taken
-
-
-def test_an_older_runs_config_yaml_resumes_with_its_settings(tmp_path):
-    path = tmp_path / "config.yaml"
-    path.write_text("comm:\n  matchmaking_s: 9.0\n  port: 4000\n  hivemind:\n    port: 5000\n")
-    cfg = load_config(path)
-    assert cfg.comm.hivemind.matchmaking_s == 9.0 and cfg.comm.hivemind.port == 5000  # the new place wins
 
 
 @pytest.mark.parametrize(
