@@ -59,7 +59,9 @@ def plot_curves(curves: list[dict], out: Path, *, axes: tuple[str, ...] = ("toke
         make_folder(out.parent, "--out", PlotError, shown=out)
         figure.savefig(out, dpi=110)
     except OSError as error:
-        raise PlotError(f"--out={out} cannot be written ({error.strerror}): point --out at a place you can write") from None
+        raise PlotError(
+            f"--out={out} cannot be written ({error.strerror}): point --out at a place you can write"
+        ) from None
     finally:
         plt.close(figure)
     return out
