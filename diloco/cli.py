@@ -236,6 +236,11 @@ def _cmd_status(args) -> int:
     from diloco.tools.status import show_status
 
     config_path, overrides = _split_config(args.config, args.overrides)
+    if config_path is not None and Path(config_path).is_dir():
+        raise UsageError(
+            f"{config_path} is a directory: `diloco status` reads a live run from its peers and takes the "
+            f"run's YAML config; `diloco summary {config_path}` shows a run directory from its records"
+        )
     overrides = _peer_overrides(overrides, args.peers)
     if args.run_id:
         overrides.append(f"comm.run_id={args.run_id}")

@@ -50,6 +50,16 @@ TINY = [
 
 
 @pytest.fixture
+def cli_signal_handlers():
+    """For a test that calls ``diloco.cli.main`` in this process: ``main`` installs the command
+    line's SIGINT and SIGTERM handlers; pytest gets its own back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
 def diloco_cli(tmp_path_factory):
     """Run ``python -m diloco.cli ARGS`` in its own session (forked from the warm server, as the
     launcher starts its workers, when it can); kill the whole session afterwards."""

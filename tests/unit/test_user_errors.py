@@ -8,7 +8,6 @@ a moved key and the checks of one setting: test_config.py.)"""
 from __future__ import annotations
 
 import random
-import signal
 import sys
 from pathlib import Path
 
@@ -19,14 +18,7 @@ from diloco.models.gpt import GPT, ModelConfig
 from diloco.worker.checkpoint import save_checkpoint
 from tests.conftest import TINY
 
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """``main`` installs the command line's signal handlers; give pytest back its own."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("cli_signal_handlers")  # main() sets its own
 
 
 def _one_error_line(capsys) -> str:
@@ -153,7 +145,7 @@ def test_a_binary_data_file_is_refused_with_what_was_read(command, tmp_path, cap
 
 
 def test_a_directory_given_as_the_config_is_named_a_directory(tmp_path, capsys):
-    assert main(["status", str(tmp_path), "--peers", "/ip4/127.0.0.1/tcp/9/p2p/x"]) == 2
+    assert main(["config", str(tmp_path)]) == 2
     assert _one_error_line(capsys) == (
         f"diloco: error: config file {tmp_path} is a directory, not a YAML config file (such as "
         "configs/tiny.yaml, or a run directory's config.yaml)"
@@ -223,3 +215,8 @@ def test_a_folder_to_write_under_a_file_names_the_file(argv, setting, tmp_path, 
         f"diloco: error: {setting.format(**places)} cannot be created ({places['file']} is a file): "
         f"point {name} at a place you can write"
     )
+
+
+def test_status_on_a_run_directory_points_at_diloco_summary(tmp_path, capsys):
+    assert main(["status", str(tmp_path), "--peers", "/ip4/127.0.0.1/tcp/9/p2p/x"]) == 2
+    assert f"`diloco summary {tmp_path}` shows a run directory from its records" in _one_error_line(capsys)

@@ -4,7 +4,6 @@ for a directory that holds no run."""
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 
@@ -12,14 +11,7 @@ from diloco.cli import main
 from diloco.worker.metrics import format_summary, mark_start, summarize_run, write_summary
 from tests.records import mark_start_of_a_gone_process, write_session
 
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """``main`` installs the command line's signal handlers; give pytest back its own."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+pytestmark = pytest.mark.usefixtures("cli_signal_handlers")  # main() sets its own
 
 
 @pytest.mark.parametrize("where", ["missing", "empty", "no records"])
