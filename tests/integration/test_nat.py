@@ -88,7 +88,8 @@ def test_with_client_mode_forced_off_no_worker_calls_a_round_ok_that_lost_parts(
         "testbed", "--workers", "3", "--nat", "1,2", "--run-dir", str(run_dir),
         *FAST, "inner.steps=10", "outer.sync_every=10", "comm.hivemind.client_mode=false",
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:]
+    # 4: a worker whose round lost parts may end on params of its own, and diloco local says so
+    assert done.returncode in (0, 4), done.stdout[-3000:]
     # hivemind's matchmaking puts all three in a round, or two (a NAT'd leader cannot be joined; one
     # came late); a round whole among two is ok. Over all three, some part always misses a NAT'd
     # worker's contribution: such a round is partial, never ok with 3
@@ -111,7 +112,9 @@ def test_a_run_no_worker_of_which_can_be_dialled_says_so_and_waits_no_longer_tha
         *FAST, f"comm.deadline_s={deadline_s:g}", "comm.hivemind.matchmaking_s=4",
         "inner.steps=20", "outer.sync_every=10",  # the last round: the first done leaves, the other is alone
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:]
+    # no round averages: the global params stay as they were (rounds postponed), or the last round,
+    # which the first worker done leaves, is taken alone by the other: params that differ (exit 4)
+    assert done.returncode in (0, 4), done.stdout[-3000:]
     for worker in range(2):
         log = (run_dir / f"worker-{worker}.log").read_text()
         assert CLIENT in log, log[-2000:]
