@@ -88,12 +88,14 @@ class Worker:
     def begin(self) -> tuple[int, int]:
         """Where training starts, (step, round): the resumed state's, or the live run's when its
         peers are rounds ahead (blocking rounds catch up with them: joining.py); how the worker
-        resumed is recorded, in one line."""
+        resumed is recorded, in one line. A worker that took the run's final state checkpoints it."""
         step, round_index = self.sync.begin(self.start_step, self.start_round)
         caught_up = round_index != self.start_round
         resumed = told(self.resume, self.cfg.worker.index, step=step, round_index=round_index, caught_up=caught_up)
         if resumed is not None:
             self.log.resume(*resumed)
+        if caught_up and not self.clock.running(step, round_index) and self.cfg.checkpoint.every_rounds:
+            self.save_checkpoint(step, round_index)  # took the run's final state: it is this worker's last
         return step, round_index
 
     def save_checkpoint(self, step: int, round_index: int) -> None:

@@ -44,8 +44,6 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         if on_ready is not None:
             on_ready(backend.membership.addresses)
         step, round_index = worker.begin()  # blocking: catch up with a run rounds ahead; tell how it resumed
-        if round_index != worker.start_round and not clock.running(step, round_index) and cfg.checkpoint.every_rounds:
-            worker.save_checkpoint(step, round_index)  # took the run's final state: it is this worker's last
         samples_this_round, val_loss = 0, None
         clock.start_round()
         while clock.running(step, round_index):
