@@ -14,7 +14,9 @@ A terminal's Ctrl-C, and a SIGTERM to a whole process group (what ``timeout``, S
 send), reach every process of the group at once. Only the process at the top acts on them: it
 marks the worker as leaving through its DHT peer and then stops its children in order. So the
 children it starts are shielded (``shielded_from_interrupts``): hivemind's processes ignore both
-signals, and p2pd runs in a process group of its own; each still dies with its parent.
+signals, and p2pd runs in a process group of its own; each still dies with its parent. A fault
+injected on purpose (a benchmark's SIGSTOP or SIGKILL of a worker) goes to the whole tree
+(``signal_tree``), p2pd's group included.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 _PR_SET_PDEATHSIG = 1
@@ -66,6 +69,36 @@ def stop_all(children: Sequence[Stoppable], grace_s: float = GRACE_S) -> None:
             os.killpg(child.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(timeout=5)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux: read from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """``signum`` to the process group ``pid`` leads and to every process below it, p2pd (in a group
+    of its own) included: a fault injected into a worker (SIGSTOP, SIGKILL) reaches all of it."""
+    below = descendants(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signum)
 
 
 def terminate_with_parent() -> None:

@@ -33,10 +33,8 @@ params, and the final val loss over the fault-free run's. Writes ``results.json`
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -47,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from diloco.lifetime import stop_all
+from diloco.lifetime import signal_tree, stop_all
 
 if TYPE_CHECKING:
     from diloco.tools.launcher import Child
@@ -163,8 +161,7 @@ class Cluster:
         return process
 
     def signal(self, index: int, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.processes[index].pid, signum)
+        signal_tree(self.processes[index].pid, signum)
 
     def wait_for_step(self, index: int, step: int, timeout_s: float) -> None:
         """Until worker ``index`` has logged inner step ``step`` (its JSONL step records)."""

@@ -14,29 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from diloco.lifetime import descendants
 from diloco.tools import warm_start
 from tests.conftest import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (workers, their hivemind helpers, p2pd daemons)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -68,7 +50,7 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
 
 def _kill_tree(process: subprocess.Popen, seen: set[int]) -> None:
     """SIGKILL ``process``, the processes ``seen`` below it earlier, and those below it now."""
-    for pid in [process.pid, *seen, *_descendants(process.pid)]:
+    for pid in [process.pid, *seen, *descendants(process.pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -82,7 +64,7 @@ def _training_launcher(run_dir):
     spawned: set[int] = set()
     try:
         _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
-        spawned = _descendants(launcher.pid)
+        spawned = descendants(launcher.pid)
         assert len(spawned) >= 4  # 2 workers, each with hivemind helpers and a p2pd daemon
         yield launcher, spawned
     finally:
@@ -125,7 +107,7 @@ def _started(argv: list[str], marker: str):
             if not line or time.monotonic() > deadline:
                 pytest.fail(f"diloco {argv[0]} did not print {marker!r}:\n{''.join(lines)[-3000:]}")
             lines.append(line)
-        seen = _descendants(process.pid)
+        seen = descendants(process.pid)
         yield process, seen
     finally:
         _kill_tree(process, seen)
@@ -271,10 +253,10 @@ def _running(argv: list[str], log: Path, marker: str):
     try:
         _wait_for(lambda: marker in log.read_text() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
         assert process.poll() is None, log.read_text()[-3000:]
-        seen = _descendants(process.pid)
+        seen = descendants(process.pid)
         yield process
     finally:
-        _kill_tree(process, seen | _descendants(process.pid))
+        _kill_tree(process, seen | descendants(process.pid))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
@@ -283,7 +265,7 @@ def _running(argv: list[str], log: Path, marker: str):
 def _interrupt_group(process: subprocess.Popen, sig: int, log: Path) -> None:
     """``sig`` to ``process``'s whole group, as a terminal's Ctrl-C (or ``timeout``, or systemd) sends
     it: the command ends with exit 130, one line and no traceback, and leaves no process behind."""
-    below = _descendants(process.pid)
+    below = descendants(process.pid)
     assert below, "the command started no hivemind process"
     os.killpg(process.pid, sig)
     assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
