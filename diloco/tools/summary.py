@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from diloco.errors import UsageError
-from diloco.worker.metrics import format_failures, format_summary, session_records, summarize_run, worker_files
+from diloco.worker.metrics import format_failures, format_summary, summarize_run, worker_files
 
 
 def _fmt(value: float | None) -> str:
@@ -33,19 +33,16 @@ def progress_lines(summary: dict) -> list[str]:
     return lines
 
 
-def launcher_errors(run_dir: Path) -> dict[int, str]:
-    """The failed workers' errors its launcher saw, from ``summary.json`` when that was written
-    after the latest session began (else it tells of an earlier run of the directory)."""
+def launcher_errors(run_dir: Path, began: float | None) -> dict[int, str]:
+    """The failed workers' errors its launcher saw, from ``summary.json`` when that tells of the
+    launch whose sessions ``began`` then (else it tells of an earlier run of the directory)."""
     path = run_dir / "summary.json"
-    if not path.exists():
-        return {}
-    sessions = [session_records(file) or [{}] for _, file in worker_files(run_dir)]
-    began = max((session[0].get("unix_time", 0.0) for session in sessions), default=0.0)
-    if path.stat().st_mtime < began:
-        return {}
     try:
-        return {int(index): error for index, error in json.loads(path.read_text()).get("errors", {}).items()}
-    except (ValueError, AttributeError):  # not a summary this version wrote
+        written = json.loads(path.read_text())
+        if written.get("began") != began or began is None:
+            return {}
+        return {int(index): error for index, error in written.get("errors", {}).items()}
+    except (OSError, ValueError, AttributeError):  # none, or not a summary this version wrote
         return {}
 
 
@@ -56,7 +53,9 @@ def summary_text(run_dir: Path) -> str:
         raise UsageError(f"{run_dir} is not a directory: give a run directory (run.dir, e.g. runs/<run.name>)")
     if not worker_files(run_dir):
         raise UsageError(f"{run_dir} has no worker-*.jsonl records: give a run directory (run.dir) a run wrote")
-    summary = summarize_run(run_dir, errors=launcher_errors(run_dir))
+    summary = summarize_run(run_dir)
+    if errors := launcher_errors(run_dir, summary["began"]):
+        summary = summarize_run(run_dir, errors=errors)
     if summary["running_workers"]:
         return "\n".join(progress_lines(summary))
     return "\n".join([format_summary(summary), *format_failures(summary)])

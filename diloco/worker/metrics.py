@@ -194,6 +194,12 @@ def session_records(path: Path) -> list[dict[str, Any]]:
     return records[starts[-1] :] if starts else records
 
 
+def latest_start(run_dir: Path) -> float | None:
+    """When the latest session of ``run_dir``'s workers began (its ``start`` record's time)."""
+    starts = [session[0].get("unix_time") for _, path in worker_files(run_dir) if (session := session_records(path))]
+    return max((t for t in starts if t is not None), default=None)
+
+
 def _may_run(session: list[dict[str, Any]]) -> bool:
     """Whether the process that opened ``session`` is alive on this machine (a worker, or the
     launcher that is starting it); False when that cannot be told (another machine, no start)."""
@@ -281,6 +287,8 @@ def summarize_run(run_dir: Path, *, ended: bool = False, errors: dict[int, str] 
         "failed_workers": [p["worker"] for p in progress if p["state"] == "failed"],
         "running_workers": [p["worker"] for p in progress if p["state"] == "running"],
         "errors": {str(index): errors[index] for index in sorted(errors)},
+        # when the latest session began: which launch a summary.json tells of (diloco summary)
+        "began": latest_start(Path(run_dir)),
         "progress": progress,
         "per_worker": ends,
     }

@@ -3,8 +3,6 @@ for a directory that holds no run."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from diloco.cli import main
@@ -51,7 +49,7 @@ def test_a_failed_worker_reads_with_the_error_its_launcher_saw_this_run_only(tmp
     assert main(["summary", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "worker 1 failed (exit code 2): another model"
 
-    os.utime(tmp_path / "summary.json", (0, 0))  # written before a later launch, killed before its summary:
-    mark_start_of_a_gone_process(tmp_path, 1)  # the old error is not this launch's
+    mark_start_of_a_gone_process(tmp_path, 1)  # a later launch, killed before its summary: the old error
+    # in summary.json is not this launch's
     assert main(["summary", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "worker 1 failed: it ended without an end record"
