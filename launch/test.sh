@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, then run the lint and the whole test suite (unit + integration with real hivemind
-# peers on loopback), one test at a time: about 10 minutes on 2 cores (docs/development.md).
+# peers on loopback), one test at a time: about 12 minutes on 2 cores (docs/development.md).
 # The 25 slowest tests are listed at the end. Extra arguments go to pytest.
 #
 # TEST_JOBS=N runs N test processes (pytest-xdist; the tests that build network testbeds stay in
