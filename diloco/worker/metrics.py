@@ -194,9 +194,9 @@ def session_records(path: Path) -> list[dict[str, Any]]:
     return records[starts[-1] :] if starts else records
 
 
-def latest_start(run_dir: Path) -> float | None:
-    """When the latest session of ``run_dir``'s workers began (its ``start`` record's time)."""
-    starts = [session[0].get("unix_time") for _, path in worker_files(run_dir) if (session := session_records(path))]
+def _latest_start(sessions: dict[int, list[dict[str, Any]]]) -> float | None:
+    """When the latest of the workers' ``sessions`` began (its ``start`` record's time)."""
+    starts = [session[0].get("unix_time") for session in sessions.values() if session]
     return max((t for t in starts if t is not None), default=None)
 
 
@@ -231,11 +231,12 @@ def _progress(index: int, session: list[dict[str, Any]], state: str) -> dict[str
     }
 
 
-def _outcomes(run_dir: Path, ended: bool, errors: dict[int, str]) -> tuple[list[dict], list[dict]]:
-    """Each worker's end record of this session (finished ones) and where each stands (all)."""
+def _outcomes(
+    sessions: dict[int, list[dict[str, Any]]], ended: bool, errors: dict[int, str]
+) -> tuple[list[dict], list[dict]]:
+    """Each worker's end record of its session (finished ones) and where each stands (all)."""
     ends, progress = [], []
-    for index, path in worker_files(run_dir):
-        session = session_records(path)
+    for index, session in sessions.items():
         end = next((r for r in reversed(session) if r.get("event") == "end"), None)
         if index in errors:
             state = "failed"
@@ -258,7 +259,8 @@ def summarize_run(run_dir: Path, *, ended: bool = False, errors: dict[int, str] 
     failed. Per-worker quantities are means over finished workers, ``tokens`` is their sum.
     """
     errors = errors or {}
-    ends, progress = _outcomes(Path(run_dir), ended, errors)
+    sessions = {index: session_records(path) for index, path in worker_files(Path(run_dir))}
+    ends, progress = _outcomes(sessions, ended, errors)
 
     def mean_of(key: str) -> float | None:
         return _mean([float(e[key]) for e in ends if e.get(key) is not None])
@@ -288,7 +290,7 @@ def summarize_run(run_dir: Path, *, ended: bool = False, errors: dict[int, str] 
         "running_workers": [p["worker"] for p in progress if p["state"] == "running"],
         "errors": {str(index): errors[index] for index in sorted(errors)},
         # when the latest session began: which launch a summary.json tells of (diloco summary)
-        "began": latest_start(Path(run_dir)),
+        "began": _latest_start(sessions),
         "progress": progress,
         "per_worker": ends,
     }

@@ -160,24 +160,25 @@ def test_a_list_key_without_brackets_shows_the_list(capsys):
     )
 
 
-def test_invalid_yaml_names_its_line_and_column(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (  # invalid YAML: its line and column
+            "inner:\n  lr: 0.1\n  steps: [4, 5\nouter:\n  lr: 0.7\n",
+            " is not valid YAML: line 4, column 6: did not find expected ',' or ']' "
+            "(while parsing a flow sequence from line 3, column 10)",
+        ),
+        (  # a moved key: an error naming its new place, as on the command line
+            "comm:\n  host: 0.0.0.0\n",
+            ": comm.host is now comm.hivemind.host: move it under `comm: hivemind:` in the file",
+        ),
+    ],
+)
+def test_a_config_files_mistake_names_the_file_and_where_it_is(tmp_path, capsys, text, problem):
     config = tmp_path / "c.yaml"
-    config.write_text("inner:\n  lr: 0.1\n  steps: [4, 5\nouter:\n  lr: 0.7\n")
+    config.write_text(text)
     assert main(["config", str(config)]) == 2
-    assert _one_error_line(capsys) == (
-        f"diloco: error: config file {config} is not valid YAML: line 4, column 6: did not find expected ',' or ']' "
-        "(while parsing a flow sequence from line 3, column 10)"
-    )
-
-
-def test_a_moved_key_in_a_config_file_is_an_error_naming_its_new_place(tmp_path, capsys):
-    config = tmp_path / "c.yaml"
-    config.write_text("comm:\n  host: 0.0.0.0\n")
-    assert main(["config", str(config)]) == 2
-    assert _one_error_line(capsys) == (
-        f"diloco: error: config file {config}: comm.host is now comm.hivemind.host: move it under "
-        "`comm: hivemind:` in the file"
-    )
+    assert _one_error_line(capsys) == f"diloco: error: config file {config}{problem}"
 
 
 def test_one_simulated_worker_of_several_is_pointed_at_diloco_local(tmp_path, capsys):
