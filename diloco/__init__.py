@@ -1,5 +1,14 @@
 """diloco: DiLoCo training across machines joined by slow, unreliable links.
 
+Around a user's own model and loop (docs/api.md)::
+
+    import diloco
+    run = diloco.init()                                  # diloco launch's environment, a file or keywords
+    with diloco.DiLoCo(run, model, inner_optimizer) as dl:
+        while dl.running:
+            ...; inner_optimizer.step()                  # every outer.sync_every steps: a round
+            dl.log(loss=loss)
+
 Workers each run many local (inner) optimizer steps on their own data shard, then average
 their pseudo-gradients with their peers and apply an outer optimizer (DiLoCo,
 arXiv:2311.08105). Where things live, from the top down: a package imports only those below
@@ -12,7 +21,9 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       process that imported torch and hivemind once), the network testbed, ``diloco status``,
                       ``diloco plot``, ``diloco corpus``, a volunteer's way into a live run (``diloco join``),
                       the bootstrap peer
-- ``worker/``         one worker at run time: ``train.py``, the loop, read top to bottom; how rounds
+- ``worker/``         one worker at run time: ``DiLoCo`` around a model and its loop (``wrapper.py``)
+                      and the run it trains in (``run.py``, ``init()``); ``train.py``, ``diloco
+                      train``'s loop, its first user, read top to bottom; how rounds
                       sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement and
                       sites (several GPUs as one worker); joining a live run; checkpoints; records and
                       metrics; the watchdog; memory checks; fault injection
@@ -40,4 +51,18 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
 - ``errors.py``       every error a user has to fix, one line each
 """
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
+__all__ = ["DiLoCo", "Run", "init"]
+
+# the library's names, imported when first used: ``import diloco.config`` stays light
+_EXPORTS = {"DiLoCo": "diloco.worker.wrapper", "Run": "diloco.worker.run", "init": "diloco.worker.run"}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'diloco' has no attribute {name!r}")

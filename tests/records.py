@@ -45,7 +45,8 @@ def write_session(
     for round_number in range(1, rounds + 1):
         for _ in range(10):
             step += 1
-            log.step(step, round_number - 1, torch.tensor(3.0), 1e-3, due=step % 5 == 0)
+            log.count_step(step, round_number - 1, due=step % 5 == 0)
+            log.write_step({"loss": torch.tensor(3.0), "lr": 1e-3})
         result = SyncResult(True, 2, 2.0, bytes_sent=100 * round_number)
         log.round(round_number, step, result, comm_s=0.1, recovered=False, val_loss=val_loss, param_hash=digest)
     if finished:

@@ -30,7 +30,8 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
     if not entries:
         return f"run {run_id!r}: no live workers"
     newest = max(e.round for e in entries.values())
-    losses = [e.stats["val_loss"] for e in entries.values() if e.round == newest and "val_loss" in e.stats]
+    newest_stats = [e.stats for e in entries.values() if e.round == newest]
+    losses = [stats["val_loss"] for stats in newest_stats if stats.get("val_loss") is not None]
     header = f"run {run_id!r}: {len(live)} live worker{'s' * (len(live) != 1)}, round {newest}"
     if losses:
         header += f", val_loss {min(losses):.4f}"

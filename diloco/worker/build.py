@@ -1,5 +1,6 @@
-"""A worker set up from its config: data, model, optimizers, the resumed state, the transport,
-its records and how its rounds sync. ``train.py`` runs the loop over what ``build_worker`` returns.
+"""A worker set up around a model and its inner optimizer (the user's, or ``diloco train``'s:
+lm_task.py): the outer step, the codec, the resumed state, the transport, its records and how its
+rounds sync. ``DiLoCo`` (wrapper.py) drives what ``build_worker`` returns.
 
 Rerunning the same command resumes from the newest valid checkpoint (or, when the worker's own
 newest is damaged, the newest usable state: resume.py): ``Worker.state_dict`` lists what a
@@ -11,28 +12,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from diloco.comm import CommBackend, CommConfig, build_backend
-from diloco.comm.bounds import phase_bounds, site_limit_s
+from diloco.comm.bounds import phase_bounds
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
-from diloco.core.digest import tensors_digest
-from diloco.core.inner import build_inner_optimizer
 from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter, fragments_for
 from diloco.core.rounds import RoundClock
-from diloco.data.corpus import ShardSampler, load_corpus, val_batches
 from diloco.errors import make_folder
-from diloco.models.gpt import build_model
 from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, checkpoint_folder, restore_rng_state
 from diloco.worker.faults import with_bad_payloads, with_faults
 from diloco.worker.joining import catch_up_with_run, published_run
-from diloco.worker.memory import check_model_fits
-from diloco.worker.placement import Placement, placement_for
+from diloco.worker.placement import Placement
 from diloco.worker.records import Totals, WorkerLog, totals_state
 from diloco.worker.resume import Resume, choose_resume, model_shapes, told
 from diloco.worker.sync_modes import Accounting, BlockingRounds, DataParallelRounds, OverlappedRounds, SyncMode
@@ -42,20 +39,41 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Trained:
+    """What training changes: the model and its inner optimizer (the user's), and ours around
+    them; built alike on every worker from the seed. A checkpoint holds each, and ``extra``: the
+    user's objects with a ``state_dict`` (``diloco train``'s data position), restored with the
+    worker's own checkpoint."""
+
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+    error_feedback: ErrorFeedback
+    outer: OuterStep
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def load_state_dict(self, state: dict, checkpoints: Path, *, own: bool) -> None:
+        """``Worker.state_dict``'s parts read back, before the transport starts (a checkpoint of
+        another model is refused at once); ``own``: the worker's own checkpoint (its data
+        position and RNG with it), not another worker's."""
+        _load_model_state(self.model, state["model"], checkpoints)
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.outer.load_state_dict(state["outer"])
+        self.error_feedback.load_state_dict(state.get("error_feedback", {}))
+        if own:
+            for name, item in self.extra.items():
+                if name in state:
+                    item.load_state_dict(state[name])
+            restore_rng_state(state["rng"])
+
+
+@dataclass
 class Worker:
-    """Everything one worker's loop uses. ``start_step`` and ``start_round`` are where it starts
+    """Everything a worker's rounds use. ``start_step`` and ``start_round`` are where it starts
     (0 for a new run, the checkpoint's for a resumed one); ``totals`` go on from there."""
 
     cfg: Config
     placement: Placement  # one process, or a rank of a site (placement.py)
-    device: torch.device
-    sampler: ShardSampler  # this worker's shard of the train split
-    held_out: list  # the held-out batches every worker shares
-    held_out_hash: str
-    model: torch.nn.Module
-    inner_optimizer: torch.optim.Optimizer
-    outer: OuterStep  # the global params and the outer optimizer (core/outer.py)
-    error_feedback: ErrorFeedback
+    trained: Trained  # the model, its inner optimizer, the outer step (core/outer.py), the codec's residual
     backend: CommBackend
     log: WorkerLog
     watchdog: Watchdog  # what the worker is doing, for diloco status; a warning when a phase outlasts its bound
@@ -71,13 +89,14 @@ class Worker:
 
     def state_dict(self, step: int, round_index: int) -> dict:
         """What a checkpoint after round ``round_index`` holds (a sharded site's rank: its own shards)."""
+        trained = self.trained
         state = {
-            "model": self.model.state_dict(),
-            "inner_optimizer": self.inner_optimizer.state_dict(),
-            "outer": self.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
-            "error_feedback": self.error_feedback.state_dict(),
+            "model": trained.model.state_dict(),
+            "inner_optimizer": trained.inner_optimizer.state_dict(),
+            "outer": trained.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
+            "error_feedback": trained.error_feedback.state_dict(),
             "overlap": self.sync.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            **{name: item.state_dict() for name, item in trained.extra.items()},
             "rng": capture_rng_state(),
             "step": step,
             "round": round_index,
@@ -113,40 +132,27 @@ class Worker:
         self.backend.shutdown()
 
 
-@dataclass
-class _Trained:
-    """What training changes, built alike on every worker from the seed; a checkpoint holds each."""
-
-    model: torch.nn.Module
-    inner_optimizer: torch.optim.Optimizer
-    error_feedback: ErrorFeedback
-    outer: OuterStep
-
-    def load_state_dict(self, state: dict, checkpoints: Path) -> None:
-        """``Worker.state_dict``'s parts read back, before the transport starts (a checkpoint of
-        another model is refused at once)."""
-        _load_model_state(self.model, state["model"], checkpoints)
-        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        self.outer.load_state_dict(state["outer"])
-        self.error_feedback.load_state_dict(state.get("error_feedback", {}))
-
-
-def build_worker(cfg: Config, *, join: bool = False) -> Worker:
-    """Set up one worker from ``cfg``, resumed from its newest checkpoint if it has one. With
-    ``join`` a live run is required (checked before the first step, ``joining.py``)."""
-    placement = _placement(cfg, join=join)
+def build_worker(
+    cfg: Config,
+    placement: Placement,
+    model: torch.nn.Module,
+    inner_optimizer: torch.optim.Optimizer,
+    *,
+    synced_params: list[torch.Tensor],
+    extra: dict[str, Any],
+    tokens_per_step: int,
+    join: bool = False,
+) -> Worker:
+    """Set up one worker around ``model`` and ``inner_optimizer`` (``synced_params``: what its outer
+    step averages; ``extra``: more to checkpoint), resumed from its newest checkpoint if it has one.
+    With ``join`` a live run is required (checked before the first step, ``joining.py``)."""
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
     make_folder(run_dir, "run.dir", ConfigError)
-    if cfg.worker.threads:
-        torch.set_num_threads(cfg.worker.threads)
-    sampler, held_out, vocab_size = _data(cfg, ranks=placement.ranks)
-    # refused at once if it cannot fit (memory.py)
-    _claim_memory(cfg, placement.device, vocab_size=vocab_size)
-    trained = _build_trained(cfg, placement, vocab_size=vocab_size)
+    trained = _around(cfg, model, inner_optimizer, synced_params, extra)
 
     # resume: rerunning the same command continues from the newest valid checkpoint
     checkpoints = run_dir / "checkpoints"
-    resume = _resume(cfg, placement, trained, sampler, checkpoints)
+    resume = _resume(cfg, placement, trained, checkpoints)
     state = resume.state
     step, round_index = (state["step"], state["round"]) if state else (0, 0)
     totals = Totals(**state["totals"]) if state else Totals()
@@ -160,7 +166,7 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
         undo.callback(backend.shutdown)
         undo.callback(backend.membership.leave)
         backend.membership.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
-        log = _worker_log(cfg, placement, run_dir, wall_s_before=totals.wall_s)
+        log = _worker_log(cfg, placement, run_dir, tokens_per_step=tokens_per_step, wall_s_before=totals.wall_s)
         undo.callback(log.close)
         watchdog = Watchdog(
             phase_bounds(cfg.comm.deadline_s, cfg.comm.hivemind.matchmaking_s),
@@ -168,25 +174,19 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
             on_phase=backend.membership.report_phase,
         )
         undo.callback(watchdog.stop)
-        sync = _sync_mode(cfg, trained, backend, Accounting(totals, log), watchdog, join=join)
+        accounting = Accounting(totals, log)
+        sync = _sync_mode(cfg, trained, backend, accounting, watchdog, join=join)
         sync.load_state_dict(state.get("overlap") if state is not None else None)
         worker = Worker(
             cfg=cfg,
             placement=placement,
-            device=placement.device,
-            sampler=sampler,
-            held_out=held_out,
-            held_out_hash=tensors_digest(x for x, _ in held_out),
-            model=trained.model,
-            inner_optimizer=trained.inner_optimizer,
-            outer=trained.outer,
-            error_feedback=trained.error_feedback,
+            trained=trained,
             backend=backend,
             log=log,
             watchdog=watchdog,
             clock=_round_clock(cfg),
             sync=sync,
-            average_gradients=placement.site_gradient_hook(trained.model) or sync.average_gradients,
+            average_gradients=placement.site_gradient_hook(model) or sync.average_gradients,
             checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
             start_step=step,
             start_round=round_index,
@@ -197,74 +197,35 @@ def build_worker(cfg: Config, *, join: bool = False) -> Worker:
     return worker
 
 
-def _resume(cfg: Config, placement: Placement, trained: _Trained, sampler: ShardSampler, checkpoints: Path) -> Resume:
+def _around(
+    cfg: Config,
+    model: torch.nn.Module,
+    inner_optimizer: torch.optim.Optimizer,
+    synced_params: list[torch.Tensor],
+    extra: dict[str, Any],
+) -> Trained:
+    """The outer step over ``synced_params`` and the codec's residual, around the model."""
+    codec = build_codec(cfg.compression)  # how pseudo-gradients travel
+    error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback, decay=cfg.compression.error_decay)
+    outer = OuterStep(synced_params, cfg.outer, error_feedback=error_feedback)
+    return Trained(model, inner_optimizer, error_feedback, outer, extra)
+
+
+def _resume(cfg: Config, placement: Placement, trained: Trained, checkpoints: Path) -> Resume:
     """The state chosen by ``choose_resume`` (resume.py), loaded: this worker's own whole, or
-    what it takes of another worker's (its data position rebuilt on its own shard, its RNG its
-    seed's). Only one process holding the whole model takes another worker's checkpoint."""
+    what it takes of another worker's (then the caller rebuilds its data position on its own
+    shard; its RNG stays its seed's). Only one process holding the whole model takes another
+    worker's checkpoint."""
     shapes = model_shapes(trained.model) if placement.ranks == 1 else None
     resume = choose_resume(checkpoints, cfg.worker.index, model_shapes=shapes)
     if (state := resume.state) is None:
         return resume
     placement.check_resume(checkpoints)
-    trained.load_state_dict(state, checkpoints)
-    if resume.own:
-        sampler.load_state_dict(state["sampler"])
-        restore_rng_state(state["rng"])
-    else:
-        sampler.skip(state["batches_drawn"])
+    trained.load_state_dict(state, checkpoints, own=resume.own)
     return resume
 
 
-def _placement(cfg: Config, *, join: bool) -> Placement:
-    """One process, or one rank of a site (worker.site, under torchrun) holding the whole model or
-    (worker.site_sharding=fsdp) a shard of it: placement.py. A site's collectives wait for its
-    slowest rank's round (comm/bounds.py)."""
-    site_timeout_s = site_limit_s(cfg.comm.deadline_s)
-    placement = placement_for(cfg.worker, _device(cfg.worker.device), site_timeout_s=site_timeout_s)
-    if join:
-        placement.check_join()
-    return placement
-
-
-def _data(cfg: Config, *, ranks: int) -> tuple[ShardSampler, list, int]:
-    """This worker's shard of the train split, the held-out batches every worker shares, and the
-    corpus's vocabulary size."""
-    corpus = load_corpus(cfg.data)
-    sampler = ShardSampler(
-        corpus.train,
-        block_size=cfg.model.block_size,
-        batch_size=cfg.inner.batch_size * ranks,  # a site draws one batch for all its ranks; each takes its slice
-        shard_index=cfg.worker.index,
-        num_shards=cfg.worker.shards,
-        seed=cfg.seed,
-        chunk=cfg.data.shard_chunk,
-    )
-    held_out = val_batches(
-        corpus.val,
-        block_size=cfg.model.block_size,
-        batch_size=cfg.logging.eval_batch_size,
-        num_batches=cfg.logging.eval_batches,
-        seed=cfg.seed,
-    )
-    return sampler, held_out, corpus.vocab_size
-
-
-def _build_trained(cfg: Config, placement: Placement, *, vocab_size: int) -> _Trained:
-    """The model and its optimizers; the same seed gives every worker the same initial params."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, vocab_size=vocab_size)
-    synced_local = placement.place(model)  # what the outer step averages: the params, or this rank's shards
-    inner_optimizer = build_inner_optimizer(cfg.inner, model)
-    codec = build_codec(cfg.compression)  # how pseudo-gradients travel
-    error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback, decay=cfg.compression.error_decay)
-    outer = OuterStep(synced_local, cfg.outer, error_feedback=error_feedback)
-    if cfg.worker.compile:  # in place, after the optimizers: same params, same state_dict keys
-        model.compile()
-    torch.manual_seed(cfg.seed * 1000 + cfg.worker.index)  # dropout differs per worker
-    return _Trained(model, inner_optimizer, error_feedback, outer)
-
-
-def _transport_opener(cfg: Config, trained: _Trained, device: torch.device) -> Callable[[CommConfig], CommBackend]:
+def _transport_opener(cfg: Config, trained: Trained, device: torch.device) -> Callable[[CommConfig], CommBackend]:
     """How this worker opens its transport (``placement.connect`` calls it on the ranks that talk
     to other workers), with the faults of ``cfg.faults`` around it."""
     outer, codec = trained.outer, trained.error_feedback.codec
@@ -286,7 +247,9 @@ def _transport_opener(cfg: Config, trained: _Trained, device: torch.device) -> C
     return open_transport
 
 
-def _worker_log(cfg: Config, placement: Placement, run_dir: Path, *, wall_s_before: float) -> WorkerLog:
+def _worker_log(
+    cfg: Config, placement: Placement, run_dir: Path, *, tokens_per_step: int, wall_s_before: float
+) -> WorkerLog:
     """The worker's records; only a site's leader writes to wandb."""
     return WorkerLog(
         cfg.logging if placement.leader else replace(cfg.logging, wandb="disabled"),
@@ -294,7 +257,7 @@ def _worker_log(cfg: Config, placement: Placement, run_dir: Path, *, wall_s_befo
         run_name=cfg.run.name,
         worker_index=cfg.worker.index,
         total_steps=cfg.inner.steps,
-        tokens_per_step=cfg.inner.batch_size * cfg.model.block_size * placement.ranks,
+        tokens_per_step=tokens_per_step,
         config_dict=to_dict(cfg),
         wall_s_before=wall_s_before,
     )
@@ -311,7 +274,7 @@ def _round_clock(cfg: Config) -> RoundClock:
 
 
 def _sync_mode(
-    cfg: Config, trained: _Trained, backend: CommBackend, accounting: Accounting, watchdog: Watchdog, *, join: bool
+    cfg: Config, trained: Trained, backend: CommBackend, accounting: Accounting, watchdog: Watchdog, *, join: bool
 ) -> SyncMode:
     """The worker's rounds (sync_modes.py): data-parallel (outer.sync_every=0), overlapped
     (outer.overlap=delayed|streaming) or blocking."""
@@ -355,27 +318,3 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints: Path) ->
             f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
             f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
         ) from None
-
-
-def _claim_memory(cfg: Config, device: torch.device, *, vocab_size: int) -> None:
-    """This worker's share of its GPU (``worker.gpu_memory_fraction``), and the refusal of a model
-    that cannot fit in it or in the host's memory (memory.py), before anything is allocated."""
-    if device.type == "cuda" and cfg.worker.gpu_memory_fraction:  # workers sharing a GPU: each its share
-        torch.cuda.set_per_process_memory_fraction(cfg.worker.gpu_memory_fraction, device)
-    check_model_fits(
-        cfg.model,
-        vocab_size=vocab_size,
-        device=device,
-        batch_size=cfg.inner.batch_size,
-        precision=cfg.worker.precision,
-        global_on_gpu=cfg.outer.global_device == "model",
-        gpu_share=cfg.worker.gpu_memory_fraction,
-    )
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("worker.device=cuda but no CUDA device is visible; use worker.device=cpu or auto")
-    return torch.device(name)

@@ -35,6 +35,7 @@ class Placement:
     """What ``train()`` asks; the defaults are those of one process holding the whole model."""
 
     ranks = 1  # processes that train this worker's replica together
+    rank = 0  # this process's place among them
     leader = True  # writes its records into the run directory (other ranks into rank-<r>/), and to wandb
 
     def __init__(self, device: torch.device):
@@ -86,7 +87,7 @@ class _SiteRank(Placement):
     def __init__(self, site: Site):
         super().__init__(site.device)
         self.site = site
-        self.ranks, self.leader = site.size, site.leader
+        self.ranks, self.rank, self.leader = site.size, site.rank, site.leader
 
     def run_dir(self, run_dir: Path) -> Path:
         return run_dir if self.leader else run_dir / f"rank-{self.site.rank}"

@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from diloco.comm.base import SyncResult
 from diloco.config import LoggingConfig
 from diloco.worker.metrics import JsonlWriter, build_wandb_logger, format_duration, start_record
@@ -64,6 +66,7 @@ class WorkerLog:
         self._window_start, self._window_steps = time.perf_counter(), 0
         self._eta_from: tuple[int, float] | None = None  # (step, time) of this process's first step record
         self._stepped = False  # whether this process wrote a step record yet (its first step writes one)
+        self._pending: dict | None = None  # the record of the step just counted, until the loop's figures come
         # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
         self.live: dict = {}
 
@@ -84,36 +87,55 @@ class WorkerLog:
         self._emit({"event": "resume", **record}, record["step"])
         logger.log(logging.WARNING if record["damaged"] else logging.INFO, "%s", line)
 
-    def step(self, step: int, round_index: int, loss, lr: float, *, due: bool) -> None:
-        """Count an inner step; write a record when ``due`` (reading the loss syncs, so only then)
-        and at this process's first step."""
+    def count_step(self, step: int, round_index: int, *, due: bool) -> None:
+        """Count inner step ``step``, just taken. When ``due`` (and at this process's first step) its
+        record is begun: its throughput is measured now, before any round the step ends, and it is
+        written with the loop's figures (``write_step``) or, should the loop give none, at the
+        next step."""
+        self.flush_step()
         self._window_steps += 1
         if not due and self._stepped:
             return
         self._stepped = True
-        loss_value = loss.item()  # waits for the device's queued steps: the window ends when they are done
+        if torch.cuda.is_initialized():  # the window ends when the device's queued steps are done
+            torch.cuda.synchronize()
         tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
-        record = {
+        self._pending = {
             "event": "step",
             "step": step,
             "round": round_index,
-            "loss": loss_value,
-            "lr": lr,
             "tokens_per_s": round(tokens_per_s, 1),
             "time_s": round(self.elapsed_s(), 4),
         }
-        self._emit(record, step)
-        self.live = {**self.live, "loss": round(record["loss"], 4), "tokens_per_s": record["tokens_per_s"]}
-        logger.info(
-            "step %d/%d  round %d  loss %.4f  %.0f tokens/s  ETA %s",
-            step,
-            self.total_steps,
-            round_index,
-            record["loss"],
-            tokens_per_s,
-            self._eta(step),
-        )
         self.restart_window()
+
+    def write_step(self, figures: dict) -> None:
+        """The loop's ``figures`` of the step just counted (its loss, lr, ...: tensors are read
+        here, only when a record is due), written with its record; nothing when none is due."""
+        if self._pending is None:
+            return
+        record, self._pending = self._pending, None
+        tail = {key: record.pop(key) for key in ("tokens_per_s", "time_s")}
+        record.update({key: _number(value) for key, value in figures.items()})
+        record.update(tail)
+        self._emit(record, record["step"])
+        self.live = {**self.live, "tokens_per_s": record["tokens_per_s"]}
+        if isinstance(record.get("loss"), float):
+            self.live["loss"] = round(record["loss"], 4)
+        loss = f"  loss {record['loss']:.4f}" if isinstance(record.get("loss"), float) else ""
+        logger.info(
+            "step %d/%d  round %d%s  %.0f tokens/s  ETA %s",
+            record["step"],
+            self.total_steps,
+            record["round"],
+            loss,
+            record["tokens_per_s"],
+            self._eta(record["step"]),
+        )
+
+    def flush_step(self) -> None:
+        """Write a begun step record the loop gave no figures for."""
+        self.write_step({})
 
     def _eta(self, step: int) -> str:
         """Time left at this process's pace so far (syncs and evaluation included)."""
@@ -137,7 +159,7 @@ class WorkerLog:
         *,
         comm_s: float,
         recovered: bool,
-        val_loss: float,
+        val_loss: float | None,
         param_hash: str,
         phases_s: dict[str, float] | None = None,
     ) -> None:
@@ -174,12 +196,12 @@ class WorkerLog:
         if result.postponed:  # nobody could reduce: no outer step; the steps count toward the next round
             record["postponed"] = True
         self._emit(record, step)
-        self.live = {**self.live, "val_loss": round(val_loss, 4), "peers": result.peers}
+        self.live = {**self.live, "val_loss": None if val_loss is None else round(val_loss, 4), "peers": result.peers}
         self.live["excluded"] = list(result.excluded)  # for diloco status (empty again once none is)
         logger.info(
-            "round %d: val_loss %.4f  peers %d  %.2f s  %d bytes sent%s  params %s",
+            "round %d:%s  peers %d  %.2f s  %d bytes sent%s  params %s",
             round_number,
-            val_loss,
+            "" if val_loss is None else f" val_loss {val_loss:.4f}",
             result.peers,
             comm_s,
             result.bytes_sent,
@@ -198,8 +220,9 @@ class WorkerLog:
         self.live = {**self.live, "params": param_hash[:16], "params_round": round_number, "peers": peers}
 
     def end(
-        self, step: int, rounds: int, totals: Totals, *, val_loss: float, param_hash: str, param_count: int = 0
+        self, step: int, rounds: int, totals: Totals, *, val_loss: float | None, param_hash: str, param_count: int = 0
     ) -> dict:
+        self.flush_step()
         record = {
             "event": "end",
             "worker": self.worker_index,
@@ -222,8 +245,14 @@ class WorkerLog:
         return record
 
     def close(self) -> None:
+        self.flush_step()
         self.jsonl.close()
         self.wandb.finish()
+
+
+def _number(value):
+    """A figure as a record holds it: a tensor (a loss) read as a Python number."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def peak_rss_bytes() -> int:
@@ -235,8 +264,6 @@ def peak_rss_bytes() -> int:
 
 def peak_gpu_bytes() -> int:
     """The most GPU memory PyTorch's allocator has held for tensors in this process (0 without CUDA)."""
-    import torch
-
     return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
 
 

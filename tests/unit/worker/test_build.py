@@ -14,7 +14,25 @@ from diloco.tools.launcher import simulate
 from diloco.worker import build
 from diloco.worker.build import build_worker
 from diloco.worker.checkpoint import read_checkpoint
+from diloco.worker.lm_task import build_task
+from diloco.worker.run import Run
 from tests.conftest import TINY
+
+
+def _build(cfg):
+    """``diloco train``'s worker set up around its model, as ``DiLoCo`` sets it up: (worker, task)."""
+    run = Run.from_config(cfg)
+    task = build_task(run)
+    worker = build_worker(
+        cfg,
+        run.placement,
+        task.model,
+        task.inner_optimizer,
+        synced_params=run.synced_params(task.model),
+        extra={"sampler": task.sampler},
+        tokens_per_step=task.tokens_per_step,
+    )
+    return worker, task
 
 
 def test_a_set_up_step_that_fails_after_the_transport_started_stops_it_again(tmp_path, monkeypatch):
@@ -28,13 +46,13 @@ def test_a_set_up_step_that_fails_after_the_transport_started_stops_it_again(tmp
     monkeypatch.setattr(build, "_sync_mode", broken)
     cfg = load_config(None, [*TINY, "comm.backend=simulator", f"run.dir={tmp_path}"])
     with pytest.raises(RuntimeError, match="could not be built"):
-        build_worker(cfg)
+        _build(cfg)
     assert calls == ["leave", "shutdown"]
 
 
 def test_a_new_worker_starts_at_step_0_and_lists_every_part_of_its_checkpoint(tmp_path):
     cfg = load_config(None, [*TINY, "comm.backend=simulator", f"run.dir={tmp_path}"])
-    worker = build_worker(cfg)
+    worker, _ = _build(cfg)
     try:
         assert (worker.start_step, worker.start_round) == (0, 0)
         state = worker.state_dict(0, 0)
@@ -53,12 +71,13 @@ def test_a_worker_resuming_from_another_workers_checkpoint_takes_the_runs_state_
     theirs = read_checkpoint(tmp_path / "checkpoints" / "worker-1" / "round-000004.pt")
     assert theirs["error_feedback"]["residuals"] is not None  # top-k leaves a residual: worker 1's own
 
-    worker = build_worker(replace(cfg, worker=replace(cfg.worker, index=0, count=2)))
+    worker, task = _build(replace(cfg, worker=replace(cfg.worker, index=0, count=2)))
     try:
         assert (worker.resume.source, worker.start_step, worker.start_round) == ("worker 1", 20, 4)
-        for mine, saved in zip(worker.outer.global_params, theirs["outer"]["global_params"], strict=True):
+        for mine, saved in zip(worker.trained.outer.global_params, theirs["outer"]["global_params"], strict=True):
             assert torch.equal(mine, saved)
-        assert worker.error_feedback.residuals is None
-        assert (worker.sampler.shard_index, worker.sampler.batches_drawn) == (0, theirs["sampler"]["batches_drawn"])
+        assert worker.trained.error_feedback.residuals is None
+        task.follow(worker.resume)
+        assert (task.sampler.shard_index, task.sampler.batches_drawn) == (0, theirs["sampler"]["batches_drawn"])
     finally:
         worker.close()

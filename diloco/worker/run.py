@@ -1,0 +1,134 @@
+"""The run a process trains in, as the library sees it: ``diloco.init()`` returns it.
+
+    run = diloco.init()                                   # under diloco launch: its environment
+    run = diloco.init("configs/tiny.yaml", "outer.sync_every=20")
+    run = diloco.init(outer={"sync_every": 20}, worker={"index": 1, "count": 2})
+
+The config is loaded as ``diloco train`` loads it (defaults <- YAML file <- overrides), from
+three places, each over the one before: what the script passes (keywords, then its file and its
+``KEY=VALUE`` overrides), then what ``diloco launch`` passes in the environment (its config file
+replaces the script's; its overrides and the worker's own come last, as a command line outranks
+a file). Under torchrun each rank is a worker (``comm.backend=torchdist``) unless the ranks are one
+site (``worker.site=true``), as with ``diloco train``.
+
+A ``Run`` tells the user's loop what it needs to shard its data (``data_index`` of
+``data_count``: the worker's index among the workers and, on a site, its rank among the site's
+ranks) and where to put its model (``device``; ``place`` a model, which a sharded site must do
+before building the inner optimizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diloco.comm.bounds import site_limit_s
+from diloco.config import Config, ConfigError, load_config
+from diloco.config.launch_env import launch_from_environment
+from diloco.worker.placement import Placement, placement_for
+
+
+@dataclass
+class Run:
+    """One process's place in a run: its config (``config``), where its model lives and which of
+    its processes talks to the run (``placement``), and whether it must join a live run."""
+
+    config: Config
+    placement: Placement
+    join: bool = False  # a volunteer: a live run is required (diloco launch --join)
+    _synced: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, join: bool = False) -> Run:
+        """The run of ``cfg`` (threads, device and its memory share set up for this process)."""
+        if cfg.worker.threads:
+            torch.set_num_threads(cfg.worker.threads)
+        device = _device(cfg.worker.device)
+        if device.type == "cuda" and cfg.worker.gpu_memory_fraction:  # workers sharing a GPU: each its share
+            torch.cuda.set_per_process_memory_fraction(cfg.worker.gpu_memory_fraction, device)
+        placement = placement_for(cfg.worker, device, site_timeout_s=site_limit_s(cfg.comm.deadline_s))
+        if join:
+            placement.check_join()
+        return cls(cfg, placement, join=join)
+
+    @property
+    def worker_index(self) -> int:
+        return self.config.worker.index
+
+    @property
+    def worker_count(self) -> int:
+        return self.config.worker.count
+
+    @property
+    def data_index(self) -> int:
+        """This process's shard of the data: the worker's index, and on a site its rank in it."""
+        return self.config.worker.index * self.placement.ranks + self.placement.rank
+
+    @property
+    def data_count(self) -> int:
+        """How many shards the data is split in: one per process that trains."""
+        return self.config.worker.count * self.placement.ranks
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to this process's device (on a sharded site: shard it); returns it. A
+        model the script does not place is placed when ``DiLoCo`` starts; a sharded site's must be
+        placed before its inner optimizer is built (the optimizer holds the shards)."""
+        if id(model) not in self._synced:
+            self._synced[id(model)] = self.placement.place(model)
+        return model
+
+    def synced_params(self, model: nn.Module) -> list[torch.Tensor]:
+        """What the outer step averages of ``model`` (placed first if it was not)."""
+        self.place(model)
+        return self._synced[id(model)]
+
+
+def init(config: str | os.PathLike | None = None, *overrides: str, join: bool = False, **sections) -> Run:
+    """The run this process trains in: the config from ``config`` (a YAML file), ``overrides``
+    (``KEY=VALUE``) and ``sections`` (``outer={"sync_every": 20}``, or ``**{"outer.sync_every": 20}``),
+    with what ``diloco launch`` passes in the environment over them. ``join``: a live run is
+    required. Raises ``ConfigError`` (one line) on a mistake."""
+    given = [*_section_overrides(sections), *overrides]
+    launch = launch_from_environment()
+    if launch is not None:
+        config = launch.config if launch.config is not None else config
+        given, join = [*given, *launch.overrides], join or launch.join
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        cfg = load_config(config, given)
+        if not cfg.worker.site:  # under torchrun each rank is a worker, unless the ranks are one site
+            given = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *given]
+    return Run.from_config(load_config(config, given), join=join)
+
+
+def _section_overrides(sections: dict) -> list[str]:
+    """``init``'s keywords as ``KEY=VALUE`` overrides: a section's dict, or a dotted key."""
+    found = []
+    for name, value in sections.items():
+        if isinstance(value, dict):
+            found += [f"{name}.{key}={json.dumps(item)}" for key, item in value.items()]
+        elif "." in name:
+            found.append(f"{name}={json.dumps(value)}")
+        else:
+            raise ConfigError(f"diloco.init({name}=...) is not a config section's dict nor a KEY: pass {name}={{...}}")
+    return found
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("worker.device=cuda but no CUDA device is visible; use worker.device=cpu or auto")
+    return torch.device(name)

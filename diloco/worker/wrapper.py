@@ -1,0 +1,287 @@
+"""``diloco.DiLoCo``: DiLoCo around a model, its inner optimizer and the user's own loop.
+
+    run = diloco.init()
+    with diloco.DiLoCo(run, model, inner_optimizer) as dl:
+        while dl.running:                         # inner.steps of the run's config
+            loss = model(batch); loss.backward(); inner_optimizer.step(); inner_optimizer.zero_grad()
+            dl.log(loss=loss)                     # optional: records, wandb, diloco status
+
+A hook on the inner optimizer's ``step`` counts inner steps (``hook=False``: the loop calls
+``dl.after_step()`` after each instead). At each round's end, every ``outer.sync_every`` steps
+(or ``outer.round_s`` seconds), the worker averages its pseudo-gradient with the run's other
+workers and takes the outer step (how rounds sync: sync_modes.py; the outer step: core/outer.py;
+after a failed or partial round: core/recovery.py), evaluates (``evaluate``), writes its round
+record and checkpoints. Entering resumes from the worker's newest checkpoint (the model, the inner
+optimizer, ``state``'s objects and ours) and catches up with a live run rounds ahead; leaving ends
+the worker's run as ``diloco train`` ends one: a round left part-done is averaged with the others,
+then it waits for late peers and writes its end record (``dl.result``). An error inside the loop
+(or Ctrl-C) leaves at once: the worker tells the run it left, and its newest checkpoint stays.
+
+``diloco train`` is this wrapper's first user (train.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco.core.digest import tensors_digest
+from diloco.errors import UsageError
+from diloco.worker.build import Worker, build_worker
+from diloco.worker.faults import check_stop
+from diloco.worker.resume import Resume
+from diloco.worker.run import Run
+
+logger = logging.getLogger(__name__)
+
+
+class DiLoCo:
+    """The DiLoCo worker of ``run`` around ``model`` and ``inner_optimizer``, as a context manager.
+
+    ``evaluate()``: called after each round, its validation loss goes into the round record.
+    ``state``: more objects with ``state_dict``/``load_state_dict`` (a data loader's position, a
+    learning-rate scheduler) to checkpoint with the model. ``samples_per_step``: a step's weight
+    in the average (default ``inner.batch_size``); ``tokens_per_step``: what the throughput counts
+    (default: the samples). ``on_ready(addresses)``: once the worker is reachable by peers.
+    """
+
+    def __init__(
+        self,
+        run: Run,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        evaluate: Callable[[], float | None] | None = None,
+        state: dict[str, Any] | None = None,
+        hook: bool = True,
+        samples_per_step: int | None = None,
+        tokens_per_step: int | None = None,
+        on_ready: Callable[[list[str]], None] | None = None,
+    ):
+        self.run, self.model, self.inner_optimizer = run, model, inner_optimizer
+        self.evaluate, self.hook, self.on_ready = evaluate, hook, on_ready
+        self.state = dict(state or {})
+        self.samples_per_step = samples_per_step or run.config.inner.batch_size
+        self.tokens_per_step = tokens_per_step or self.samples_per_step
+        self.inner_steps = 0  # inner steps this worker has taken over the run (a resumed one: from its checkpoint)
+        self.round = 0  # rounds ended
+        self.params_digest: str | None = None  # the synced params' digest after the latest round
+        self.val_loss: float | None = None  # ``evaluate()``'s after the latest round
+        self.result: dict | None = None  # the end record, once the context is left normally
+        self._worker: Worker | None = None
+        self._entered = False
+        self._samples_this_round = 0
+        self._step_started = 0.0
+        self._shapes: list[tuple[int, ...]] = []
+        self._hooks: list = []
+
+    # ---- the context -----------------------------------------------------------------------
+    def __enter__(self) -> DiLoCo:
+        if self._entered:
+            raise UsageError("a DiLoCo is entered once: make a new one for another run")
+        self._entered = True
+        cfg = self.run.config
+        synced = self.run.synced_params(self.model)
+        self._shapes = [tuple(p.shape) for p in synced]
+        worker = build_worker(
+            cfg,
+            self.run.placement,
+            self.model,
+            self.inner_optimizer,
+            synced_params=synced,
+            extra=self.state,
+            tokens_per_step=self.tokens_per_step,
+            join=self.run.join,
+        )
+        self._worker = worker
+        try:
+            if self.on_ready is not None:
+                self.on_ready(worker.backend.membership.addresses)
+            self.inner_steps, self.round = worker.begin()  # resumed, or caught up with a run rounds ahead
+            if self.hook:
+                self._hooks = self._register_hooks()
+        except BaseException:
+            self._worker = None
+            worker.close()
+            raise
+        worker.clock.start_round()
+        worker.watchdog.enter("training")
+        self._step_started = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        worker = self._worker
+        if worker is None:
+            return False
+        try:
+            if exc_type is None:
+                self.result = self._finish(worker)
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._worker = None
+            worker.close()  # a worker leaving on an error or Ctrl-C tells the run at once
+        return False
+
+    # ---- what the loop reads ---------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Whether the worker has inner steps left (``inner.steps``; with ``outer.round_s``, rounds)."""
+        return self._active("running").clock.running(self.inner_steps, self.round)
+
+    @property
+    def schedule_step(self) -> int:
+        """The step a learning-rate schedule should see for the next inner step (with
+        ``outer.round_s``, the round's elapsed time: core/rounds.py)."""
+        return self._active("schedule_step").clock.schedule_step(self.inner_steps, self.round)
+
+    @property
+    def average_gradients(self) -> Callable[[], None] | None:
+        """Between backward and the update: a site's gradient averaging, or the data-parallel
+        baseline's (``outer.sync_every=0``); None otherwise. With ``hook`` it runs as a pre-hook
+        of the inner optimizer's ``step``."""
+        return self._active("average_gradients").average_gradients
+
+    @property
+    def model_is_synced(self) -> bool:
+        """After a round, whether the model holds exactly the synced params (not with overlapped rounds)."""
+        return self._active("model_is_synced").sync.model_is_synced
+
+    @property
+    def resumed(self) -> Resume:
+        """Where the worker's state came from (resume.py)."""
+        return self._active("resumed").resume
+
+    # ---- what the loop calls ---------------------------------------------------------------
+    def after_step(self) -> None:
+        """One inner step was taken: count it, and end the round when it is due (the hook calls this)."""
+        worker, cfg = self._active("after_step"), self.run.config
+        if not worker.clock.running(self.inner_steps, self.round):
+            raise UsageError(
+                f"inner step {self.inner_steps + 1} is past the run's end (inner.steps={cfg.inner.steps}): "
+                f"loop while dl.running, or set inner.steps to the steps the loop takes"
+            )
+        step_s = time.perf_counter() - self._step_started
+        self.inner_steps += 1
+        self._samples_this_round += self.samples_per_step
+        worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
+        worker.sync.after_inner_step(self.inner_steps, step_s)  # overlapped: syncs start and land
+        worker.log.count_step(self.inner_steps, self.round, due=self.inner_steps % cfg.logging.log_every == 0)
+        if worker.clock.round_ends(self.inner_steps):
+            self._end_round(worker)
+        worker.watchdog.enter("training")
+        self._step_started = time.perf_counter()
+
+    def log(self, **figures) -> None:
+        """The latest step's figures (``loss=``, ``lr=``, anything numeric): into its record when
+        one is due (every ``logging.log_every`` steps), wandb and ``diloco status``. Tensors are
+        read only then. Without an ``lr`` the inner optimizer's first group's is recorded."""
+        worker = self._active("log")
+        if "lr" not in figures and self.inner_optimizer.param_groups:
+            figures["lr"] = self.inner_optimizer.param_groups[0].get("lr")
+        worker.log.write_step(figures)
+
+    # ---- rounds ----------------------------------------------------------------------------
+    def _end_round(self, worker: Worker, *, last: bool = False) -> None:
+        """Average, take the outer step, evaluate, record and checkpoint (``last``: the worker's last round)."""
+        cfg = self.run.config
+        self._check_params()
+        end = worker.sync.end_round(self.inner_steps, self.round, weight=self._samples_this_round)
+        self.inner_steps, self.round, self._samples_this_round = end.step, end.round_index + 1, 0
+        worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
+        worker.clock.start_round()
+        with worker.watchdog.phase("hashing"):
+            self.params_digest = tensors_digest(worker.sync.synced_params)
+        if worker.sync.declares_params and worker.placement.ranks == 1:  # a site's ranks hold shards of their own
+            # a peer may be checking a state of this round
+            worker.log.declare_params(self.round, self.params_digest, peers=end.result.peers)
+            worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
+        if self.evaluate is not None:
+            with worker.watchdog.phase("evaluating"):
+                self.val_loss = self.evaluate()
+        worker.log.round(
+            self.round,
+            self.inner_steps,
+            end.result,
+            comm_s=end.comm_s,
+            recovered=end.recovered,
+            val_loss=self.val_loss,
+            param_hash=self.params_digest,
+            phases_s=worker.watchdog.take_spent(),  # the previous round's checkpoint is in it
+        )
+        every = cfg.checkpoint.every_rounds
+        if every and (last or self.round % every == 0 or not worker.clock.running(self.inner_steps, self.round)):
+            worker.save_checkpoint(self.inner_steps, self.round)
+        check_stop(cfg.faults, cfg.worker.index, self.round)
+
+    def _finish(self, worker: Worker) -> dict:
+        """The loop is over: a round left part-done is averaged with the others; then the worker
+        waits for late peers (``backend.finish``), its last checkpoint is written and its end
+        record returned."""
+        if self._samples_this_round:  # the loop stopped before inner.steps
+            if worker.sync.model_is_synced:
+                self._end_round(worker, last=True)
+            else:
+                logger.warning(
+                    "worker %d left at step %d, before inner.steps=%d: its overlapped averages in flight are dropped",
+                    self.run.worker_index,
+                    self.inner_steps,
+                    self.run.config.inner.steps,
+                )
+        worker.watchdog.enter("finishing")
+        worker.backend.finish()
+        with worker.watchdog.phase("checkpointing", then="finishing"):
+            worker.checkpoints.close()  # the last checkpoint, written while the others finished, is on disk
+        # the last round ran at the last step, on these very params: its evaluation is the final one
+        # (a run resumed after its end has no round left, so it evaluates here)
+        if self.val_loss is None and self.evaluate is not None:
+            self.val_loss = self.evaluate()
+        synced = worker.sync.synced_params
+        return worker.log.end(
+            self.inner_steps,
+            self.round,
+            worker.totals,
+            val_loss=self.val_loss,
+            param_hash=tensors_digest(synced),
+            param_count=sum(p.numel() for p in synced),
+        )
+
+    # ---- checks and hooks ------------------------------------------------------------------
+    def _active(self, what: str) -> Worker:
+        if self._worker is None:
+            raise UsageError(f"dl.{what} is used outside `with DiLoCo(...) as dl:`: use it inside the block")
+        return self._worker
+
+    def _check_params(self) -> None:
+        """The model's params are those the worker started with, of the same shapes."""
+        if self.run.placement.ranks > 1:
+            return  # a site's ranks hold shards, checked by the site
+        now = [tuple(p.shape) for p in self.model.parameters()]
+        if now != self._shapes:
+            raise UsageError(
+                f"the model's parameters changed after DiLoCo started ({len(self._shapes)} params, now {len(now)}; "
+                f"shapes differ): build the whole model before entering DiLoCo, and keep it"
+            )
+
+    def _register_hooks(self) -> list:
+        optimizer = self.inner_optimizer
+        if not hasattr(optimizer, "register_step_post_hook"):
+            raise UsageError(
+                f"{type(optimizer).__name__} has no step hooks: pass hook=False to DiLoCo and call "
+                f"dl.after_step() after each inner step"
+            )
+        hooks = [optimizer.register_step_post_hook(self._after_optimizer_step)]
+        if self.average_gradients is not None:
+            hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+        return hooks
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.after_step()
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.average_gradients()
