@@ -28,7 +28,7 @@ from diloco.core.rounds import RoundClock
 from diloco.errors import make_folder
 from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, checkpoint_folder, restore_rng_state
 from diloco.worker.faults import with_bad_payloads, with_faults
-from diloco.worker.joining import catch_up_with_run, published_run
+from diloco.worker.joining import catch_up_with_run, model_digest, published_run
 from diloco.worker.placement import Placement
 from diloco.worker.records import Totals, WorkerLog, totals_state
 from diloco.worker.resume import Resume, choose_resume, model_shapes, told
@@ -149,6 +149,8 @@ def build_worker(
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
     make_folder(run_dir, "run.dir", ConfigError)
     trained = _around(cfg, model, inner_optimizer, synced_params, extra)
+    # its params' names and shapes, which every worker's must match (a site's ranks hold shards)
+    model_id = model_digest(model_shapes(model)) if placement.ranks == 1 else ""
 
     # resume: rerunning the same command continues from the newest valid checkpoint
     checkpoints = run_dir / "checkpoints"
@@ -165,7 +167,8 @@ def build_worker(
     with contextlib.ExitStack() as undo:  # should a step below fail, what started is stopped again
         undo.callback(backend.shutdown)
         undo.callback(backend.membership.leave)
-        backend.membership.announce_run(published_run(cfg))  # what a newcomer's config must match, and the config
+        # what a newcomer's config and model must match, and the config
+        backend.membership.announce_run(published_run(cfg, model=model_id))
         log = _worker_log(cfg, placement, run_dir, tokens_per_step=tokens_per_step, wall_s_before=totals.wall_s)
         undo.callback(log.close)
         watchdog = Watchdog(
@@ -175,7 +178,7 @@ def build_worker(
         )
         undo.callback(watchdog.stop)
         accounting = Accounting(totals, log)
-        sync = _sync_mode(cfg, trained, backend, accounting, watchdog, join=join)
+        sync = _sync_mode(cfg, trained, backend, accounting, watchdog, join=join, model_id=model_id)
         sync.load_state_dict(state.get("overlap") if state is not None else None)
         worker = Worker(
             cfg=cfg,
@@ -274,7 +277,14 @@ def _round_clock(cfg: Config) -> RoundClock:
 
 
 def _sync_mode(
-    cfg: Config, trained: Trained, backend: CommBackend, accounting: Accounting, watchdog: Watchdog, *, join: bool
+    cfg: Config,
+    trained: Trained,
+    backend: CommBackend,
+    accounting: Accounting,
+    watchdog: Watchdog,
+    *,
+    join: bool,
+    model_id: str,
 ) -> SyncMode:
     """The worker's rounds (sync_modes.py): data-parallel (outer.sync_every=0), overlapped
     (outer.overlap=delayed|streaming) or blocking."""
@@ -292,7 +302,7 @@ def _sync_mode(
 
     def catch_up(step: int, round_index: int) -> tuple[int, int]:
         return catch_up_with_run(
-            outer, backend.membership, step, round_index, cfg=cfg, required=join, align_step=not timed
+            outer, backend.membership, step, round_index, cfg=cfg, required=join, align_step=not timed, model=model_id
         )
 
     return BlockingRounds(

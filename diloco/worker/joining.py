@@ -77,11 +77,22 @@ def config_digest(tree: dict) -> str:
     return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
 
 
-def published_run(cfg: Config) -> dict:
+# the digest of the names and shapes of a worker's model's params: a user's model is in no config
+MODEL_KEY = "model.params_sha256"
+
+
+def model_digest(shapes: dict[str, tuple]) -> str:
+    """``MODEL_KEY``'s value for a model of these state-dict keys and shapes (resume.py's ``model_shapes``)."""
+    return config_digest({key: list(shape) for key, shape in shapes.items()})[:16]
+
+
+def published_run(cfg: Config, *, model: str = "") -> dict:
     """What a worker announces of its run (``Membership.announce_run``): the settings every worker
-    must share (``run_identity``), the shared config and its digest."""
+    must share (``run_identity``, and ``model``: its model's ``model_digest``), the shared config
+    and its digest."""
     tree = shared_config(cfg)
-    return {**run_identity(cfg), "config": tree, "config_sha256": config_digest(tree)}
+    identity = {**run_identity(cfg), **({MODEL_KEY: model} if model else {})}
+    return {**identity, "config": tree, "config_sha256": config_digest(tree)}
 
 
 def config_from_run(entries: dict, run_id: str) -> dict:
@@ -106,12 +117,18 @@ def config_from_run(entries: dict, run_id: str) -> dict:
     return next(iter(found.values()))
 
 
-def check_same_run(cfg: Config, others: dict) -> None:
+def check_same_run(cfg: Config, others: dict, *, model: str = "") -> None:
     """Raise ``ConfigError`` (one line) when a live worker runs the run with other shared settings
-    than ``cfg``: each key that differs, with both values."""
+    than ``cfg``: each key that differs, with both values; or with another model (``model``: this
+    worker's ``model_digest``)."""
     mine = run_identity(cfg)
     for entry in others.values():
         theirs = getattr(entry, "run", None) or {}
+        if model and theirs.get(MODEL_KEY, model) != model:
+            raise ConfigError(
+                f"this worker's model differs from that of run {cfg.comm.run_id!r} (its params' names or shapes): "
+                f"every worker of a run must build the same model"
+            )
         differ = [key for key in mine if key in theirs and theirs[key] != mine[key]]
         if differ:
             listed = ", ".join(f"{key}={mine[key]!r} here, {theirs[key]!r} in the run" for key in differ)
@@ -130,16 +147,17 @@ def catch_up_with_run(
     cfg: Config,
     required: bool,
     align_step: bool,
+    model: str = "",
 ) -> tuple[int, int]:
     """Before the first round: if live peers are rounds ahead, take a peer's global params and
     outer-optimizer state and start on the round they are in, at their inner step when rounds
     are H steps (``align_step``: a round that has begun is joined with fewer samples, and
-    weighted by them). Returns (step, round)."""
+    weighted by them). ``model``: this worker's ``model_digest``. Returns (step, round)."""
     sync_every = cfg.outer.sync_every
     others = {i: e for i, e in membership.live_workers().items() if i != cfg.worker.index and not e.leaving}
     if required and not others:
         raise JoinError(nobody_answered(cfg.comm.run_id, cfg.comm.hivemind.initial_peers))
-    check_same_run(cfg, others)  # before any download: a state of other shapes cannot be loaded
+    check_same_run(cfg, others, model=model)  # before any download: a state of other shapes cannot be loaded
     if not any(e.round > round_index for e in others.values()):
         return step, round_index
     taken_round = outer.recovery.behind_the_run(round_index, timeout_s=cfg.comm.deadline_s)

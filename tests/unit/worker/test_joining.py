@@ -9,7 +9,7 @@ from diloco.comm.base import Membership, PeerState, StateExchange, StateRank
 from diloco.comm.hivemind.roster import RosterEntry
 from diloco.config import ConfigError, load_config
 from diloco.core.recovery import Recovery
-from diloco.worker.joining import catch_up_with_run, run_identity
+from diloco.worker.joining import catch_up_with_run, model_digest, run_identity
 
 
 class _Outer:
@@ -70,6 +70,24 @@ def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_bef
         "this worker's config differs from that of run 'diloco': model.n_embd=64 here, 128 in the run; "
         "join with the run's settings (its config.yaml)"
     )
+    assert outer.loaded is None  # nothing was downloaded
+
+
+def test_a_worker_whose_own_model_differs_from_the_runs_is_stopped_in_one_line_before_any_download():
+    from torch import nn
+
+    from diloco.worker.joining import published_run
+    from diloco.worker.resume import model_shapes
+
+    def digest(width: int) -> str:
+        return model_digest(model_shapes(nn.Sequential(nn.Linear(3, width), nn.Linear(width, 1))))
+
+    cfg = load_config(None, ["worker.count=3", "worker.index=2"])
+    backend, outer = _Transport(round=5, step=110, served=4), _Outer()
+    run = published_run(cfg, model=digest(8))
+    backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
+    with pytest.raises(ConfigError, match="this worker's model differs from that of run 'diloco'.*same model"):
+        catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True, model=digest(16))
     assert outer.loaded is None  # nothing was downloaded
 
 
