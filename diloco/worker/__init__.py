@@ -1,7 +1,12 @@
-"""One worker at run time: set-up from the config, the loop, and what it keeps and records.
+"""One worker at run time: DiLoCo around a model and its loop, ``diloco train``'s own loop, and
+what a worker keeps and records.
 
-- ``train.py``       the worker loop, top to bottom, readable like the algorithm
-- ``build.py``       a worker set up from its config (data, model, optimizers, resumed state, transport)
+- ``wrapper.py``     ``diloco.DiLoCo``: around a model, its inner optimizer and any loop; at each
+                     round's end the average, the outer step, the record, the checkpoint
+- ``run.py``         ``diloco.init()``: the run a process trains in (its config, its placement)
+- ``train.py``       ``diloco train``'s worker: its loop inside ``DiLoCo``, top to bottom
+- ``lm_task.py``     what ``diloco train`` trains: its corpus shard, its GPT or HF model, its optimizer
+- ``build.py``       a worker set up around a model (outer step, codec, resumed state, transport, records)
 - ``sync_modes.py``  how its rounds sync: blocking, overlapped or data-parallel, one interface
 - ``placement.py``   where a worker's model lives: one process, a site's replicas, or a site's shards
 - ``sites.py``       several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites
