@@ -2,6 +2,8 @@
 
     diloco local configs/tiny.yaml --workers 4              # M workers on this machine, then a summary
     diloco testbed configs/tiny.yaml --workers 4 --rate 20  # the same on shaped links (root)
+    diloco launch --workers 4 [CONFIG] -- python train.py   # your own script as 4 workers (diloco.init())
+    diloco launch --join ADDR [CONFIG] -- python train.py   # ... as a volunteer joining a live run
     diloco train configs/tiny.yaml [KEY=VALUE ...]          # one worker (start a run, or join one
                                                             #   with comm.hivemind.initial_peers=[...])
     diloco join configs/tiny.yaml --peers ADDR [KEY=VALUE]  # a volunteer joins a live run in a free slot
@@ -45,13 +47,24 @@ def _chosen_benchmark(argv: list[str] | None) -> str | None:
 
 
 def _add_launchers(commands) -> None:
-    """``diloco local`` and ``diloco testbed``: a run's workers (and helpers) on this machine."""
+    """``diloco local``, ``launch`` and ``testbed``: a run's workers (and helpers) on this machine."""
     local = commands.add_parser("local", help="run a bootstrap peer and M workers on this machine")
     local.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
     local.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     local.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     local.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
     local.add_argument("--helpers", type=int, default=0, help="helpers that reduce for the workers (default 0)")
+
+    launch = commands.add_parser(
+        "launch",
+        help="run your own training script (the command after --) as M workers here, or as a volunteer",
+        usage="diloco launch [--workers M | --join ADDR] [--run-dir DIR] [CONFIG] [KEY=VALUE ...] -- COMMAND ...",
+    )
+    launch.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
+    launch.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    launch.add_argument("--workers", type=int, help="number of workers (default 2)")
+    launch.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+    launch.add_argument("--join", metavar="ADDR", help="one worker joining the live run of these peers (a,b,...)")
 
     testbed = commands.add_parser(
         "testbed", help="like local, each worker in its own network namespace on a shaped link (root)"
@@ -202,16 +215,11 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
 
 def _cmd_join(args) -> int:
-    from diloco.config import load_config
-    from diloco.tools.join import choose_slot, run_config_file
+    from diloco.tools.join import place_in_run, run_config_file
 
     config_path, overrides = _split_config(args.config, args.overrides)
     overrides = _peer_overrides(overrides, args.peers)
-    cfg = load_config(config_path, overrides)
-    if cfg.comm.backend != "hivemind":
-        raise UsageError(f"joining a live run needs comm.backend=hivemind, not {cfg.comm.backend}")
-    place = choose_slot(cfg)
-    print(f"joining run {cfg.comm.run_id!r} as worker {place.slot} ({len(place.entries)} live)", flush=True)
+    cfg, place = place_in_run(config_path, overrides)
     args.overrides = [*overrides, *place.overrides]
     if config_path is not None:
         args.config = config_path
@@ -253,18 +261,15 @@ def _local_run_config(args):
     (cfg, config path, the overrides every worker gets)."""
     import torch
 
-    from diloco.config import ConfigError, load_config
+    from diloco.config import ConfigError
     from diloco.data.corpus import load_corpus
+    from diloco.tools.launcher import launch_config
     from diloco.worker.memory import check_model_fits
 
-    if args.workers < 1:
-        raise UsageError(f"--workers={args.workers} must be at least 1")
     if args.helpers < 0:
         raise UsageError(f"--helpers={args.helpers} must be at least 0")
     config_path, overrides = _split_config(args.config, args.overrides)
-    if args.run_dir:
-        overrides = [*overrides, f"run.dir={args.run_dir}"]
-    cfg = load_config(config_path, [*overrides, f"worker.count={args.workers}"])
+    cfg, overrides = launch_config(config_path, overrides, workers=args.workers, run_dir=args.run_dir)
     corpus = load_corpus(cfg.data)
     on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()  # the workers all on one machine
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -291,6 +296,16 @@ def _cmd_local(args) -> int:
     if cfg.comm.backend == "simulator":
         return run_simulated(cfg, workers=args.workers)
     return run_local(cfg, config_path, overrides, workers=args.workers, helpers=args.helpers)
+
+
+def _cmd_launch(args) -> int:
+    from diloco.tools.launch import run_launch
+
+    config_path, overrides = _split_config(args.config, args.overrides)
+    if args.join is not None:
+        overrides = _peer_overrides(overrides, args.join)
+    join = args.join is not None
+    return run_launch(config_path, overrides, args.script, workers=args.workers, run_dir=args.run_dir, join=join)
 
 
 def _cmd_testbed(args) -> int:
@@ -385,6 +400,7 @@ COMMANDS = {
     "train": _cmd_train,
     "status": _cmd_status,
     "local": _cmd_local,
+    "launch": _cmd_launch,
     "join": _cmd_join,
     "testbed": _cmd_testbed,
     "helper": _cmd_helper,
@@ -399,9 +415,15 @@ COMMANDS = {
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """argparse cannot take positionals after options (``--workers 4 inner.lr=1``); collect those
-    stray ``KEY=VALUE`` words as overrides, and reject anything else."""
-    parser = _parser(argv)
-    args, extra = parser.parse_known_args(argv)
+    stray ``KEY=VALUE`` words as overrides, and reject anything else. ``diloco launch``'s words
+    after ``--`` are the command it runs, as given (``args.script``)."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    script = []
+    if "--" in words and [word for word in words if not word.startswith("-")][:1] == ["launch"]:
+        words, script = words[: words.index("--")], words[words.index("--") + 1 :]
+    parser = _parser(words)
+    args, extra = parser.parse_known_args(words)
+    args.script = script
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
     if stray or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")

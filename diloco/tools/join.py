@@ -1,7 +1,8 @@
 """``diloco join``'s way into a live run: the run's live workers from its roster, a free slot
 (a data shard no live worker holds), the run's plan, and the run's own config from a live peer when
 the volunteer brings none. The command line parses and dispatches; the worker it then starts is
-``diloco train``'s (``worker/train.py``), which takes the run's state first (``worker/joining.py``).
+``diloco train``'s (``worker/train.py``), which takes the run's state first (``worker/joining.py``);
+under ``diloco launch --join`` it is the user's script (``launch.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 
 from diloco.comm.hivemind.peer import probe_roster
 from diloco.comm.hivemind.roster import free_slot, nobody_answered
-from diloco.config import Config
+from diloco.config import Config, load_config
 from diloco.errors import UsageError
 from diloco.worker.joining import JoinError, config_digest, config_from_run
 
@@ -52,6 +53,17 @@ def choose_slot(cfg: Config) -> Place:
             f"(a run takes volunteers up to its worker.slots)"
         )
     return Place(slot, planned, slots, entries)
+
+
+def place_in_run(config_path: str | None, overrides: list[str]) -> tuple[Config, Place]:
+    """The volunteer's config (its ``overrides`` name the run's peers) and its free slot in the live
+    run, announced on stdout."""
+    cfg = load_config(config_path, overrides)
+    if cfg.comm.backend != "hivemind":
+        raise UsageError(f"joining a live run needs comm.backend=hivemind, not {cfg.comm.backend}")
+    place = choose_slot(cfg)
+    print(f"joining run {cfg.comm.run_id!r} as worker {place.slot} ({len(place.entries)} live)", flush=True)
+    return cfg, place
 
 
 @contextmanager

@@ -14,6 +14,9 @@ workers' JSONL records, each opened by a ``start`` record the launcher writes (t
 appended to by every rerun: this launch is what follows it). At the end the launcher writes
 ``summary.json`` and prints it, with each failed worker's error (``outcome.py``, which also
 gives the exit code).
+
+``diloco launch`` (``launch.py``) runs the same way, each worker the user's own script instead
+of ``diloco train`` (``worker_process``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import torch
 
 from diloco.comm.base import CommError
 from diloco.comm.run_key_env import RUN_KEY_ENV
-from diloco.config import Config
+from diloco.config import Config, load_config
+from diloco.config.launch_env import Launch
+from diloco.errors import UsageError
 from diloco.lifetime import stop_all, terminate_with_parent
 from diloco.tools import warm_start
 from diloco.tools.outcome import Failure, failure_of_exception, failure_of_process, report
@@ -47,25 +52,12 @@ REFRESH_S = 2.0  # progress refresh period
 HELPER_WAIT_S = 120.0  # how long a helper waits for the workers it starts beside to publish their roster
 
 
-def _worker_command(
-    config_path: str | None,
-    overrides: list[str],
-    index: int,
-    count: int,
-    run_dir: Path,
-    peers: list[str],
-    threads: int,
+def worker_overrides(
+    overrides: list[str], index: int, count: int, run_dir: Path, peers: list[str], threads: int
 ) -> list[str]:
+    """Worker ``index``'s overrides: the launch's ``overrides``, then its own place in the run."""
     peer_list = "[" + ",".join(f"'{peer}'" for peer in peers) + "]"
-    config_args = [config_path] if config_path else []
-    verbose = ["--verbose"] if logger.isEnabledFor(logging.DEBUG) else []
     return [
-        sys.executable,
-        "-m",
-        "diloco.cli",
-        *verbose,
-        "train",
-        *config_args,
         *overrides,
         f"worker.index={index}",
         f"worker.count={count}",
@@ -73,6 +65,19 @@ def _worker_command(
         f"comm.hivemind.initial_peers={peer_list}",
         f"worker.threads={threads}",
     ]
+
+
+def worker_process(
+    config_path: str | None, overrides: list[str], script: list[str] | None = None, *, join: bool = False
+) -> tuple[list[str], dict[str, str] | None]:
+    """A worker's command and what it adds to the environment: ``diloco train`` with the config
+    file and ``overrides``; or the user's ``script`` (``diloco launch``), run as given, told them
+    through ``DILOCO_LAUNCH`` (``config/launch_env.py``), with ``join``: a live run required."""
+    if script is not None:
+        return list(script), Launch(config_path, tuple(overrides), join=join).to_environment()
+    config_args = [config_path] if config_path else []
+    verbose = ["--verbose"] if logger.isEnabledFor(logging.DEBUG) else []
+    return [sys.executable, "-m", "diloco.cli", *verbose, "train", *config_args, *overrides], None
 
 
 def _helper_command(config_path: str | None, overrides: list[str], peers: list[str]) -> list[str]:
@@ -83,6 +88,18 @@ def _helper_command(config_path: str | None, overrides: list[str], peers: list[s
         sys.executable, "-m", "diloco.cli", *verbose, "helper", *config_args, *overrides,
         "--peers", ",".join(peers), "--wait", f"{HELPER_WAIT_S:g}",
     ]  # fmt: skip
+
+
+def launch_config(
+    config_path: str | None, overrides: list[str], *, workers: int, run_dir: str | None
+) -> tuple[Config, list[str]]:
+    """The config of a launch of ``workers`` workers on this machine, ``run_dir`` (``--run-dir``) as
+    its ``run.dir``, checked before anything starts: (cfg, the overrides every worker gets)."""
+    if workers < 1:
+        raise UsageError(f"--workers={workers} must be at least 1")
+    if run_dir:
+        overrides = [*overrides, f"run.dir={run_dir}"]
+    return load_config(config_path, [*overrides, f"worker.count={workers}"]), overrides
 
 
 def threads_per_worker(workers: int) -> int:
@@ -158,11 +175,13 @@ def run_local(
     helpers: int = 0,
     helper_overrides: tuple[str, ...] = (),
     testbed: Testbed | None = None,
+    script: list[str] | None = None,
 ) -> int:
     """Run ``workers`` workers to the end, on loopback or each in its namespace of ``testbed``,
     with ``helpers`` helpers beside them (``diloco helper``, with ``helper_overrides`` on top; in
-    ``testbed``'s namespaces after the workers'), stopped once the workers are done. Returns the
-    exit code: 0 when every worker finished."""
+    ``testbed``'s namespaces after the workers'), stopped once the workers are done; each worker
+    ``diloco train``, or the user's ``script`` (``worker_process``). Returns the exit code: 0 when
+    every worker finished."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = threads_per_worker(workers)
@@ -191,8 +210,9 @@ def run_local(
         for i in range(workers):
             log = log_paths[i].open("ab")
             logs.append(log)
-            command = _worker_command(config_path, overrides, i, workers, run_dir, peers, threads)
-            children.append(start_child(command, log, testbed=testbed, slot=i))
+            place = worker_overrides(overrides, i, workers, run_dir, peers, threads)
+            command, env = worker_process(config_path, place, script)
+            children.append(start_child(command, log, testbed=testbed, slot=i, env=env))
         for i in range(workers, workers + helpers):
             log = (run_dir / f"helper-{i - workers}.log").open("ab")
             logs.append(log)
@@ -219,12 +239,13 @@ def run_local(
     for i, code in enumerate(helper_codes):
         if code not in (None, 0):
             print(f"helper {i} failed (exit code {code}); see {run_dir / f'helper-{i}.log'}", file=sys.stderr)
-    return _report(cfg, failures)
+    return _report(cfg, failures, exited={i for i, child in enumerate(children) if child.returncode == 0})
 
 
-def _report(cfg: Config, failures: dict[int, Failure]) -> int:
-    """Write ``summary.json`` of the run that just ended, print it and its failures; the exit code."""
-    summary = write_summary(cfg.run_dir, ended=True, errors=_errors(failures))
+def _report(cfg: Config, failures: dict[int, Failure], exited: set[int] | frozenset[int] = frozenset()) -> int:
+    """Write ``summary.json`` of the run that just ended (the workers whose process ``exited`` 0
+    finished, whatever records they kept), print it and its failures; the exit code."""
+    summary = write_summary(cfg.run_dir, ended=True, errors=_errors(failures), exited=exited)
     return report(summary, failures, params_may_differ=cfg.outer.eager)  # eager: they differ by design
 
 
@@ -242,11 +263,12 @@ def start_child(
         return warm_start.start(command, Path(log.name), netns=testbed.namespace(slot) if testbed else None, env=env)
     if testbed is not None:
         command = testbed.command(slot, command)
-    return _fresh_child(command, log, env=env)
+    return start_fresh(command, log, env=env)
 
 
-def _fresh_child(command: list[str], log, *, env: dict[str, str] | None) -> subprocess.Popen:
-    """``command`` as a fresh process in its own session, dying with the launcher, writing to ``log``."""
+def start_fresh(command: list[str], log, *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``command`` as a fresh process in its own session, dying with the launcher, writing to ``log``
+    (None: to this process's output)."""
     return subprocess.Popen(
         command,
         stdout=log,
@@ -353,7 +375,7 @@ def start_bootstrap(*, host: str, timeout_s: float, log: Path, run_key: str = ""
     offset = log.stat().st_size if log.exists() else 0  # what an earlier run of this directory left
     env = {RUN_KEY_ENV: run_key} if run_key else None
     # a warm server that is up forks it at once; until then a fresh interpreter is up sooner
-    start = start_child if warm_start.starts_at_once() else _fresh_child
+    start = start_child if warm_start.starts_at_once() else start_fresh
     with log.open("ab") as out:
         process = start(command, out, env=env)
     deadline = time.monotonic() + timeout_s

@@ -114,6 +114,6 @@ def report(
     if summary["failed_workers"]:
         stopped = all(failures.get(i, Failure(EXIT_FAILED, "")).code == EXIT_STOPPED for i in summary["failed_workers"])
         return EXIT_STOPPED if stopped else EXIT_FAILED
-    if not summary["params_agree"] and summary["workers"] > 1 and not params_may_differ:
+    if not summary["params_agree"] and len(summary["param_sha256"]) > 1 and not params_may_differ:
         return EXIT_PARAMS_DIFFER
     return 0

@@ -5,7 +5,7 @@ run directory of any command (``local``, ``testbed``, ``train``, the simulator).
 runs (its process is alive on this machine and wrote no end record): one line per worker, its
 latest step, round and losses, ``running``, ``finished`` or ``failed``. Once none runs: the
 summary ``diloco local`` prints at its end, and a line per failed worker (with the error its
-launcher saw, kept in ``summary.json``). It writes nothing.
+launcher saw, kept in ``summary.json``, as is which workers it saw finish). It writes nothing.
 """
 
 from __future__ import annotations
@@ -33,17 +33,21 @@ def progress_lines(summary: dict) -> list[str]:
     return lines
 
 
-def launcher_errors(run_dir: Path, began: float | None) -> dict[int, str]:
-    """The failed workers' errors its launcher saw, from ``summary.json`` when that tells of the
-    launch whose sessions ``began`` then (else it tells of an earlier run of the directory)."""
+def launcher_outcomes(run_dir: Path, began: float | None) -> tuple[dict[int, str], set[int]]:
+    """What its launcher saw of the workers, from ``summary.json`` when that tells of the launch
+    whose sessions ``began`` then (else it tells of an earlier run of the directory): the failed
+    workers' errors, and the workers it saw finish (a script of the user's under ``diloco launch``
+    may keep no end record)."""
     path = run_dir / "summary.json"
     try:
         written = json.loads(path.read_text())
         if written.get("began") != began or began is None:
-            return {}
-        return {int(index): error for index, error in written.get("errors", {}).items()}
-    except (OSError, ValueError, AttributeError):  # none, or not a summary this version wrote
-        return {}
+            return {}, set()
+        errors = {int(index): error for index, error in written.get("errors", {}).items()}
+        finished = {int(p["worker"]) for p in written.get("progress", []) if p.get("state") == "finished"}
+        return errors, finished
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):  # none, or not a summary this version wrote
+        return {}, set()
 
 
 def summary_text(run_dir: Path) -> str:
@@ -54,8 +58,9 @@ def summary_text(run_dir: Path) -> str:
     if not worker_files(run_dir):
         raise UsageError(f"{run_dir} has no worker-*.jsonl records: give a run directory (run.dir) a run wrote")
     summary = summarize_run(run_dir)
-    if errors := launcher_errors(run_dir, summary["began"]):
-        summary = summarize_run(run_dir, errors=errors)
+    errors, finished = launcher_outcomes(run_dir, summary["began"])
+    if errors or finished:
+        summary = summarize_run(run_dir, errors=errors, exited=finished)
     if summary["running_workers"]:
         return "\n".join(progress_lines(summary))
     return "\n".join([format_summary(summary), *format_failures(summary)])

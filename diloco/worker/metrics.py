@@ -21,6 +21,7 @@ import re
 import socket
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,7 @@ def _progress(index: int, session: list[dict[str, Any]], state: str) -> dict[str
 
 
 def _outcomes(
-    sessions: dict[int, list[dict[str, Any]]], ended: bool, errors: dict[int, str]
+    sessions: dict[int, list[dict[str, Any]]], ended: bool, errors: dict[int, str], exited: Collection[int]
 ) -> tuple[list[dict], list[dict]]:
     """Each worker's end record of its session (finished ones) and where each stands (all)."""
     ends, progress = [], []
@@ -240,27 +241,31 @@ def _outcomes(
         end = next((r for r in reversed(session) if r.get("event") == "end"), None)
         if index in errors:
             state = "failed"
-        elif end is not None:
+        elif end is not None or index in exited:
             state = "finished"
-            ends.append(end)
+            ends.extend([end] if end is not None else [])
         else:
             state = "running" if not ended and _may_run(session) else "failed"
         progress.append(_progress(index, session, state))
     return ends, progress
 
 
-def summarize_run(run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None) -> dict[str, Any]:
+def summarize_run(
+    run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None, exited: Collection[int] = ()
+) -> dict[str, Any]:
     """Build the summary.json dict (its fields: README.md) from every ``worker-*.jsonl`` in ``run_dir``,
     each read from its latest session on (``session_records``).
 
-    A worker counts as finished when its session holds an ``"event": "end"`` record, unless
-    ``errors`` (worker -> one line: what its launcher saw) says it failed; one without is running
-    while the process that opened its session is (unless the caller knows the run ``ended``), else
-    failed. Per-worker quantities are means over finished workers, ``tokens`` is their sum.
+    A worker counts as finished when its session holds an ``"event": "end"`` record, or its
+    launcher saw its process exit 0 (``exited``: a script of the user's under ``diloco launch``
+    may keep no records), unless ``errors`` (worker -> one line: what its launcher saw) says it
+    failed; one without is running while the process that opened its session is (unless the
+    caller knows the run ``ended``), else failed. Per-worker quantities are means over the end
+    records, ``tokens`` is their sum.
     """
     errors = errors or {}
     sessions = {index: session_records(path) for index, path in worker_files(Path(run_dir))}
-    ends, progress = _outcomes(sessions, ended, errors)
+    ends, progress = _outcomes(sessions, ended, errors, exited)
 
     def mean_of(key: str) -> float | None:
         return _mean([float(e[key]) for e in ends if e.get(key) is not None])
@@ -271,7 +276,7 @@ def summarize_run(run_dir: Path, *, ended: bool = False, errors: dict[int, str] 
     hashes = [e.get("param_sha256") for e in ends]
     return {
         "run": Path(run_dir).name,
-        "workers": len(ends),
+        "workers": sum(p["state"] == "finished" for p in progress),
         "inner_steps": max((int(e["inner_steps"]) for e in ends), default=0),
         "rounds": max((int(e["rounds"]) for e in ends), default=0),
         "tokens": sum(int(e.get("tokens", 0)) for e in ends),
@@ -308,13 +313,18 @@ def models_of(ends: list[dict]) -> list[dict[str, Any]]:
 
 
 def write_summary(
-    run_dir: Path, *, ended: bool = False, errors: dict[int, str] | None = None, unless_running: bool = False
+    run_dir: Path,
+    *,
+    ended: bool = False,
+    errors: dict[int, str] | None = None,
+    exited: Collection[int] = (),
+    unless_running: bool = False,
 ) -> dict[str, Any]:
     """``summarize_run`` and write it to ``<run_dir>/summary.json`` atomically (temp file + rename);
     with ``unless_running``, only when no worker of the directory runs: workers of one run sharing
     a directory each try at their end, and the last to end writes it (each writes its end record
     first, so two ending at once do not both skip it)."""
-    summary = summarize_run(run_dir, ended=ended, errors=errors)
+    summary = summarize_run(run_dir, ended=ended, errors=errors, exited=exited)
     if unless_running and summary["running_workers"]:
         return summary
     run_dir = Path(run_dir)
@@ -355,7 +365,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     failed, running = summary.get("failed_workers") or [], summary.get("running_workers") or []
     hashes = summary.get("param_sha256") or []
     if not hashes:
-        params = "params: no finished worker"
+        params = "params: not recorded (no end records)" if summary["workers"] else "params: no finished worker"
     elif len(set(hashes)) == 1 and hashes[0] is not None:
         params = f"params: identical across {len(hashes)} workers (sha256 {hashes[0][:12]})"
     else:  # a split run, or a bug: which workers hold which params

@@ -17,7 +17,9 @@ from tests.records import write_session
 def _report(run_dir, failures: dict[int, Failure], **kwargs) -> tuple[int, str, str]:
     errors = {i: failure.describe() for i, failure in failures.items()}
     out, err = io.StringIO(), io.StringIO()
-    code = report(summarize_run(run_dir, ended=True, errors=errors), failures, out=out, err=err, **kwargs)
+    exited = kwargs.pop("exited", ())
+    summary = summarize_run(run_dir, ended=True, errors=errors, exited=exited)
+    code = report(summary, failures, out=out, err=err, **kwargs)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -90,3 +92,14 @@ def test_workers_that_end_on_the_same_params_exit_0(tmp_path):
         write_session(tmp_path, worker)
     code, out, _ = _report(tmp_path, {})
     assert code == 0 and "params: identical across 2 workers" in out
+
+
+def test_scripts_that_exit_0_without_records_finished_and_exit_0(tmp_path):
+    for worker in (0, 1):
+        mark_start(tmp_path, worker)  # diloco launch starts a script of the user's that keeps no records
+    assert _report(tmp_path, {})[0] == 1  # a worker whose exit the launcher did not see: failed
+    code, out, err = _report(tmp_path, {}, exited={0, 1})
+    assert (code, err) == (0, "")
+    assert "2 workers finished\n" in out and "params: not recorded (no end records)" in out
+    code, out, err = _report(tmp_path, {1: Failure(1, "RuntimeError: boom", tmp_path / "worker-1.log")}, exited={0})
+    assert code == 1 and "1 workers finished, failed: [1]" in out and err.startswith("worker 1 failed (exit code 1)")

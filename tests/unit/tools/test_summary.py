@@ -53,3 +53,16 @@ def test_a_failed_worker_reads_with_the_error_its_launcher_saw_this_run_only(tmp
     # in summary.json is not this launch's
     assert main(["summary", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "worker 1 failed: it ended without an end record"
+
+
+def test_scripts_that_finished_without_records_read_as_their_launcher_saw_them(tmp_path, capsys):
+    for worker in (0, 1):
+        mark_start(tmp_path, worker)  # diloco launch: scripts of the user's that keep no records
+    write_summary(tmp_path, ended=True, exited={0, 1})
+    assert main(["summary", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"run {tmp_path.name}: 2 workers finished"
+
+    for worker in (0, 1):
+        mark_start_of_a_gone_process(tmp_path, worker)  # a later launch, killed before its summary
+    assert main(["summary", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"run {tmp_path.name}: 0 workers finished, failed: [0, 1]"
