@@ -147,16 +147,18 @@ class _Progress:
                     self.sent[i] += record.get("bytes_sent", 0)
 
     def lines(self, total_steps: int, states: list[str]) -> list[str]:
-        """A header (progress of the slowest worker, elapsed time, ETA), then one line per worker."""
+        """A header (progress of the slowest worker, elapsed time, ETA), then one line per worker. A
+        worker's own records tell its run's length (a script may set its own ``inner.steps``)."""
         steps = [latest.get("step.step", 0) for latest in self.latest]
-        done = min(steps) / total_steps if total_steps else 1.0
+        totals = [latest.get("start.total_steps", total_steps) for latest in self.latest]
+        done = min(step / total if total else 1.0 for step, total in zip(steps, totals, strict=True))
         elapsed = time.monotonic() - self.started
         eta = format_duration(elapsed * (1 - done) / done) if done > 0 else "-"
         out = [f"{100 * done:.0f}% done  {format_duration(elapsed)} elapsed  ETA {eta}"]
         for i, latest in enumerate(self.latest):
             loss = latest.get("round.val_loss", latest.get("step.loss"))
             out.append(
-                f"  worker {i}: step {steps[i]:>5}/{total_steps}"
+                f"  worker {i}: step {steps[i]:>5}/{totals[i]}"
                 f"  round {latest.get('round.round', 0):>3}"
                 f"  loss {loss if loss is None else f'{loss:.4f}'}"
                 f"  {latest.get('step.tokens_per_s', 0):>8.0f} tok/s"

@@ -58,7 +58,7 @@ class WorkerLog:
     ):
         self.worker_index, self.total_steps, self.tokens_per_step = worker_index, total_steps, tokens_per_step
         self.jsonl = JsonlWriter(run_dir, worker_index)
-        self.jsonl.log(start_record(worker_index))
+        self.jsonl.log({**start_record(worker_index), "total_steps": total_steps})  # the run's length, for progress
         self.wandb = build_wandb_logger(
             cfg, run_dir=run_dir, run_name=run_name, worker_index=worker_index, config_dict=config_dict
         )
