@@ -25,11 +25,24 @@ from diloco.config.trust import trust_defaults
 from diloco.errors import ConfigError
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- ``KEY=VALUE`` overrides, validated. Raises ConfigError."""
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    defaults: dict | None = None,
+) -> Config:
+    """Defaults <- ``defaults`` (a script's own, as nested sections) <- YAML file <- ``KEY=VALUE``
+    overrides, validated. Raises ConfigError."""
     schema = OmegaConf.structured(Config)
     OmegaConf.set_struct(schema, True)
     layers = []
+    if defaults:
+        try:
+            layer = OmegaConf.create(defaults)
+        except OmegaConfBaseException as error:
+            raise ConfigError(_describe(error)) from None
+        check_shapes(schema, layer, in_file=False)
+        layers.append(layer)
     if path is not None:
         layers.append(_read_yaml(Path(path), schema))
     for item in overrides:

@@ -4,11 +4,11 @@
     run = diloco.init("configs/tiny.yaml", "outer.sync_every=20")
     run = diloco.init(outer={"sync_every": 20}, worker={"index": 1, "count": 2})
 
-The config is loaded as ``diloco train`` loads it (defaults <- YAML file <- overrides), from
-three places, each over the one before: what the script passes (keywords, then its file and its
-``KEY=VALUE`` overrides), then what ``diloco launch`` passes in the environment (its config file
-replaces the script's; its overrides and the worker's own come last, as a command line outranks
-a file). Under torchrun each rank is a worker (``comm.backend=torchdist``) unless the ranks are one
+The config is loaded as ``diloco train`` loads it (defaults <- YAML file <- overrides), with the
+script's keywords as its own defaults under any file, and what ``diloco launch`` passes in the
+environment over what the script passes: the launcher's config file replaces the script's (a
+volunteer's: the run's own, from a live peer); its overrides and the worker's own come last, as a
+command line outranks a file. Under torchrun each rank is a worker (``comm.backend=torchdist``) unless the ranks are one
 site (``worker.site=true``), as with ``diloco train``.
 
 A ``Run`` tells the user's loop what it needs to shard its data (``data_index`` of
@@ -19,7 +19,6 @@ before building the inner optimizer).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +71,7 @@ class Run:
     @property
     def data_count(self) -> int:
         """How many shards the data is split in: one per process that trains."""
-        return self.config.worker.count * self.placement.ranks
+        return self.config.worker.shards * self.placement.ranks
 
     @property
     def device(self) -> torch.device:
@@ -97,33 +96,38 @@ class Run:
 
 
 def init(config: str | os.PathLike | None = None, *overrides: str, join: bool = False, **sections) -> Run:
-    """The run this process trains in: the config from ``config`` (a YAML file), ``overrides``
-    (``KEY=VALUE``) and ``sections`` (``outer={"sync_every": 20}``, or ``**{"outer.sync_every": 20}``),
-    with what ``diloco launch`` passes in the environment over them. ``join``: a live run is
-    required. Raises ``ConfigError`` (one line) on a mistake."""
-    given = [*_section_overrides(sections), *overrides]
+    """The run this process trains in. Its config, each layer over the one before: the defaults,
+    ``sections`` (the script's own defaults: ``outer={"sync_every": 20}``, or
+    ``**{"outer.sync_every": 20}``), a YAML file (``diloco launch``'s, else ``config``), the script's
+    ``overrides`` (``KEY=VALUE``), then the launcher's overrides and the worker's own. ``join``: a
+    live run is required. Raises ``ConfigError`` (one line) on a mistake."""
+    defaults, given = _sections_layer(sections), list(overrides)
     launch = launch_from_environment()
     if launch is not None:
         config = launch.config if launch.config is not None else config
         given, join = [*given, *launch.overrides], join or launch.join
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        cfg = load_config(config, given)
+        cfg = load_config(config, given, defaults=defaults)
         if not cfg.worker.site:  # under torchrun each rank is a worker, unless the ranks are one site
             given = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *given]
-    return Run.from_config(load_config(config, given), join=join)
+    return Run.from_config(load_config(config, given, defaults=defaults), join=join)
 
 
-def _section_overrides(sections: dict) -> list[str]:
-    """``init``'s keywords as ``KEY=VALUE`` overrides: a section's dict, or a dotted key."""
-    found = []
+def _sections_layer(sections: dict) -> dict:
+    """``init``'s keywords as nested sections: a section's dict, or a dotted key's value."""
+    layer: dict = {}
     for name, value in sections.items():
         if isinstance(value, dict):
-            found += [f"{name}.{key}={json.dumps(item)}" for key, item in value.items()]
+            layer.setdefault(name, {}).update(value)
         elif "." in name:
-            found.append(f"{name}={json.dumps(value)}")
+            *path, key = name.split(".")
+            section = layer
+            for part in path:
+                section = section.setdefault(part, {})
+            section[key] = value
         else:
             raise ConfigError(f"diloco.init({name}=...) is not a config section's dict nor a KEY: pass {name}={{...}}")
-    return found
+    return layer
 
 
 def _device(name: str) -> torch.device:

@@ -185,16 +185,21 @@ def test_an_optimizer_without_step_hooks_asks_for_after_step(tmp_path):
         pass
 
 
-def test_init_takes_a_file_overrides_and_sections_and_the_launchers_environment_over_them(tmp_path, monkeypatch):
+def test_init_layers_the_scripts_defaults_its_file_its_overrides_and_the_launchers_environment(tmp_path, monkeypatch):
     config = tmp_path / "run.yaml"
     config.write_text("outer:\n  sync_every: 7\ninner:\n  steps: 70\n")
-    run = diloco.init(config, "inner.steps=80", outer={"sync_every": 8}, **{"comm.backend": "simulator"})
-    assert (run.config.outer.sync_every, run.config.inner.steps, run.config.comm.backend) == (8, 80, "simulator")
-    launch = diloco.config.launch_env.Launch(overrides=("outer.sync_every=9", "worker.index=1", "worker.count=3"))
+    sections = {"outer": {"sync_every": 8}, "inner": {"batch_size": 5}, "comm.backend": "simulator"}
+    run = diloco.init(config, "inner.steps=80", **sections)
+    cfg = run.config
+    assert (cfg.outer.sync_every, cfg.inner.steps, cfg.inner.batch_size, cfg.comm.backend) == (7, 80, 5, "simulator")
+    launched = tmp_path / "launched.yaml"  # diloco launch's file (a volunteer's: the run's own) replaces the script's
+    launched.write_text("inner:\n  steps: 90\n")
+    launch = diloco.config.launch_env.Launch(str(launched), ("outer.sync_every=9", "worker.index=1", "worker.count=3"))
     monkeypatch.setenv(*next(iter(launch.to_environment().items())))
-    run = diloco.init(config, outer={"sync_every": 8})
-    assert (run.config.outer.sync_every, run.worker_index, run.worker_count) == (9, 1, 3)
-    assert (run.data_index, run.data_count) == (1, 3)
+    cfg = diloco.init(config, **sections).config
+    assert (cfg.outer.sync_every, cfg.inner.steps, cfg.inner.batch_size, cfg.worker.index) == (9, 90, 5, 1)
+    run = diloco.init(config, "worker.slots=4", **sections)
+    assert (run.data_index, run.data_count) == (1, 4)  # one shard a slot: a volunteer's is its own
 
 
 def test_init_refuses_a_keyword_that_is_no_section_in_one_line():
