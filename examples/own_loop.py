@@ -1,6 +1,7 @@
 """Your own model and loop under DiLoCo: a small MLP learns to tell the arms of a spiral apart.
 
     python examples/own_loop.py                                          # one worker, runs/own-loop
+    python examples/own_loop.py inner.steps=400 outer.sync_every=50      # KEY=VALUE settings of its own
     diloco launch --workers 4 -- python examples/own_loop.py             # 4 workers on this machine
     diloco launch --workers 4 outer.sync_every=50 -- python examples/own_loop.py   # the launcher's settings win
 
@@ -13,6 +14,7 @@ the loss curve is in RUN_DIR/worker-<i>.jsonl (``diloco plot RUN_DIR --out curve
 
 import logging
 import math
+import sys
 
 import torch
 from torch import nn
@@ -51,8 +53,10 @@ class Batches:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # progress lines
-    # defaults for this script; `diloco launch`'s config and KEY=VALUE overrides win over them
+    # this script's defaults (keywords) <- its command line's KEY=VALUE <- diloco launch's KEY=VALUE
     run = diloco.init(
+        None,  # no config file of its own
+        *sys.argv[1:],
         run={"name": "own-loop"},
         inner={"steps": 200, "batch_size": 64, "lr": 0.01, "warmup_steps": 20},
         outer={"sync_every": 20},
