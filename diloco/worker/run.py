@@ -71,8 +71,9 @@ class Run:
 
     @property
     def data_count(self) -> int:
-        """How many shards the data is split in: one per process that trains."""
-        return self.config.worker.count * self.placement.ranks
+        """How many shards the data is split in: one per slot of the run (``worker.slots``, at least
+        ``worker.count``: a volunteer's index may be past the count), times a site's ranks."""
+        return self.config.worker.shards * self.placement.ranks
 
     @property
     def device(self) -> torch.device:
