@@ -70,7 +70,8 @@ class Run:
 
     @property
     def data_count(self) -> int:
-        """How many shards the data is split in: one per process that trains."""
+        """How many shards the data is split in: one per slot of the run (``worker.slots``, at least
+        ``worker.count``: a volunteer's index may be past the count), times a site's ranks."""
         return self.config.worker.shards * self.placement.ranks
 
     @property

@@ -1,6 +1,6 @@
 """The scripts in examples/, each run as a user would, in a short form (the tiny model, a few
 steps): two sites joining one run, DiLoCo against DDP, a compression sweep from one YAML, a
-Hugging Face tiny Llama (with the hf extra)."""
+Hugging Face tiny Llama (with the hf extra), a user's own model and loop on the library."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from diloco.config.launch_env import Launch
 from diloco.optional_deps import is_installed
 from tests.conftest import TINY, read_records
 
@@ -26,8 +27,13 @@ SHORT = [setting for setting in TINY if not setting.startswith("comm.")]
 
 def _run_example(script: str, *overrides: str, **env: str) -> str:
     """Run examples/SCRIPT in its own session with this interpreter's diloco; kill what is left."""
+    return _run(["bash", str(ROOT / "examples" / script), *overrides], **env)
+
+
+def _run(command: list[str], **env: str) -> str:
+    """Run ``command`` from the repository root in its own session; kill what is left; its output."""
     process = subprocess.Popen(
-        ["bash", str(ROOT / "examples" / script), *overrides],
+        command,
         cwd=ROOT,
         env={**os.environ, "DILOCO": f"{sys.executable} -m diloco.cli", **env},
         stdout=subprocess.PIPE,
@@ -92,3 +98,16 @@ def test_a_hugging_face_tiny_llama_trains_with_a_tokenizer_trained_on_the_spot(t
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["rounds"] == 2 and summary["params_agree"], summary
     assert summary["final_val_loss"] < 5.7  # ln(300) = 5.70 for a uniform guess
+
+
+@pytest.mark.timeout(90)
+def test_own_loop_trains_its_mlp_with_the_launchers_settings_over_its_own(tmp_path):
+    # as diloco launch would start one worker: its overrides outrank what the script passes to diloco.init()
+    launch = Launch(overrides=(f"run.dir={tmp_path}", "inner.steps=20", "outer.sync_every=10", "worker.threads=1"))
+    script = [sys.executable, str(ROOT / "examples" / "own_loop.py")]
+    output = _run(script, PYTHONPATH=str(ROOT), **launch.to_environment())  # this checkout's diloco
+    (end,) = [r for r in read_records(tmp_path, 0) if r["event"] == "end"]
+    assert end["inner_steps"] == 20 and end["rounds"] == 2, end
+    assert end["val_loss"] < 1.3  # from ln(4) = 1.39, a uniform guess over the 4 arms
+    assert f"params sha256 {end['param_sha256']}" in output
+    assert "batch_size: 64" in (tmp_path / "config.yaml").read_text()  # the script's own setting, not overridden

@@ -35,7 +35,7 @@ def test_every_documented_subcommand_exists():
 
 
 def test_every_example_is_in_the_readme():
-    for example in sorted((README.parent / "examples").glob("*.sh")):
+    for example in sorted([*(README.parent / "examples").glob("*.sh"), *(README.parent / "examples").glob("*.py")]):
         assert f"examples/{example.name}" in README.read_text(), f"README.md does not list {example.name}"
 
 
