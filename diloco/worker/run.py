@@ -64,6 +64,16 @@ class Run:
         return self.config.worker.count
 
     @property
+    def rank(self) -> int:
+        """This process's rank in its site (0 where a worker is one process)."""
+        return self.placement.rank
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process writes the worker's records (a site's rank 0): the one to print."""
+        return self.placement.leader
+
+    @property
     def data_index(self) -> int:
         """This process's shard of the data: the worker's index, and on a site its rank in it."""
         return self.config.worker.index * self.placement.ranks + self.placement.rank
@@ -102,6 +112,8 @@ def init(config: str | os.PathLike | None = None, *overrides: str, join: bool = 
     ``**{"outer.sync_every": 20}``), a YAML file (``diloco launch``'s, else ``config``), the script's
     ``overrides`` (``KEY=VALUE``), then the launcher's overrides and the worker's own. ``join``: a
     live run is required. Raises ``ConfigError`` (one line) on a mistake."""
+    if isinstance(config, str) and "=" in config and not Path(config).exists():  # init(*sys.argv[1:]): no file
+        config, overrides = None, (config, *overrides)
     defaults, given = _sections_layer(sections), list(overrides)
     launch = launch_from_environment()
     if launch is not None:

@@ -23,6 +23,8 @@ then it waits for late peers and writes its end record (``dl.result``). An error
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +40,10 @@ from diloco.worker.resume import Resume
 from diloco.worker.run import Run
 
 logger = logging.getLogger(__name__)
+
+
+# what a checkpoint holds of its own (build.py ``Worker.state_dict``): no ``state`` object may take these names
+RESERVED_STATE = ("model", "inner_optimizer", "outer", "error_feedback", "overlap", "rng", "step", "round", "totals")
 
 
 class DiLoCo:
@@ -65,7 +71,7 @@ class DiLoCo:
     ):
         self.run, self.model, self.inner_optimizer = run, model, inner_optimizer
         self.evaluate, self.hook, self.on_ready = evaluate, hook, on_ready
-        self.state = dict(state or {})
+        self.state = _checked_state(state or {})
         self.samples_per_step = samples_per_step or run.config.inner.batch_size
         self.tokens_per_step = tokens_per_step or self.samples_per_step
         self.inner_steps = 0  # inner steps this worker has taken over the run (a resumed one: from its checkpoint)
@@ -79,6 +85,7 @@ class DiLoCo:
         self._step_started = 0.0
         self._shapes: list[tuple[int, ...]] = []
         self._hooks: list = []
+        self._restore_sigterm = False
 
     # ---- the context -----------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -99,6 +106,7 @@ class DiLoCo:
             join=self.run.join,
         )
         self._worker = worker
+        self._leave_on_sigterm()
         try:
             if self.on_ready is not None:
                 self.on_ready(worker.backend.membership.addresses)
@@ -107,6 +115,7 @@ class DiLoCo:
                 self._hooks = self._register_hooks()
         except BaseException:
             self._worker = None
+            self._default_sigterm()
             worker.close()
             raise
         worker.clock.start_round()
@@ -125,6 +134,7 @@ class DiLoCo:
             for handle in self._hooks:
                 handle.remove()
             self._worker = None
+            self._default_sigterm()
             worker.close()  # a worker leaving on an error or Ctrl-C tells the run at once
         return False
 
@@ -280,8 +290,42 @@ class DiLoCo:
             hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
         return hooks
 
+    def _leave_on_sigterm(self) -> None:
+        """Inside the block, SIGTERM (a launcher stopping its workers, ``kill``) leaves as Ctrl-C does:
+        the worker tells the run. Only where Python's default handler is in place, on the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _interrupt)
+            self._restore_sigterm = True
+
+    def _default_sigterm(self) -> None:
+        if self._restore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._restore_sigterm = False
+
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         self.after_step()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self.average_gradients()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _checked_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state``, refused in one line when a name is one of the checkpoint's own or an object
+    cannot be checkpointed."""
+    for name, item in state.items():
+        if name in RESERVED_STATE:
+            raise UsageError(
+                f"state={{{name!r}: ...}}: {name!r} is a part of diloco's own checkpoint; pick another name"
+            )
+        if not (callable(getattr(item, "state_dict", None)) and callable(getattr(item, "load_state_dict", None))):
+            raise UsageError(
+                f"state={{{name!r}: ...}}: a {type(item).__name__} has no state_dict()/load_state_dict(); "
+                f"pass objects that have both"
+            )
+    return dict(state)

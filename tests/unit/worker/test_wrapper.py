@@ -205,3 +205,26 @@ def test_init_layers_the_scripts_defaults_its_file_its_overrides_and_the_launche
 def test_init_refuses_a_keyword_that_is_no_section_in_one_line():
     with pytest.raises(diloco.config.ConfigError, match=r"diloco.init\(steps=...\) is not a config section"):
         diloco.init(steps=3)
+
+
+def test_a_state_object_that_would_replace_a_checkpoints_part_or_cannot_be_saved_is_refused_in_one_line(tmp_path):
+    model, inner = _model()
+    with pytest.raises(UsageError, match=r"'model' is a part of diloco's own checkpoint; pick another name"):
+        diloco.DiLoCo(_run(tmp_path), model, inner, state={"model": model})
+    with pytest.raises(UsageError, match=r"a list has no state_dict\(\)/load_state_dict\(\)"):
+        diloco.DiLoCo(_run(tmp_path), model, inner, state={"seen": []})
+
+
+def test_sigterm_inside_the_block_leaves_as_ctrl_c_does_and_the_default_is_back_after(tmp_path):
+    import os
+    import signal
+
+    model, inner = _model()
+    with pytest.raises(KeyboardInterrupt), diloco.DiLoCo(_run(tmp_path), model, inner):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert [r["event"] for r in _records(tmp_path, "end")] == []  # left: no end record
+
+
+def test_init_takes_a_first_argument_of_key_value_as_an_override(tmp_path):
+    assert diloco.init("inner.steps=3", "outer.sync_every=1").config.inner.steps == 3
