@@ -25,6 +25,7 @@ its end record).
   steps from 0 again and its data loader starts its epoch over. The Trainer's own checkpoints
   (``save_strategy``) are still written, but hold no outer state: ``trainer.train(
   resume_from_checkpoint=...)`` under the callback is refused in one line.
+- One Trainer process is one worker: not under torchrun, nor as a site's ranks (refused in one line).
 - An error inside ``trainer.train()`` skips ``on_train_end``: leaving the ``with`` block then tells
   the run the worker left, at once; without it, that happens when the callback is collected or at
   the interpreter's exit.
@@ -82,6 +83,11 @@ class DiLoCoCallback(_transformers.TrainerCallback):
             raise UsageError(
                 f"the Trainer resumed from its own checkpoint (step {state.global_step}), which holds no DiLoCo "
                 f"state: rerun without resume_from_checkpoint, the worker resumes from {self.run.run_dir}/checkpoints"
+            )
+        if args.world_size > 1 or self.run.placement.ranks > 1:
+            raise ConfigError(
+                "DiLoCoCallback trains one Trainer process per worker (not under torchrun, not as a site's "
+                "ranks): start each worker as its own process (diloco launch)"
             )
         if args.device.type != self.run.device.type:
             raise ConfigError(

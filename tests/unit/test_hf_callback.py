@@ -18,6 +18,7 @@ pytest.importorskip("accelerate")  # the Trainer needs it
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 import diloco
+from diloco.core.digest import tensors_digest
 from diloco.errors import UsageError, UserError
 from diloco.hf import DiLoCoCallback
 from diloco.worker.faults import StopRequested
@@ -63,6 +64,8 @@ def _trainer(run_dir, *callbacks: TrainerCallback, max_steps: int = 12, save_str
         max_steps=max_steps,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=20,  # the learning rate still rises at the run's end: never 0
         logging_steps=2,
         save_strategy=save_strategy,
         save_steps=4,
@@ -119,6 +122,10 @@ def test_a_rerun_resumes_from_diloco_checkpoint_and_the_trainer_stops_at_inner_s
         {r["step"]: r.get("lr") for r in read_records(run, 0) if r["event"] == "step"} for run in (straight, stopped)
     ]
     assert lrs[1][10] == lrs[0][10] and lrs[1][12] == lrs[0][12]  # the scheduler went on from the checkpoint
+
+    after_the_end = _trainer(stopped, DiLoCoCallback(_run(stopped)))
+    after_the_end.train()  # the Trainer takes one step before it can stop: it changes nothing
+    assert tensors_digest(list(after_the_end.model.parameters())) == end["param_sha256"]
 
 
 def test_a_trainer_run_that_raises_leaves_the_run_in_the_with_form_and_without_it(tmp_path):
