@@ -45,7 +45,7 @@ def _run(run_dir, *overrides: str, steps: int = 12, sync_every: int = 4) -> dilo
     )
 
 
-def _trainer(run_dir, *callbacks: TrainerCallback, max_steps: int = 12, save_strategy: str = "no") -> Trainer:
+def _trainer(run_dir, *callbacks: TrainerCallback, max_steps: int = 12, save_strategy: str = "no", accumulate: int = 1):
     set_seed(0)  # every worker starts from the same model
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -63,6 +63,7 @@ def _trainer(run_dir, *callbacks: TrainerCallback, max_steps: int = 12, save_str
         output_dir=str(run_dir / "trainer"),
         max_steps=max_steps,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulate,
         learning_rate=1e-3,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=20,  # the learning rate still rises at the run's end: never 0
@@ -90,12 +91,12 @@ class _FailAt(TrainerCallback):
 
 def test_a_trainer_syncs_every_sync_every_optimizer_steps_and_writes_the_end_record(tmp_path):
     callback = DiLoCoCallback(_run(tmp_path), evaluate=lambda: trainer.evaluate()["eval_loss"])
-    trainer = _trainer(tmp_path, callback)
+    trainer = _trainer(tmp_path, callback, accumulate=2)  # a step: 2 batches of 4
     trainer.train()
     assert [(r["round"], r["step"]) for r in round_records(tmp_path, 0)] == [(1, 4), (2, 8), (3, 12)]
     assert all(isinstance(r["val_loss"], float) for r in round_records(tmp_path, 0))  # the Trainer's evaluation
     (end,) = [r for r in read_records(tmp_path, 0) if r["event"] == "end"]
-    assert end["inner_steps"] == 12 and end["rounds"] == 3 and callback.result == end
+    assert end["inner_steps"] == 12 and end["rounds"] == 3 and end["tokens"] == 12 * 8 and callback.result == end
     assert end["param_sha256"] == round_records(tmp_path, 0)[-1]["param_sha256"]
     steps = [r for r in read_records(tmp_path, 0) if r["event"] == "step" and "loss" in r]
     # the Trainer's logged loss, in diloco's records; at a round's end, too (its evaluation logs in between)
