@@ -21,6 +21,7 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       process that imported torch and hivemind once), the network testbed, ``diloco status``,
                       ``diloco plot``, ``diloco corpus``, a volunteer's way into a live run (``diloco join``),
                       the bootstrap peer
+- ``hf.py``           a ``transformers.Trainer`` script as a worker (``DiLoCoCallback``, the ``hf`` extra)
 - ``worker/``         one worker at run time: ``DiLoCo`` around a model and its loop (``wrapper.py``)
                       and the run it trains in (``run.py``, ``init()``); ``train.py``, ``diloco
                       train``'s loop, its first user, read top to bottom; how rounds

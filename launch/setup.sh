@@ -48,7 +48,7 @@ quiet() { { grep -vE "is ignored|BuildBackendWarning|^ +|^$" || true; }; }  # ke
 pip install --upgrade pip 2>&1 | quiet
 # torch first and pinned, so that no other package pulls in a newer (CUDA) build
 pip install "$TORCH_SPEC" 2>&1 | quiet
-# hf (transformers, datasets): so that the tests of Hugging Face models and data run
+# hf (transformers, datasets, accelerate): so that the tests of Hugging Face models, data and the Trainer callback run
 pip install -e ".[dev,hf]" "$TORCH_SPEC" 2>&1 | quiet
 "$VENV/bin/python" -c 'import diloco, hivemind, torch; print(f"setup: torch {torch.__version__}, hivemind {hivemind.__version__}")'
 echo "$want" > "$stamp"
