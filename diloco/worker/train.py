@@ -19,7 +19,6 @@ import torch
 
 from diloco.config import Config
 from diloco.core.inner import inner_step, lr_at
-from diloco.worker.faults import slow_down
 from diloco.worker.lm_task import LanguageModelTask, build_task
 from diloco.worker.run import Run
 from diloco.worker.wrapper import DiLoCo
@@ -73,5 +72,4 @@ def _inner_step(dl: DiLoCo, task: LanguageModelTask, cfg: Config) -> tuple[torch
         average_gradients=dl.average_gradients,
         precision=cfg.worker.precision,
     )
-    slow_down(cfg.faults, cfg.worker.index)
     return loss, lr

@@ -35,7 +35,7 @@ from torch import nn
 from diloco.core.digest import tensors_digest
 from diloco.errors import UsageError
 from diloco.worker.build import Worker, build_worker
-from diloco.worker.faults import check_stop
+from diloco.worker.faults import check_stop, slow_down
 from diloco.worker.resume import Resume
 from diloco.worker.run import Run
 
@@ -176,6 +176,7 @@ class DiLoCo:
                 f"inner step {self.inner_steps + 1} is past the run's end (inner.steps={cfg.inner.steps}): "
                 f"loop while dl.running, or set inner.steps to the steps the loop takes"
             )
+        slow_down(cfg.faults, cfg.worker.index)  # faults.step_delay_s: as on a slower machine
         step_s = time.perf_counter() - self._step_started
         self.inner_steps += 1
         self._samples_this_round += self.samples_per_step

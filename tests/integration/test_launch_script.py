@@ -15,7 +15,9 @@ import textwrap
 import pytest
 
 from diloco.lifetime import descendants
-from tests.integration.test_lifecycle import _alive, _kill_tree, _wait_for
+from tests.processes import alive as _alive
+from tests.processes import kill_tree as _kill_tree
+from tests.processes import wait_for as _wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

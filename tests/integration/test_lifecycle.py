@@ -17,24 +17,11 @@ import pytest
 from diloco.lifetime import descendants
 from diloco.tools import warm_start
 from tests.conftest import TINY
+from tests.processes import alive as _alive
+from tests.processes import kill_tree as _kill_tree
+from tests.processes import wait_for as _wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)  # polling a condition with a deadline, not sleeping as synchronisation
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
@@ -46,13 +33,6 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
-
-
-def _kill_tree(process: subprocess.Popen, seen: set[int]) -> None:
-    """SIGKILL ``process``, the processes ``seen`` below it earlier, and those below it now."""
-    for pid in [process.pid, *seen, *descendants(process.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
