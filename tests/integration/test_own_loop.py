@@ -85,7 +85,10 @@ def test_own_loop_launched_with_a_worker_killed_and_restarted_and_a_volunteer_en
         signal_tree(victim, signal.SIGKILL)  # kill -9: no chance to tell the run
         wait_for(lambda: not alive(victim), 30, "the killed worker to exit")
         # the same command again, as its user reruns it: it resumes from its checkpoint and takes the run's state
+        rounds_before = _rounds(run_dir, 1)
         started.append(_start(argv, tmp_path / "restarted.log", env))
+        # back in the run before the volunteer looks for a free slot: else slot 1 looks free to it too
+        wait_for(lambda: _rounds(run_dir, 1) > rounds_before or started[0].poll() is not None, 180, "the rerun's round")
         address = next(line.split()[-1] for line in launcher_log.read_text().splitlines() if "bootstrap peer:" in line)
         join = [sys.executable, "-m", "diloco.cli", "launch", "--join", address, "--run-dir", str(volunteer_dir)]
         started.append(_start([*join, *SCRIPT], tmp_path / "volunteer.log"))
