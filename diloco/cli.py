@@ -231,11 +231,11 @@ def _cmd_join(args) -> int:
         return _cmd_train(args, join=True)
 
 
-def _peer_overrides(overrides: list[str], peers_option: str) -> list[str]:
+def _peer_overrides(overrides: list[str], peers_option: str, option: str = "--peers") -> list[str]:
     """The overrides with ``--peers A,B`` as ``comm.hivemind.initial_peers``."""
     peers = [peer.strip() for peer in peers_option.split(",") if peer.strip()]
     if not peers:
-        raise UsageError("--peers needs at least one multiaddr of a live peer")
+        raise UsageError(f"{option} needs at least one multiaddr of a live peer")
     return [*overrides, "comm.hivemind.initial_peers=[" + ",".join(f"'{p}'" for p in peers) + "]"]
 
 
@@ -303,7 +303,7 @@ def _cmd_launch(args) -> int:
 
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.join is not None:
-        overrides = _peer_overrides(overrides, args.join)
+        overrides = _peer_overrides(overrides, args.join, "--join")
     join = args.join is not None
     return run_launch(config_path, overrides, args.script, workers=args.workers, run_dir=args.run_dir, join=join)
 

@@ -96,7 +96,7 @@ class DiLoCoCallback(_transformers.TrainerCallback):
             )
         extra = {"lr_scheduler": lr_scheduler} if lr_scheduler is not None else {}
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        self.dl = DiLoCo(
+        dl = DiLoCo(
             self.run,
             model,
             optimizer,
@@ -106,8 +106,9 @@ class DiLoCoCallback(_transformers.TrainerCallback):
             samples_per_step=self.samples_per_step or batch,
             tokens_per_step=self.tokens_per_step,
         )
-        self.dl.__enter__()
-        self._leave_on_exit = weakref.finalize(self, _leave_on_error, self.dl)
+        dl.__enter__()  # a failure here leaves nothing to close: DiLoCo closed what it started
+        self.dl = dl
+        self._leave_on_exit = weakref.finalize(self, _leave_on_error, dl)
         self._tell_length(state.max_steps)
         if not self.dl.running:  # resumed after the run's end
             control.should_training_stop = True
@@ -123,7 +124,8 @@ class DiLoCoCallback(_transformers.TrainerCallback):
         dl = self._training("on_step_end")
         if dl.running:
             flags = dict(vars(control))
-            dl.after_step()  # at a round's end: average, outer step, evaluate, record, checkpoint
+            # the Trainer logs this step (control.should_log, set before us): its record takes the loss
+            dl.after_step(record=control.should_log)  # a round's end: average, outer step, record, checkpoint
             vars(control).update(flags)  # as the step left them: an evaluate() by trainer.evaluate() resets them
         if not dl.running:
             control.should_training_stop = True

@@ -44,7 +44,8 @@ def launch_from_environment(environ: Mapping[str, str] | None = None) -> Launch 
     try:
         payload = json.loads(text)
         config, overrides, join = payload.get("config"), payload.get("overrides", []), payload.get("join", False)
-        valid = (config is None or isinstance(config, str)) and all(isinstance(item, str) for item in overrides)
+        listed = isinstance(overrides, list) and all(isinstance(item, str) for item in overrides)
+        valid = (config is None or isinstance(config, str)) and listed
     except (ValueError, AttributeError, TypeError):
         valid = False
     if not valid:

@@ -56,12 +56,12 @@ def load_config(
         layers.append(command_line)
         merged = OmegaConf.merge(schema, *layers)
         # an outer rule's and the trust level's defaults for other sections, under what the user set
-        defaults = [rule_defaults(merged.outer.optimizer), trust_defaults(merged.comm.trust)]
+        implied = [rule_defaults(merged.outer.optimizer), trust_defaults(merged.comm.trust)]
         if (trust := OmegaConf.select(command_line, "comm.trust")) is not None:
             # a trust level given on the command line outranks the screening keys of the file too (a
             # run's written config.yaml sets them all), not the screening keys beside it
             layers.insert(-1, trust_defaults(trust))
-        merged = OmegaConf.merge(schema, *defaults, *layers)
+        merged = OmegaConf.merge(schema, *implied, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error)) from None

@@ -66,6 +66,10 @@ class Trained:
             restore_rng_state(state["rng"])
 
 
+# the parts of a checkpoint that are diloco's own (``Worker.state_dict``): a user's ``extra`` takes other names
+OWN_PARTS = ("model", "inner_optimizer", "outer", "error_feedback", "overlap", "rng", "step", "round", "totals")
+
+
 @dataclass
 class Worker:
     """Everything a worker's rounds use. ``start_step`` and ``start_round`` are where it starts
@@ -122,14 +126,17 @@ class Worker:
             self.checkpoints.save(round_index, self.state_dict(step, round_index))  # written in the background
 
     def close(self) -> None:
-        try:
-            self.checkpoints.wait()  # a write in progress ends whole (a crash mid-write loses only it)
-        except Exception:
-            logger.exception("the last checkpoint could not be written")
-        self.watchdog.stop()
-        self.log.close()
-        self.backend.membership.leave()
-        self.backend.shutdown()
+        """Stop everything the worker started; the run is told it left, and the transport shut down,
+        whatever fails before."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.backend.shutdown)
+            stack.callback(self.backend.membership.leave)
+            stack.callback(self.log.close)
+            stack.callback(self.watchdog.stop)
+            try:
+                self.checkpoints.wait()  # a write in progress ends whole (a crash mid-write loses only it)
+            except Exception:
+                logger.exception("the last checkpoint could not be written")
 
 
 def build_worker(
@@ -140,12 +147,14 @@ def build_worker(
     *,
     synced_params: list[torch.Tensor],
     extra: dict[str, Any],
+    samples_per_step: int,
     tokens_per_step: int,
     join: bool = False,
 ) -> Worker:
     """Set up one worker around ``model`` and ``inner_optimizer`` (``synced_params``: what its outer
-    step averages; ``extra``: more to checkpoint), resumed from its newest checkpoint if it has one.
-    With ``join`` a live run is required (checked before the first step, ``joining.py``)."""
+    step averages; ``extra``: more to checkpoint; ``samples_per_step``: a step's weight in an average),
+    resumed from its newest checkpoint if it has one. With ``join`` a live run is required (checked
+    before the first step, ``joining.py``)."""
     run_dir = placement.run_dir(cfg.run_dir)  # each rank of a site has its own records
     make_folder(run_dir, "run.dir", ConfigError)
     trained = _around(cfg, model, inner_optimizer, synced_params, extra)
@@ -178,7 +187,9 @@ def build_worker(
         )
         undo.callback(watchdog.stop)
         accounting = Accounting(totals, log)
-        sync = _sync_mode(cfg, trained, backend, accounting, watchdog, join=join, model_id=model_id)
+        sync = _sync_mode(
+            cfg, trained, backend, accounting, watchdog, samples_per_step=samples_per_step, join=join, model_id=model_id
+        )
         sync.load_state_dict(state.get("overlap") if state is not None else None)
         worker = Worker(
             cfg=cfg,
@@ -283,6 +294,7 @@ def _sync_mode(
     accounting: Accounting,
     watchdog: Watchdog,
     *,
+    samples_per_step: int,
     join: bool,
     model_id: str,
 ) -> SyncMode:
@@ -291,13 +303,13 @@ def _sync_mode(
     model, outer = trained.model, trained.outer
     deadline_s, workers, timed = cfg.comm.deadline_s, cfg.worker.count, cfg.outer.round_s > 0
     if cfg.outer.sync_every == 0:
-        weight = cfg.inner.batch_size
-        averaging = GradientAveraging(list(model.parameters()), backend.averaging, weight=weight, deadline_s=deadline_s)
+        params = list(model.parameters())
+        averaging = GradientAveraging(params, backend.averaging, weight=samples_per_step, deadline_s=deadline_s)
         return DataParallelRounds(averaging, accounting)
     if cfg.outer.overlap != "none":
         overlapped = OverlappedOuter(outer, backend.averaging, cfg.outer, deadline_s=deadline_s, expected_peers=workers)
         return OverlappedRounds(
-            overlapped, accounting, watchdog, samples_per_step=cfg.inner.batch_size, total_steps=cfg.inner.steps
+            overlapped, accounting, watchdog, samples_per_step=samples_per_step, total_steps=cfg.inner.steps
         )
 
     def catch_up(step: int, round_index: int) -> tuple[int, int]:

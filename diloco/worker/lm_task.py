@@ -33,7 +33,7 @@ class LanguageModelTask:
         """After a resume from another worker's checkpoint: this worker's data position rebuilt on
         its own shard as far along as the other's (its own checkpoint restored its own already)."""
         if resume.state is not None and not resume.own:
-            self.sampler.skip(resume.state["batches_drawn"])
+            self.sampler.skip(resume.state["sampler"]["batches_drawn"])
 
     @property
     def samples_per_step(self) -> int:

@@ -163,6 +163,8 @@ class WorkerLog:
         param_hash: str,
         phases_s: dict[str, float] | None = None,
     ) -> None:
+        if self._pending is not None and self._pending["step"] < step:  # the round skipped ahead: in step order
+            self.flush_step()
         record = {
             "event": "round",
             "round": round_number,

@@ -105,7 +105,8 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple]:
 def _taken(state: dict) -> dict:
     """What this worker takes of another worker's checkpoint (``choose_resume``, 2.)."""
     taken = {key: state[key] for key in _TAKEN if key in state}
-    return {**taken, "error_feedback": {}, "batches_drawn": state["sampler"]["batches_drawn"]}
+    others = {key: value for key, value in state.items() if key not in (*_TAKEN, "error_feedback", "rng")}
+    return {**taken, "error_feedback": {}, **others}  # the user's own parts, read but not loaded (not its own)
 
 
 def told(resume: Resume, worker_index: int, *, step: int, round_index: int, caught_up: bool) -> tuple[dict, str] | None:

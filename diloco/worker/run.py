@@ -8,8 +8,9 @@ The config is loaded as ``diloco train`` loads it (defaults <- YAML file <- over
 script's keywords as its own defaults under any file, and what ``diloco launch`` passes in the
 environment over what the script passes: the launcher's config file replaces the script's (a
 volunteer's: the run's own, from a live peer); its overrides and the worker's own come last, as a
-command line outranks a file. Under torchrun each rank is a worker (``comm.backend=torchdist``) unless the ranks are one
-site (``worker.site=true``), as with ``diloco train``.
+command line outranks a file. Under torchrun each rank is a worker (with ``comm.backend=torchdist`` its
+rounds average over torch.distributed) unless the ranks are one site (``worker.site=true``), as with
+``diloco train``.
 
 A ``Run`` tells the user's loop what it needs to shard its data (``data_index`` of
 ``data_count``: the worker's index among the workers and, on a site, its rank among the site's
@@ -19,7 +20,9 @@ before building the inner optimizer).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +43,7 @@ class Run:
     config: Config
     placement: Placement
     join: bool = False  # a volunteer: a live run is required (diloco launch --join)
-    _synced: dict[int, list[torch.Tensor]] = field(default_factory=dict, repr=False)
+    _synced: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Config, *, join: bool = False) -> Run:
@@ -96,14 +99,14 @@ class Run:
         """Move ``model`` to this process's device (on a sharded site: shard it); returns it. A
         model the script does not place is placed when ``DiLoCo`` starts; a sharded site's must be
         placed before its inner optimizer is built (the optimizer holds the shards)."""
-        if id(model) not in self._synced:
-            self._synced[id(model)] = self.placement.place(model)
+        if model not in self._synced:
+            self._synced[model] = self.placement.place(model)
         return model
 
     def synced_params(self, model: nn.Module) -> list[torch.Tensor]:
         """What the outer step averages of ``model`` (placed first if it was not)."""
         self.place(model)
-        return self._synced[id(model)]
+        return self._synced[model]
 
 
 def init(config: str | os.PathLike | None = None, *overrides: str, join: bool = False, **sections) -> Run:
@@ -123,24 +126,46 @@ def init(config: str | os.PathLike | None = None, *overrides: str, join: bool = 
         cfg = load_config(config, given, defaults=defaults)
         if not cfg.worker.site:  # under torchrun each rank is a worker, unless the ranks are one site
             given = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *given]
-    return Run.from_config(load_config(config, given, defaults=defaults), join=join)
+    cfg = load_config(config, given, defaults=defaults)
+    if cfg.comm.backend == "simulator" and cfg.worker.count > 1:
+        raise ConfigError(
+            f"comm.backend=simulator runs a run's workers as threads of diloco local, not a script's: this process "
+            f"is one worker of {cfg.worker.count}, whose rounds would wait for the others; use comm.backend=hivemind"
+        )
+    return Run.from_config(cfg, join=join)
 
 
 def _sections_layer(sections: dict) -> dict:
-    """``init``'s keywords as nested sections: a section's dict, or a dotted key's value."""
+    """``init``'s keywords as nested sections, merged: a section's dict, a dotted key's value, or a
+    top-level setting's (``seed=1``)."""
+    top = {f.name for f in dataclasses.fields(Config)}
     layer: dict = {}
     for name, value in sections.items():
         if isinstance(value, dict):
-            layer.setdefault(name, {}).update(value)
+            _merge(layer.setdefault(name, {}), value)
         elif "." in name:
             *path, key = name.split(".")
-            section = layer
-            for part in path:
-                section = section.setdefault(part, {})
-            section[key] = value
+            _merge(layer, _nested(path, {key: value}))
+        elif name in top:
+            layer[name] = value
         else:
-            raise ConfigError(f"diloco.init({name}=...) is not a config section's dict nor a KEY: pass {name}={{...}}")
+            raise ConfigError(f"diloco.init({name}=...) is not a setting of the config: see docs/configuration.md")
     return layer
+
+
+def _nested(path: list[str], leaf: dict) -> dict:
+    for part in reversed(path):
+        leaf = {part: leaf}
+    return leaf
+
+
+def _merge(into: dict, more: dict) -> None:
+    """``more`` into ``into``, section by section."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def _device(name: str) -> torch.device:

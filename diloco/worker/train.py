@@ -36,7 +36,8 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
     placement = run.placement
 
     def held_out_loss() -> float:
-        params_key = (dl.params_digest, task.held_out_hash) if dl.model_is_synced else None
+        synced = dl.model_is_synced and dl.params_digest is not None  # after a round: its digest keys a cache
+        params_key = (dl.params_digest, task.held_out_hash) if synced else None
         return placement.evaluate(task.model, task.held_out, params_key)
 
     dl = DiLoCo(

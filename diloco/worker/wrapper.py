@@ -34,7 +34,7 @@ from torch import nn
 
 from diloco.core.digest import tensors_digest
 from diloco.errors import UsageError
-from diloco.worker.build import Worker, build_worker
+from diloco.worker.build import OWN_PARTS, Worker, build_worker
 from diloco.worker.faults import check_stop, slow_down
 from diloco.worker.resume import Resume
 from diloco.worker.run import Run
@@ -42,8 +42,8 @@ from diloco.worker.run import Run
 logger = logging.getLogger(__name__)
 
 
-# what a checkpoint holds of its own (build.py ``Worker.state_dict``): no ``state`` object may take these names
-RESERVED_STATE = ("model", "inner_optimizer", "outer", "error_feedback", "overlap", "rng", "step", "round", "totals")
+# what a step record holds of its own: no figure of the loop's may take these names
+RECORD_FIELDS = ("event", "step", "round", "tokens_per_s", "time_s")
 
 
 class DiLoCo:
@@ -86,6 +86,7 @@ class DiLoCo:
         self._shapes: list[tuple[int, ...]] = []
         self._hooks: list = []
         self._restore_sigterm = False
+        self._checkpointed = -1  # the round of the latest checkpoint
 
     # ---- the context -----------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -94,6 +95,7 @@ class DiLoCo:
         self._entered = True
         cfg = self.run.config
         synced = self.run.synced_params(self.model)
+        _check_optimizer(self.model, self.inner_optimizer)
         self._shapes = [tuple(p.shape) for p in synced]
         worker = build_worker(
             cfg,
@@ -102,6 +104,7 @@ class DiLoCo:
             self.inner_optimizer,
             synced_params=synced,
             extra=self.state,
+            samples_per_step=self.samples_per_step,
             tokens_per_step=self.tokens_per_step,
             join=self.run.join,
         )
@@ -168,8 +171,18 @@ class DiLoCo:
         return self._active("resumed").resume
 
     # ---- what the loop calls ---------------------------------------------------------------
-    def after_step(self) -> None:
-        """One inner step was taken: count it, and end the round when it is due (the hook calls this)."""
+    def after_step(self, *, record: bool | None = None) -> None:
+        """With ``hook=False``: one inner step was taken; count it, and end the round when it is due.
+        ``record``: whether the step's record is due (default: every ``logging.log_every`` steps)."""
+        self._active("after_step")
+        if self.hook:
+            raise UsageError(
+                "dl.after_step() with hook=True would count each step twice: the hook on the inner optimizer's "
+                "step counts it; pass hook=False to DiLoCo to count steps with dl.after_step()"
+            )
+        self._count_step(record)
+
+    def _count_step(self, record: bool | None) -> None:
         worker, cfg = self._active("after_step"), self.run.config
         if not worker.clock.running(self.inner_steps, self.round):
             raise UsageError(
@@ -182,7 +195,8 @@ class DiLoCo:
         self._samples_this_round += self.samples_per_step
         worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
         worker.sync.after_inner_step(self.inner_steps, step_s)  # overlapped: syncs start and land
-        worker.log.count_step(self.inner_steps, self.round, due=self.inner_steps % cfg.logging.log_every == 0)
+        due = self.inner_steps % cfg.logging.log_every == 0 if record is None else record
+        worker.log.count_step(self.inner_steps, self.round, due=due)
         if worker.clock.round_ends(self.inner_steps):
             self._end_round(worker)
         worker.watchdog.enter("training")
@@ -193,6 +207,8 @@ class DiLoCo:
         one is due (every ``logging.log_every`` steps), wandb and ``diloco status``. Tensors are
         read only then. Without an ``lr`` the inner optimizer's first group's is recorded."""
         worker = self._active("log")
+        if taken := [name for name in figures if name in RECORD_FIELDS]:
+            raise UsageError(f"dl.log({taken[0]}=...): {taken[0]!r} is a field of the record itself; name it otherwise")
         if "lr" not in figures and self.inner_optimizer.param_groups:
             figures["lr"] = self.inner_optimizer.param_groups[0].get("lr")
         worker.log.write_step(figures)
@@ -228,6 +244,7 @@ class DiLoCo:
         every = cfg.checkpoint.every_rounds
         if every and (last or self.round % every == 0 or not worker.clock.running(self.inner_steps, self.round)):
             worker.save_checkpoint(self.inner_steps, self.round)
+            self._checkpointed = self.round
         check_stop(cfg.faults, cfg.worker.index, self.round)
 
     def _finish(self, worker: Worker) -> dict:
@@ -244,6 +261,8 @@ class DiLoCo:
                     self.inner_steps,
                     self.run.config.inner.steps,
                 )
+        if self.run.config.checkpoint.every_rounds and self._checkpointed < self.round:  # stopped at a round's end
+            worker.save_checkpoint(self.inner_steps, self.round)
         worker.watchdog.enter("finishing")
         worker.backend.finish()
         with worker.watchdog.phase("checkpointing", then="finishing"):
@@ -306,7 +325,7 @@ class DiLoCo:
             self._restore_sigterm = False
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self.after_step()
+        self._count_step(None)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self.average_gradients()
@@ -320,7 +339,7 @@ def _checked_state(state: dict[str, Any]) -> dict[str, Any]:
     """``state``, refused in one line when a name is one of the checkpoint's own or an object
     cannot be checkpointed."""
     for name, item in state.items():
-        if name in RESERVED_STATE:
+        if name in OWN_PARTS:
             raise UsageError(
                 f"state={{{name!r}: ...}}: {name!r} is a part of diloco's own checkpoint; pick another name"
             )
@@ -330,3 +349,14 @@ def _checked_state(state: dict[str, Any]) -> dict[str, Any]:
                 f"pass objects that have both"
             )
     return dict(state)
+
+
+def _check_optimizer(model: nn.Module, optimizer) -> None:
+    """The inner optimizer steps the model's own params (a sharded site: its shards, placed first)."""
+    params = {id(p) for p in model.parameters()}
+    stepped = [p for group in getattr(optimizer, "param_groups", []) for p in group.get("params", [])]
+    if stepped and not all(id(p) in params for p in stepped):
+        raise UsageError(
+            "the inner optimizer steps params that are not the model's: build it from model.parameters() "
+            "after run.place(model)"
+        )

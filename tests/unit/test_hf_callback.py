@@ -163,3 +163,12 @@ def test_without_transformers_the_module_says_how_to_install_the_extra(monkeypat
     monkeypatch.delitem(sys.modules, "diloco.hf")
     with pytest.raises(UserError, match=r"^diloco.hf needs the Hugging Face extra .*: pip install 'diloco\[hf\]'$"):
         import diloco.hf  # noqa: F401
+
+
+def test_after_a_resume_off_the_logging_grid_the_trainers_loss_still_reaches_the_records(tmp_path):
+    # rounds of 3 steps, a record every 2: resumed at step 3, the Trainer logs at its own steps 2, 4, ...
+    with pytest.raises(StopRequested), DiLoCoCallback(_run(tmp_path, "faults.stop_after_round=1", sync_every=3)) as cb:
+        _trainer(tmp_path, cb).train()
+    _trainer(tmp_path, DiLoCoCallback(_run(tmp_path, sync_every=3))).train()
+    after = [r for r in read_records(tmp_path, 0) if r["event"] == "step" and r["step"] > 3]
+    assert [r["step"] for r in after if "loss" in r] == [5, 7, 9, 11], after

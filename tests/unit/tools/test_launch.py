@@ -75,7 +75,7 @@ def _one_error_line(capsys) -> str:
         (["launch", "--workers", "0", "--", "python", "t.py"], "--workers=0 must be at least 1"),
         (["launch", "comm.backend=simulator", "--", "python", "t.py"], "comm.backend must be hivemind"),
         (["launch", "--join", "/ip4/a", "--workers", "2", "--", "python", "t.py"], "leave --workers out"),
-        (["launch", "--join", " , ", "--", "python", "t.py"], "--peers needs at least one multiaddr"),
+        (["launch", "--join", " , ", "--", "python", "t.py"], "--join needs at least one multiaddr"),
     ],
 )
 def test_a_launch_mistake_is_one_line_before_anything_starts(argv, problem, tmp_path, capsys):

@@ -30,6 +30,7 @@ def _build(cfg):
         task.inner_optimizer,
         synced_params=run.synced_params(task.model),
         extra={"sampler": task.sampler},
+        samples_per_step=task.samples_per_step,
         tokens_per_step=task.tokens_per_step,
     )
     return worker, task

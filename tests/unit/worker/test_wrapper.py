@@ -188,10 +188,11 @@ def test_an_optimizer_without_step_hooks_asks_for_after_step(tmp_path):
 def test_init_layers_the_scripts_defaults_its_file_its_overrides_and_the_launchers_environment(tmp_path, monkeypatch):
     config = tmp_path / "run.yaml"
     config.write_text("outer:\n  sync_every: 7\ninner:\n  steps: 70\n")
-    sections = {"outer": {"sync_every": 8}, "inner": {"batch_size": 5}, "comm.backend": "simulator"}
+    sections = {"outer": {"sync_every": 8}, "inner": {"batch_size": 5}, "comm.run_id": "mine", "seed": 3}
     run = diloco.init(config, "inner.steps=80", **sections)
     cfg = run.config
-    assert (cfg.outer.sync_every, cfg.inner.steps, cfg.inner.batch_size, cfg.comm.backend) == (7, 80, 5, "simulator")
+    assert (cfg.outer.sync_every, cfg.inner.steps, cfg.inner.batch_size, cfg.comm.run_id) == (7, 80, 5, "mine")
+    assert cfg.seed == 3
     launched = tmp_path / "launched.yaml"  # diloco launch's file (a volunteer's: the run's own) replaces the script's
     launched.write_text("inner:\n  steps: 90\n")
     launch = diloco.config.launch_env.Launch(str(launched), ("outer.sync_every=9", "worker.index=1", "worker.count=3"))
@@ -203,7 +204,7 @@ def test_init_layers_the_scripts_defaults_its_file_its_overrides_and_the_launche
 
 
 def test_init_refuses_a_keyword_that_is_no_section_in_one_line():
-    with pytest.raises(diloco.config.ConfigError, match=r"diloco.init\(steps=...\) is not a config section"):
+    with pytest.raises(diloco.config.ConfigError, match=r"diloco.init\(steps=...\) is not a setting of the config"):
         diloco.init(steps=3)
 
 
@@ -228,3 +229,33 @@ def test_sigterm_inside_the_block_leaves_as_ctrl_c_does_and_the_default_is_back_
 
 def test_init_takes_a_first_argument_of_key_value_as_an_override(tmp_path):
     assert diloco.init("inner.steps=3", "outer.sync_every=1").config.inner.steps == 3
+
+
+def test_init_merges_a_sections_keywords_whatever_their_order():
+    run = diloco.init(**{"comm.hivemind.port": 4242}, comm={"hivemind": {"matchmaking_s": 9.0}})
+    assert (run.config.comm.hivemind.port, run.config.comm.hivemind.matchmaking_s) == (4242, 9.0)
+
+
+def test_a_script_as_one_of_several_simulated_workers_is_refused_in_one_line():
+    with pytest.raises(diloco.config.ConfigError, match="simulator runs a run's workers as threads of diloco local"):
+        diloco.init(comm={"backend": "simulator"}, worker={"count": 2})
+
+
+def test_a_manual_count_beside_the_hook_a_log_field_of_the_record_and_a_foreign_optimizer_are_refused(tmp_path):
+    model, inner = _model()
+    with diloco.DiLoCo(_run(tmp_path), model, inner) as dl:
+        with pytest.raises(UsageError, match="would count each step twice"):
+            dl.after_step()
+        with pytest.raises(UsageError, match=r"dl.log\(step=...\): 'step' is a field of the record"):
+            dl.log(step=3)
+    other, _ = _model()
+    with pytest.raises(UsageError, match="steps params that are not the model's"):
+        diloco.DiLoCo(_run(tmp_path / "b"), model, torch.optim.SGD(other.parameters(), lr=0.1)).__enter__()
+
+
+def test_a_loop_stopped_at_a_rounds_end_between_checkpoints_checkpoints_it_on_leaving(tmp_path):
+    model, inner = _model()
+    with diloco.DiLoCo(_run(tmp_path, "checkpoint.every_rounds=2"), model, inner):
+        for step in range(4):  # round 1 ends at step 4: not a checkpoint round of every_rounds=2
+            _train_step(model, inner, step)
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "worker-0").glob("*.pt")) == ["round-000001.pt"]
