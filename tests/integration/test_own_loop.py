@@ -22,11 +22,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ["--", sys.executable, "examples/own_loop.py"]
-# 40 rounds, each paced to 2.5 s of steps until the test releases the pace (faults.step_delay_until),
-# so that the run outlasts a restart and a newcomer's start-up however loaded the machine; a dead
-# worker is taken for gone after 8 heartbeats (8 s); a slot kept free for the volunteer
-STEPS = 2000
-SETTINGS = [f"inner.steps={STEPS}", "outer.sync_every=50", "worker.slots=3", "worker.threads=1",
+# 40 rounds, each paced to 5 s of steps until the test releases the pace (faults.step_delay_until),
+# so that the run outlasts a restart and a newcomer's start-up however loaded the machine (up to
+# 200 s); a dead worker is taken for gone after 8 heartbeats (8 s); a slot kept free for the volunteer
+STEPS = 4000
+SETTINGS = [f"inner.steps={STEPS}", "outer.sync_every=100", "worker.slots=3", "worker.threads=1",
             "comm.hivemind.heartbeat_s=1", "comm.hivemind.matchmaking_s=5", "comm.deadline_s=30",
             "faults.step_delay_s=0.05"]  # fmt: skip
 
@@ -38,9 +38,12 @@ def _start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> sub
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _rounds(run_dir: Path, worker: int) -> int:
+def _rounds(run_dir: Path, worker: int, *, after: int = 0) -> int:
+    """Worker ``worker``'s rounds so far (from its ``after``-th on) that it averaged with another."""
     path = run_dir / f"worker-{worker}.jsonl"
-    return sum('"event": "round"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rounds = [r for r in records if r["event"] == "round"][after:]
+    return sum(r["peers"] >= 2 for r in rounds)
 
 
 def _worker_process(launcher: subprocess.Popen, index: int) -> int:
@@ -85,10 +88,11 @@ def test_own_loop_launched_with_a_worker_killed_and_restarted_and_a_volunteer_en
         signal_tree(victim, signal.SIGKILL)  # kill -9: no chance to tell the run
         wait_for(lambda: not alive(victim), 30, "the killed worker to exit")
         # the same command again, as its user reruns it: it resumes from its checkpoint and takes the run's state
-        rounds_before = _rounds(run_dir, 1)
+        before = len([r for r in read_records(run_dir, 1) if r["event"] == "round"])
         started.append(_start(argv, tmp_path / "restarted.log", env))
-        # back in the run before the volunteer looks for a free slot: else slot 1 looks free to it too
-        wait_for(lambda: _rounds(run_dir, 1) > rounds_before or started[0].poll() is not None, 180, "the rerun's round")
+        # averaging in the run again before the volunteer looks for a free slot: else slot 1 looks free to it too
+        rerun_averaged = lambda: _rounds(run_dir, 1, after=before) >= 1  # noqa: E731
+        wait_for(lambda: rerun_averaged() or started[0].poll() is not None, 180, "the rerun to average with worker 0")
         address = next(line.split()[-1] for line in launcher_log.read_text().splitlines() if "bootstrap peer:" in line)
         join = [sys.executable, "-m", "diloco.cli", "launch", "--join", address, "--run-dir", str(volunteer_dir)]
         started.append(_start([*join, *SCRIPT], tmp_path / "volunteer.log"))
