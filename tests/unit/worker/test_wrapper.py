@@ -221,9 +221,13 @@ def test_sigterm_inside_the_block_leaves_as_ctrl_c_does_and_the_default_is_back_
     import signal
 
     model, inner = _model()
-    with pytest.raises(KeyboardInterrupt), diloco.DiLoCo(_run(tmp_path), model, inner):
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    earlier = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Python's default, whatever an earlier test left
+    try:
+        with pytest.raises(KeyboardInterrupt), diloco.DiLoCo(_run(tmp_path), model, inner):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
     assert [r["event"] for r in _records(tmp_path, "end")] == []  # left: no end record
 
 
