@@ -168,24 +168,15 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 def _cmd_train(args, *, join: bool = False) -> int:
-    from diloco.config import load_config
     from diloco.worker.faults import StopRequested
     from diloco.worker.metrics import write_summary
+    from diloco.worker.run import worker_config
     from diloco.worker.train import train
 
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
-    cfg = load_config(config_path, overrides)
-    if cfg.comm.backend == "simulator" and cfg.worker.count > 1:
-        raise UsageError(
-            f"comm.backend=simulator runs a run's workers as threads of one process: `diloco local --workers "
-            f"{cfg.worker.count}` starts them (`diloco train` is one worker, whose rounds would wait for the others)"
-        )
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.worker.site:
-        # under torchrun each rank is a worker (comm.backend=torchdist), unless the ranks are one site
-        overrides = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *overrides]
-        cfg = load_config(config_path, overrides)
+    cfg = worker_config(config_path, overrides)  # under torchrun: each rank a worker, unless one site
 
     def announce(addresses: list[str]) -> None:
         if addresses:

@@ -122,17 +122,25 @@ def init(config: str | os.PathLike | None = None, *overrides: str, join: bool = 
     if launch is not None:
         config = launch.config if launch.config is not None else config
         given, join = [*given, *launch.overrides], join or launch.join
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        cfg = load_config(config, given, defaults=defaults)
-        if not cfg.worker.site:  # under torchrun each rank is a worker, unless the ranks are one site
-            given = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}", *given]
-    cfg = load_config(config, given, defaults=defaults)
+    cfg = worker_config(config, given, defaults=defaults)
+    return Run.from_config(cfg, join=join)
+
+
+def worker_config(config: str | os.PathLike | None, overrides: list[str], *, defaults: dict | None = None) -> Config:
+    """One worker process's config (``load_config``'s layers). Under torchrun each rank is a worker
+    (its index and the count from ``RANK`` and ``WORLD_SIZE``) unless the ranks are one site; a
+    process that would be one of several simulated workers is refused (they are threads of
+    ``diloco local``)."""
+    cfg = load_config(config, overrides, defaults=defaults)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not cfg.worker.site:
+        torchrun = [f"worker.index={os.environ['RANK']}", f"worker.count={os.environ['WORLD_SIZE']}"]
+        cfg = load_config(config, [*torchrun, *overrides], defaults=defaults)
     if cfg.comm.backend == "simulator" and cfg.worker.count > 1:
         raise ConfigError(
-            f"comm.backend=simulator runs a run's workers as threads of diloco local, not a script's: this process "
-            f"is one worker of {cfg.worker.count}, whose rounds would wait for the others; use comm.backend=hivemind"
+            f"comm.backend=simulator runs a run's workers as threads of one process: `diloco local --workers "
+            f"{cfg.worker.count}` starts them (this process is one worker, whose rounds would wait for the others)"
         )
-    return Run.from_config(cfg, join=join)
+    return cfg
 
 
 def _sections_layer(sections: dict) -> dict:

@@ -241,7 +241,7 @@ def test_init_merges_a_sections_keywords_whatever_their_order():
 
 
 def test_a_script_as_one_of_several_simulated_workers_is_refused_in_one_line():
-    with pytest.raises(diloco.config.ConfigError, match="simulator runs a run's workers as threads of diloco local"):
+    with pytest.raises(diloco.config.ConfigError, match="simulator runs a run's workers as threads of one process"):
         diloco.init(comm={"backend": "simulator"}, worker={"count": 2})
 
 
