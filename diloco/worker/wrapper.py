@@ -86,7 +86,7 @@ class DiLoCo:
         self._shapes: list[tuple[int, ...]] = []
         self._hooks: list = []
         self._restore_sigterm = False
-        self._checkpointed = -1  # the round of the latest checkpoint
+        self._checkpointed = 0  # the round of the latest checkpoint this worker wrote, or started from
 
     # ---- the context -----------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -114,6 +114,7 @@ class DiLoCo:
             if self.on_ready is not None:
                 self.on_ready(worker.backend.membership.addresses)
             self.inner_steps, self.round = worker.begin()  # resumed, or caught up with a run rounds ahead
+            self._checkpointed = self.round  # what it started from is on disk, or is not this worker's to write
             if self.hook:
                 self._hooks = self._register_hooks()
         except BaseException:
