@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from diloco.errors import UsageError, UserError, make_folder
+from diloco.lifetime import raise_keyboard_interrupt
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -161,10 +162,6 @@ def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None,
     if config is not None and "=" in config and not Path(config).exists():
         return None, [config, *overrides]
     return config, overrides
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _cmd_train(args, *, join: bool = False) -> int:
@@ -454,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("hivemind").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
     os.environ.setdefault("WANDB_SILENT", "true")
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     # a shell starts background jobs with SIGINT ignored, and children inherit that: restore Ctrl-C
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -14,7 +14,9 @@ A terminal's Ctrl-C, and a SIGTERM to a whole process group (what ``timeout``, S
 send), reach every process of the group at once. Only the process at the top acts on them: it
 marks the worker as leaving through its DHT peer and then stops its children in order. So the
 children it starts are shielded (``shielded_from_interrupts``): hivemind's processes ignore both
-signals, and p2pd runs in a process group of its own; each still dies with its parent. A fault
+signals, and p2pd runs in a process group of its own; each still dies with its parent. A worker
+that is a user's script (``diloco.DiLoCo``) takes SIGTERM as Ctrl-C inside its block
+(``sigterm_as_interrupt``). A fault
 injected on purpose (a benchmark's SIGSTOP or SIGKILL of a worker) goes to the whole tree
 (``signal_tree``), p2pd's group included.
 """
@@ -137,6 +139,26 @@ def shielded_from_interrupts():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def raise_keyboard_interrupt(signum, frame) -> None:
+    """A signal handler: the signal (SIGTERM) arrives as Ctrl-C does, so the same cleanup runs."""
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside this block SIGTERM raises ``KeyboardInterrupt`` (a launcher stopping its workers,
+    ``kill``), where Python's default handler is in place, on the main thread; the default is back
+    as the block ends. A process that set a handler of its own keeps it."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _own_group_dying_with_parent(sig: int, owner: int) -> None:

@@ -22,9 +22,8 @@ then it waits for late peers and writes its end record (``dl.result``). An error
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +33,7 @@ from torch import nn
 
 from diloco.core.digest import tensors_digest
 from diloco.errors import UsageError
+from diloco.lifetime import sigterm_as_interrupt
 from diloco.worker.build import OWN_PARTS, Worker, build_worker
 from diloco.worker.faults import check_stop, slow_down
 from diloco.worker.resume import Resume
@@ -85,7 +85,7 @@ class DiLoCo:
         self._step_started = 0.0
         self._shapes: list[tuple[int, ...]] = []
         self._hooks: list = []
-        self._restore_sigterm = False
+        self._sigterm = contextlib.ExitStack()  # SIGTERM as Ctrl-C inside the block
         self._checkpointed = 0  # the round of the latest checkpoint this worker wrote, or started from
 
     # ---- the context -----------------------------------------------------------------------
@@ -109,7 +109,7 @@ class DiLoCo:
             join=self.run.join,
         )
         self._worker = worker
-        self._leave_on_sigterm()
+        self._sigterm.enter_context(sigterm_as_interrupt())  # a launcher's SIGTERM leaves as Ctrl-C does
         try:
             if self.on_ready is not None:
                 self.on_ready(worker.backend.membership.addresses)
@@ -119,7 +119,7 @@ class DiLoCo:
                 self._hooks = self._register_hooks()
         except BaseException:
             self._worker = None
-            self._default_sigterm()
+            self._sigterm.close()
             worker.close()
             raise
         worker.clock.start_round()
@@ -138,7 +138,7 @@ class DiLoCo:
             for handle in self._hooks:
                 handle.remove()
             self._worker = None
-            self._default_sigterm()
+            self._sigterm.close()
             worker.close()  # a worker leaving on an error or Ctrl-C tells the run at once
         return False
 
@@ -311,29 +311,11 @@ class DiLoCo:
             hooks.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
         return hooks
 
-    def _leave_on_sigterm(self) -> None:
-        """Inside the block, SIGTERM (a launcher stopping its workers, ``kill``) leaves as Ctrl-C does:
-        the worker tells the run. Only where Python's default handler is in place, on the main thread."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _interrupt)
-            self._restore_sigterm = True
-
-    def _default_sigterm(self) -> None:
-        if self._restore_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self._restore_sigterm = False
-
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._count_step(None)
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         self.average_gradients()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _checked_state(state: dict[str, Any]) -> dict[str, Any]:
