@@ -15,9 +15,7 @@ import textwrap
 import pytest
 
 from diloco.lifetime import descendants
-from tests.processes import alive as _alive
-from tests.processes import kill_tree as _kill_tree
-from tests.processes import wait_for as _wait_for
+from tests.processes import alive, kill_tree, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -83,13 +81,13 @@ def _blocked_launcher(tmp_path, script):
     spawned: set[int] = set()
     try:
         ready = lambda: all((out / f"worker-{i}.json").exists() for i in range(2))  # noqa: E731
-        _wait_for(lambda: ready() or launcher.poll() is not None, 120, "both scripts to start")
+        wait_for(lambda: ready() or launcher.poll() is not None, 120, "both scripts to start")
         assert launcher.poll() is None, launcher.communicate()[0][-3000:]
         spawned = descendants(launcher.pid)
         assert len(spawned) >= 3  # the bootstrap peer (and its p2pd) and the 2 scripts
         yield launcher, spawned
     finally:
-        _kill_tree(launcher, spawned)
+        kill_tree(launcher, spawned)
         launcher.communicate(timeout=30)
 
 
@@ -99,11 +97,11 @@ def test_ctrl_c_on_launch_stops_every_script_and_the_bootstrap_peer(tmp_path, sc
         output, _ = launcher.communicate(timeout=120)
         assert launcher.returncode == 130, output[-3000:]
         assert "interrupted: stopping workers" in output and "Traceback" not in output, output[-3000:]
-        _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
+        wait_for(lambda: not any(alive(pid) for pid in spawned), 10, "every child to exit")
 
 
 def test_scripts_do_not_outlive_a_killed_launcher(tmp_path, script):
     with _blocked_launcher(tmp_path, script) as (launcher, spawned):
         launcher.kill()  # kill -9: no chance to clean up
         launcher.communicate(timeout=10)
-        _wait_for(lambda: not any(_alive(pid) for pid in spawned), 60, "the orphaned scripts to exit")
+        wait_for(lambda: not any(alive(pid) for pid in spawned), 60, "the orphaned scripts to exit")

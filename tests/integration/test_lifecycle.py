@@ -17,9 +17,7 @@ import pytest
 from diloco.lifetime import descendants
 from diloco.tools import warm_start
 from tests.conftest import TINY
-from tests.processes import alive as _alive
-from tests.processes import kill_tree as _kill_tree
-from tests.processes import wait_for as _wait_for
+from tests.processes import alive, kill_tree, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -43,12 +41,12 @@ def _training_launcher(run_dir):
                        "outer.sync_every=20"])  # fmt: skip
     spawned: set[int] = set()
     try:
-        _wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
+        wait_for(lambda: all((run_dir / f"worker-{i}.jsonl").exists() for i in range(2)), 120, "workers to train")
         spawned = descendants(launcher.pid)
         assert len(spawned) >= 4  # 2 workers, each with hivemind helpers and a p2pd daemon
         yield launcher, spawned
     finally:
-        _kill_tree(launcher, spawned)
+        kill_tree(launcher, spawned)
 
 
 def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
@@ -57,14 +55,14 @@ def test_ctrl_c_on_local_stops_every_worker_and_daemon(tmp_path):
         output, _ = launcher.communicate(timeout=120)  # generous: CI machines are shared and slow
         assert launcher.returncode == 130, output[-3000:]
         assert "Traceback" not in output and "Warning" not in output, output[-3000:]
-        _wait_for(lambda: not any(_alive(pid) for pid in spawned), 10, "every child to exit")
+        wait_for(lambda: not any(alive(pid) for pid in spawned), 10, "every child to exit")
 
 
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
     with _training_launcher(tmp_path / "run") as (launcher, spawned):
         launcher.kill()  # kill -9: no chance to clean up
         launcher.communicate(timeout=10)
-        _wait_for(lambda: not any(_alive(pid) for pid in spawned), 60, "the orphaned workers to exit")
+        wait_for(lambda: not any(alive(pid) for pid in spawned), 60, "the orphaned workers to exit")
 
 
 def _free_port() -> int:
@@ -90,7 +88,7 @@ def _started(argv: list[str], marker: str):
         seen = descendants(process.pid)
         yield process, seen
     finally:
-        _kill_tree(process, seen)
+        kill_tree(process, seen)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
@@ -109,7 +107,7 @@ def test_a_process_killed_with_sigkill_leaves_no_child_behind_and_its_port_free(
         assert len(children) >= 2, children  # hivemind's DHT process and its p2pd (and averagers)
         process.kill()
         process.wait(timeout=10)
-        _wait_for(lambda: not any(_alive(pid) for pid in children), 20, "every child of the killed process to exit")
+        wait_for(lambda: not any(alive(pid) for pid in children), 20, "every child of the killed process to exit")
     _starts_up(argv, marker, tmp_path / "again.log")  # the same port again: nothing holds it
 
 
@@ -119,7 +117,7 @@ def _starts_up(argv: list[str], marker: str, log: Path) -> None:
     process = warm_start.start([sys.executable, "-m", "diloco.cli", *argv], log)
     try:
         printed = lambda: log.exists() and marker in log.read_text()  # noqa: E731 - the child opens it
-        _wait_for(lambda: printed() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
+        wait_for(lambda: printed() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
         assert marker in log.read_text(), log.read_text()[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -206,7 +204,7 @@ def test_a_worker_killed_in_the_middle_of_a_checkpoint_write_resumes_from_the_pr
     marker = tmp_path / "writing"
     process = subprocess.Popen([sys.executable, "-c", _WRITE_THEN_HANG, str(tmp_path), str(marker)])
     try:
-        _wait_for(lambda: marker.exists() or process.poll() is not None, 120, "the second write to begin")
+        wait_for(lambda: marker.exists() or process.poll() is not None, 120, "the second write to begin")
         assert process.poll() is None, "the writer exited before its second write"
         temp = [p for p in (tmp_path / "worker-0").iterdir() if p.name.startswith(".")]
         assert temp and temp[0].stat().st_size > (1 << 21)  # killed with half a file written
@@ -231,12 +229,12 @@ def _running(argv: list[str], log: Path, marker: str):
         )
     seen: set[int] = set()
     try:
-        _wait_for(lambda: marker in log.read_text() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
+        wait_for(lambda: marker in log.read_text() or process.poll() is not None, 120, f"diloco {argv[0]} to start")
         assert process.poll() is None, log.read_text()[-3000:]
         seen = descendants(process.pid)
         yield process
     finally:
-        _kill_tree(process, seen | descendants(process.pid))
+        kill_tree(process, seen | descendants(process.pid))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
@@ -251,7 +249,7 @@ def _interrupt_group(process: subprocess.Popen, sig: int, log: Path) -> None:
     assert process.wait(timeout=60) == 130, log.read_text()[-3000:]
     output = log.read_text()
     assert "Traceback" not in output and "diloco: interrupted" in output, output[-3000:]
-    _wait_for(lambda: not any(_alive(pid) for pid in below), 20, "every child to exit")
+    wait_for(lambda: not any(alive(pid) for pid in below), 20, "every child to exit")
 
 
 def _address(log: Path, prefix: str) -> str:
@@ -287,6 +285,6 @@ def test_ctrl_c_and_sigterm_to_the_group_stop_bootstrap_train_join_and_helper(tm
                 _interrupt_group(joined, signal.SIGINT, logs["join"])
                 assert "worker 1 left the run" in logs["join"].read_text()
                 # the volunteer marked itself as leaving: the run's worker saw it go, not time out
-                _wait_for(lambda: "worker 1 left the run" in logs["train"].read_text(), 30, "worker 0 to see it leave")
+                wait_for(lambda: "worker 1 left the run" in logs["train"].read_text(), 30, "worker 0 to see it leave")
             _interrupt_group(worker, signal.SIGTERM, logs["train"])
         _interrupt_group(bootstrap, signal.SIGTERM, logs["bootstrap"])
