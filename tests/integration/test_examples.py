@@ -17,9 +17,7 @@ import matplotlib.image
 import pytest
 
 from diloco.config.launch_env import Launch
-from diloco.lifetime import stop_all
 from diloco.optional_deps import is_installed
-from diloco.tools.launcher import start_bootstrap
 from tests.conftest import TINY, read_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -117,28 +115,15 @@ def test_own_loop_trains_its_mlp_with_the_launchers_settings_over_its_own(tmp_pa
 
 @pytest.mark.skipif(not all(is_installed(m) for m in ("transformers", "accelerate")), reason="needs the hf extra")
 def test_the_hf_trainer_script_as_two_workers_over_hivemind_ends_on_one_model(tmp_path):
-    """examples/hf_trainer.py started twice as diloco launch starts a script: its environment."""
-    bootstrap, peers = start_bootstrap(host="127.0.0.1", timeout_s=60, log=tmp_path / "bootstrap.log")
+    """examples/hf_trainer.py as its docs start it: diloco launch --workers 2 -- python examples/hf_trainer.py."""
     common = [*SHORT, "comm.hivemind.matchmaking_s=20", "comm.deadline_s=30", "inner.steps=20", "outer.sync_every=10"]
-    workers = []
-    try:
-        for index in range(2):
-            mine = [f"worker.index={index}", "worker.count=2", f"run.dir={tmp_path}"]
-            launch = Launch(overrides=(*common, *mine, f"comm.hivemind.initial_peers={peers}"))
-            path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])  # this checkout's diloco
-            env = {**os.environ, **launch.to_environment(), "PYTHONPATH": path}
-            with (tmp_path / f"script-{index}.log").open("wb") as log:
-                script = [sys.executable, "examples/hf_trainer.py"]
-                workers.append(subprocess.Popen(script, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True))  # fmt: skip
-        codes = [worker.wait(timeout=240) for worker in workers]
-    finally:
-        stop_all([bootstrap, *workers])
-    logs = [(tmp_path / f"script-{index}.log").read_text() for index in range(2)]
-    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    launch = [sys.executable, "-m", "diloco.cli", "launch", "--workers", "2", "--run-dir", str(tmp_path), *common]
+    output = _run([*launch, "--", sys.executable, "examples/hf_trainer.py"], PYTHONPATH=str(ROOT))  # this checkout's
+    logs = [(tmp_path / f"worker-{index}.log").read_text() for index in range(2)]
     ends = [next(r for r in read_records(tmp_path, index) if r["event"] == "end") for index in range(2)]
-    assert [(end["inner_steps"], end["rounds"]) for end in ends] == [(20, 2), (20, 2)]
+    assert [(end["inner_steps"], end["rounds"]) for end in ends] == [(20, 2), (20, 2)], output[-3000:]
     assert ends[0]["param_sha256"] == ends[1]["param_sha256"]  # one model: the rounds averaged both workers
     assert all(r["peers"] == 2 for index in range(2) for r in read_records(tmp_path, index) if r["event"] == "round")
     assert f"worker 1: 20 steps, 2 rounds, val_loss {ends[1]['val_loss']:.4f}" in logs[1]
+    assert "params: identical across 2 workers" in output
     assert (tmp_path / "model" / "config.json").is_file()  # worker 0 saved it
