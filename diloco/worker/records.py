@@ -66,7 +66,8 @@ class WorkerLog:
         self._window_start, self._window_steps = time.perf_counter(), 0
         self._eta_from: tuple[int, float] | None = None  # (step, time) of this process's first step record
         self._stepped = False  # whether this process wrote a step record yet (its first step writes one)
-        self._pending: dict | None = None  # the record of the step just counted, until the loop's figures come
+        # the record of the step just counted (its head, its measured figures), until the loop's figures come
+        self._pending: tuple[dict, dict] | None = None
         # the latest figures, for the worker's roster record (``diloco status``); replaced, never changed
         self.live: dict = {}
 
@@ -100,13 +101,9 @@ class WorkerLog:
         if torch.cuda.is_initialized():  # the window ends when the device's queued steps are done
             torch.cuda.synchronize()
         tokens_per_s = self._window_steps * self.tokens_per_step / (time.perf_counter() - self._window_start)
-        self._pending = {
-            "event": "step",
-            "step": step,
-            "round": round_index,
-            "tokens_per_s": round(tokens_per_s, 1),
-            "time_s": round(self.elapsed_s(), 4),
-        }
+        head = {"event": "step", "step": step, "round": round_index}
+        measured = {"tokens_per_s": round(tokens_per_s, 1), "time_s": round(self.elapsed_s(), 4)}
+        self._pending = (head, measured)
         self.restart_window()
 
     def write_step(self, figures: dict) -> None:
@@ -114,21 +111,19 @@ class WorkerLog:
         here, only when a record is due), written with its record; nothing when none is due."""
         if self._pending is None:
             return
-        record, self._pending = self._pending, None
-        tail = {key: record.pop(key) for key in ("tokens_per_s", "time_s")}
-        record.update({key: _number(value) for key, value in figures.items()})
-        record.update(tail)
+        (head, measured), self._pending = self._pending, None
+        record = {**head, **{key: _number(value) for key, value in figures.items()}, **measured}
         self._emit(record, record["step"])
         self.live = {**self.live, "tokens_per_s": record["tokens_per_s"]}
-        if isinstance(record.get("loss"), float):
-            self.live["loss"] = round(record["loss"], 4)
-        loss = f"  loss {record['loss']:.4f}" if isinstance(record.get("loss"), float) else ""
+        loss = record.get("loss")
+        if isinstance(loss, float):
+            self.live["loss"] = round(loss, 4)
         logger.info(
             "step %d/%d  round %d%s  %.0f tokens/s  ETA %s",
             record["step"],
             self.total_steps,
             record["round"],
-            loss,
+            f"  loss {loss:.4f}" if isinstance(loss, float) else "",
             record["tokens_per_s"],
             self._eta(record["step"]),
         )
@@ -163,7 +158,7 @@ class WorkerLog:
         param_hash: str,
         phases_s: dict[str, float] | None = None,
     ) -> None:
-        if self._pending is not None and self._pending["step"] < step:  # the round skipped ahead: in step order
+        if self._pending is not None and self._pending[0]["step"] < step:  # the round skipped ahead: in step order
             self.flush_step()
         record = {
             "event": "round",
