@@ -47,7 +47,9 @@ def _rounds(run_dir: Path, worker: int, *, after: int = 0) -> int:
 
 
 def _worker_process(launcher: subprocess.Popen, index: int) -> int:
-    """The pid of the launcher's process running the script as worker ``index``."""
+    """The pid of the launcher's process running the script as worker ``index``: the top one of
+    those with its command and environment (the processes it forks, hivemind's, have them too)."""
+    found = set()
     for pid in descendants(launcher.pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -56,8 +58,18 @@ def _worker_process(launcher: subprocess.Popen, index: int) -> int:
             continue
         launch = next((item for item in environ if item.startswith(b"DILOCO_LAUNCH=")), b"")
         if b"examples/own_loop.py" in argv and f"worker.index={index}".encode() in launch:
-            return pid
-    pytest.fail(f"no process of the launcher runs worker {index}")
+            found.add(pid)
+    top = [pid for pid in found if _parent(pid) not in found]
+    if len(top) != 1:
+        pytest.fail(f"no one process of the launcher runs worker {index}: {sorted(found)}")
+    return top[0]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _command_of(pid: int) -> tuple[list[str], dict[str, str]]:
