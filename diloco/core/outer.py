@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -127,9 +128,18 @@ class OuterStep:
         self.recovery = Recovery(self)
 
     @torch.no_grad()
-    def pseudo_gradients(self) -> list[torch.Tensor]:
-        """Global params at the start of the round minus local params now (fresh fp32 CPU tensors, for
-        the transport)."""
+    def pseudo_gradients(self, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Global params at the start of the round minus local params now (fp32 CPU tensors, for the
+        transport): written into ``out`` (the transport's own buffers: no other copy of the params is
+        made, one tensor at a time), or fresh tensors."""
+        if out is not None:
+            for buffer, g, p in zip(out, self.global_params, self.local_params, strict=True):
+                if g.device == buffer.device:
+                    buffer.copy_(p.detach())  # from a GPU: one tensor's copy at a time
+                    torch.sub(g, buffer, out=buffer)
+                else:  # global params beside the model: the difference there, one tensor at a time
+                    buffer.copy_(g - p.detach())
+            return list(out)
         if not on_cuda(self.local_params):
             return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.local_params)]
         if on_cuda(self.global_params):  # subtract on the GPU, then one copy of the difference
@@ -171,10 +181,7 @@ class OuterStep:
         outer step. Returns the averaging result and the round of the state taken from a peer
         (None when none was)."""
         started = time.monotonic()
-        raw = pseudo_gradients = self.pseudo_gradients()
-        if self.error_feedback is not None:
-            pseudo_gradients = self.error_feedback.apply(raw)
-        result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
+        result, pseudo_gradients, raw = self._average(averaging, weight, round_index=round_index, deadline_s=deadline_s)
         if result.postponed:
             # nobody could reduce (every live worker a client): no outer step, alone or otherwise, so
             # that every worker keeps the same global params; the local params train on and the next
@@ -189,6 +196,32 @@ class OuterStep:
         remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
         outcome = RoundOutcome.of(result, round_index)
         return result, self.recovery.after_round(outcome, expected_peers=expected_peers, timeout_s=remaining)
+
+    def _average(
+        self, averaging: Averaging, weight: float, *, round_index: int, deadline_s: float
+    ) -> tuple[SyncResult, list[torch.Tensor], list[torch.Tensor]]:
+        """The round's pseudo-gradient averaged: (result, the average (or ours when it failed), what
+        the codec's residual made of ours (the pseudo-gradient itself without one)). Without error
+        feedback it is formed in the transport's own buffers where it has them (``staging``), and
+        formed again when an attempt left them changed: the local params do not change before the
+        outer step, so it is the same."""
+        if self.error_feedback is None:
+            with averaging.staging() as buffers:
+                if buffers is not None and not _shaped_like(buffers, self.global_params):
+                    buffers = None  # not one buffer per param (the transport's fragments differ)
+                pseudo_gradients = self.pseudo_gradients(out=buffers)
+            # only a transport that staged them takes ``restore`` (the others have no such keyword)
+            restore = {} if buffers is None else {"restore": partial(self.pseudo_gradients, out=buffers)}
+            result = averaging.all_reduce_mean(
+                pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s, **restore
+            )
+            if buffers is not None and not result.averaged:  # what is left in the buffers is not defined
+                pseudo_gradients = self.pseudo_gradients()
+            return result, pseudo_gradients, pseudo_gradients
+        raw = self.pseudo_gradients()
+        pseudo_gradients = self.error_feedback.apply(raw)
+        result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
+        return result, pseudo_gradients, raw
 
     def account(self, result: SyncResult, where: str, indices: Sequence[int] | None = None) -> None:
         """What an average's ``result`` leaves the error feedback of the params ``indices`` (all:
@@ -276,3 +309,10 @@ class GradientAveraging:
         """(result, measured seconds) of each round since the last call."""
         pending, self._pending = self._pending, []
         return pending
+
+
+def _shaped_like(buffers: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``buffers`` are one fp32 CPU tensor per param, in its shape."""
+    return len(buffers) == len(params) and all(
+        b.shape == p.shape and b.dtype == torch.float32 and b.device.type == "cpu" for b, p in zip(buffers, params)
+    )

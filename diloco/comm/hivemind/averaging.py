@@ -14,6 +14,7 @@ there. One attempt is ``group_round.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -146,8 +147,21 @@ class HivemindAveraging(Averaging):
         self._said_unreachable_run = False
         self._missing: tuple[int, ...] = ()  # the workers the roster missed at the last round
 
+    @contextlib.contextmanager
+    def staging(self, fragment: int = 0):
+        """The averager's own tensors of ``fragment`` (shared with its process), under its lock."""
+        with self.averagers[fragment].tensors_within(self._peer.control_s) as buffers:
+            yield buffers
+
     def all_reduce_mean(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        *,
+        round_index: int,
+        deadline_s: float,
+        fragment: int = 0,
+        restore: Callable[[], object] | None = None,
     ) -> SyncResult:
         try:
             if self._alone():
@@ -160,7 +174,7 @@ class HivemindAveraging(Averaging):
                 return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
             try:
                 result = self._average(
-                    tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+                    tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment, restore=restore
                 )
                 return self._noted(result)
             finally:
@@ -191,7 +205,14 @@ class HivemindAveraging(Averaging):
         return dataclasses.replace(result, missing=missing) if missing else result
 
     def _average(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        *,
+        round_index: int,
+        deadline_s: float,
+        fragment: int,
+        restore: Callable[[], object] | None,
     ) -> SyncResult:
         behind = f"the run is past round {round_index + 1} without us"
         if self._peer.client_mode and self._run_is_ahead(round_index) and self._clients_only() and self._helpers():
@@ -201,7 +222,7 @@ class HivemindAveraging(Averaging):
             # each round's group a round behind theirs for good)
             return SyncResult(False, 1, weight, error=behind)
         result = self._average_in_group(
-            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
+            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment, restore=restore
         )
         if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
             return result
@@ -277,7 +298,14 @@ class HivemindAveraging(Averaging):
         return None if live is None else live[0]
 
     def _average_in_group(
-        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        *,
+        round_index: int,
+        deadline_s: float,
+        fragment: int,
+        restore: Callable[[], object] | None,
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
         expected, helpers = self._group_size(), self._helpers()
@@ -300,6 +328,12 @@ class HivemindAveraging(Averaging):
             # less the members lost inside the all-reduce (a group left behind lost none: its late
             # member retries too).
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
+            if restore is not None:  # the broken attempt left averaged parts in them: the retry sends ours
+                try:
+                    with self.staging(fragment):
+                        restore()
+                except TimeoutError:  # the averager still holds them (that attempt's all-reduce)
+                    return dataclasses.replace(result, expected=expected)
             retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
             lost = averager.traffic.reducers_lost() - lost_before
             lost = 0 if left_behind else _not_waited_for(lost, group=result.group, helpers=helpers)

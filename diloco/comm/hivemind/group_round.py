@@ -205,7 +205,8 @@ class GroupRound:
         )
         with averager.tensors_within(self._control_s) as buffers:
             for buffer, tensor in zip(buffers, tensors):
-                buffer.copy_(tensor)
+                if not same_memory(buffer, tensor):  # the caller formed them in ours (``staging``): nothing to copy
+                    buffer.copy_(tensor)
         plane = self._plane.declaration() if self._plane is not None else {}
         control = averager.step(weight=weight, gather={**declared, **plane}, timeout=at.timeout_s, wait=False)
         return self.await_step(
@@ -262,7 +263,8 @@ class GroupRound:
         try:
             with averager.tensors_within(self._control_s) as buffers:
                 for buffer, tensor in zip(buffers, tensors):
-                    tensor.copy_(buffer)
+                    if not same_memory(buffer, tensor):
+                        tensor.copy_(buffer)
         except TimeoutError as error:
             return SyncResult(False, 1, weight, sent, recv, error=str(error), group=group)
         kept = screening.scales  # the peers whose contribution is in the mean
@@ -313,5 +315,11 @@ class GroupRound:
         finally:
             self._stage(None)
         for mean, tensor in zip(flat.split([t.numel() for t in tensors]), tensors):
-            tensor.copy_(mean.view_as(tensor))
+            if not same_memory(mean.view_as(tensor), tensor):
+                tensor.copy_(mean.view_as(tensor))
         return SyncResult(True, len(kept), total_weight, moved, moved, group=len(gathered))
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same values in memory (a copy between them would change nothing)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
