@@ -161,6 +161,18 @@ class Declared:
     peers: int = 0  # the workers its last round counted (1: it ended that round alone); 0 = not said
 
 
+class Staged(list):
+    """Tensors that are a transport's own buffers (``Averaging.staging``), handed to its
+    ``all_reduce_mean`` with ``restore``, which writes the caller's contribution into them again:
+    an attempt that broke part-way leaves averaged parts in them, and the transport calls it before
+    it tries again. After a round that did not average (``SyncResult.averaged``) they hold no
+    defined values: the caller forms its contribution again if it needs it."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], restore: Callable[[], object]):
+        super().__init__(tensors)
+        self.restore = restore
+
+
 class Averaging(abc.ABC):
     """How a round's tensors are averaged across the workers of a run."""
 
@@ -169,33 +181,19 @@ class Averaging(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce_mean(
-        self,
-        tensors: Sequence[torch.Tensor],
-        weight: float,
-        *,
-        round_index: int,
-        deadline_s: float,
-        fragment: int = 0,
-        restore: Callable[[], object] | None = None,
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         """Replace ``tensors`` in place by their ``weight``-weighted mean over the workers of round
         ``round_index``, sent compressed by the backend's codec (see ``reduce.average_payloads``). Every
         worker that took part ends with bit-identical tensors. On failure the tensors are left as
         they were and the result says so. ``fragment`` names which of the parameter fragments
-        given to ``build_backend`` the tensors are (streaming syncs them separately).
-
-        Tensors that are the transport's own ``staging`` buffers come with ``restore``, which writes
-        the caller's contribution into them again: an attempt that broke part-way leaves averaged
-        parts in them, and the transport calls ``restore`` before it tries again. After a round that
-        did not average (``SyncResult.averaged``) staged buffers hold no defined values: the caller
-        forms its contribution again if it needs it."""
+        given to ``build_backend`` the tensors are (streaming syncs them separately)."""
 
     def staging(self, fragment: int = 0) -> contextlib.AbstractContextManager[Sequence[torch.Tensor] | None]:
         """The buffers this transport averages ``fragment`` in, held while the caller writes its
-        contribution into them (``OuterStep`` forms its pseudo-gradient there): handed back to
-        ``all_reduce_mean`` with a ``restore``, nothing is copied on the way in or out, and no
-        second whole copy of the params is held beside them. None (the default): the transport
-        averages the caller's own tensors."""
+        contribution into them (``OuterStep`` forms its pseudo-gradient there): handed back as
+        ``Staged``, nothing is copied on the way in or out, and no second whole copy of the params
+        is held beside them. None (the default): the transport averages the caller's own tensors."""
         return contextlib.nullcontext(None)
 
     def start_all_reduce(

@@ -84,7 +84,8 @@ class ErrorFeedback:
                 residual.zero_()
 
     def state_dict(self) -> dict:
-        return {"residuals": None if self.residuals is None else [_clone(r) for r in self.residuals]}
+        """The live residuals, not copied (a checkpoint is written before the next round changes them)."""
+        return {"residuals": None if self.residuals is None else list(self.residuals)}
 
     def load_state_dict(self, state: dict) -> None:
         residuals = state.get("residuals")

@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import torch
 
-from diloco.comm.base import Averaging, SyncResult, fingerprint_of
+from diloco.comm.base import Averaging, Staged, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
@@ -205,16 +205,14 @@ class OuterStep:
         feedback it is formed in the transport's own buffers where it has them (``staging``), and
         formed again when an attempt left them changed: the local params do not change before the
         outer step, so it is the same."""
-        if self.error_feedback is None:
+        if self.error_feedback is None or not self.error_feedback.enabled:  # sent as it is
             with averaging.staging() as buffers:
                 if buffers is not None and not _shaped_like(buffers, self.global_params):
                     buffers = None  # not one buffer per param (the transport's fragments differ)
                 pseudo_gradients = self.pseudo_gradients(out=buffers)
-            # only a transport that staged them takes ``restore`` (the others have no such keyword)
-            restore = {} if buffers is None else {"restore": partial(self.pseudo_gradients, out=buffers)}
-            result = averaging.all_reduce_mean(
-                pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s, **restore
-            )
+            if buffers is not None:
+                pseudo_gradients = Staged(pseudo_gradients, partial(self.pseudo_gradients, out=buffers))
+            result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
             if buffers is not None and not result.averaged:  # what is left in the buffers is not defined
                 pseudo_gradients = self.pseudo_gradients()
             return result, pseudo_gradients, pseudo_gradients

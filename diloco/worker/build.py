@@ -66,6 +66,8 @@ class Trained:
             restore_rng_state(state["rng"])
 
 
+# the parts of a checkpoint the outer step changes
+_OUTER_PARTS = ("outer", "error_feedback", "overlap")
 # the parts of a checkpoint that are diloco's own (``Worker.state_dict``): a user's ``extra`` takes other names
 OWN_PARTS = ("model", "inner_optimizer", "outer", "error_feedback", "overlap", "rng", "step", "round", "totals")
 
@@ -91,11 +93,19 @@ class Worker:
     totals: Totals
     resume: Resume  # where its state came from (resume.py)
 
+    def __post_init__(self) -> None:
+        # the inner optimizer's update changes the model: a checkpoint being written has it first
+        # (an optimizer without step hooks: the checkpoint copies them instead)
+        optimizer = _hookable(self.trained.inner_optimizer)
+        self._before_update = (
+            None if optimizer is None else optimizer.register_step_pre_hook(lambda *_: self.wait_for_checkpoint("step"))
+        )
+
     def state_dict(self, step: int, round_index: int) -> dict:
         """What a checkpoint after round ``round_index`` holds (a sharded site's rank: its own shards)."""
         trained = self.trained
         state = {
-            "model": trained.model.state_dict(),
+            "model": sharing_global_params(trained.model, trained.outer),
             "inner_optimizer": trained.inner_optimizer.state_dict(),
             "outer": trained.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
             "error_feedback": trained.error_feedback.state_dict(),
@@ -122,14 +132,31 @@ class Worker:
         return step, round_index
 
     def save_checkpoint(self, step: int, round_index: int) -> None:
+        """Checkpoint the state after round ``round_index``, written in the background from the live
+        tensors: the next inner update waits for the model and its optimizer's part to be written,
+        the next round's end for the outer step's (``checkpoint_file.py``)."""
+        # blocking rounds change the global state only at a round's end; overlapped ones within steps
+        outer_until = "round" if self.sync.outer_changes_at_round_end else "step"
+        live = dict.fromkeys(_OUTER_PARTS, outer_until)
+        if self._before_update is not None:
+            live |= dict.fromkeys(("model", "inner_optimizer"), "step")
         with self.watchdog.phase("checkpointing"):
-            self.checkpoints.save(round_index, self.state_dict(step, round_index))  # written in the background
+            self.checkpoints.save(round_index, self.state_dict(step, round_index), live=live)
+
+    def wait_for_checkpoint(self, group: str) -> None:
+        """Before what changes the parts of ``group`` ("step": the inner update; "round": a round's
+        end): until the checkpoint being written has them on their way to disk."""
+        if self.checkpoints.writing(group):
+            with self.watchdog.phase("checkpointing"):
+                self.checkpoints.wait_for(group)
 
     def close(self) -> None:
         """Stop everything the worker started; the run is told it left, and the transport shut down,
         whatever fails before."""
         with contextlib.ExitStack() as stack:
             stack.callback(self.backend.shutdown)
+            if self._before_update is not None:
+                stack.callback(self._before_update.remove)
             stack.callback(self.backend.membership.leave)
             stack.callback(self.log.close)
             stack.callback(self.watchdog.stop)
@@ -340,3 +367,31 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints: Path) ->
             f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
             f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
         ) from None
+
+
+@torch.no_grad()
+def sharing_global_params(model: torch.nn.Module, outer: OuterStep) -> dict:
+    """The model's state dict, each param that equals its global copy (on the CPU) replaced by
+    that copy: at a round's end the model's params are the global params, and a checkpoint then
+    holds those bytes once."""
+    state = model.state_dict()
+    index = {id(param): i for i, param in enumerate(outer.local_params)}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        i = index.get(id(param))
+        if i is None or name not in state or type(param.detach()) is not torch.Tensor:
+            continue  # not averaged, a wrapped model's other names, or a shard
+        copy = outer.global_params[i]
+        alike = copy.device == param.device and copy.dtype == param.dtype and copy.shape == param.shape
+        if alike and torch.equal(copy, param.detach()):
+            state[name] = copy
+    return state
+
+
+def _hookable(optimizer: object) -> torch.optim.Optimizer | None:
+    """The torch optimizer that takes step hooks, inside wrappers (Accelerate's holds it as
+    ``.optimizer`` and skips the base class's set-up); None when there is none."""
+    for _ in range(4):
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None

@@ -1,58 +1,46 @@
 """Atomic save / load of everything a worker needs to resume, written off the training loop.
 
-A worker hands its state to a ``CheckpointWriter`` after an outer round and goes on training:
-the writer copies the state's tensors (to host memory: a snapshot, so later steps cannot change
-what is written) and writes that snapshot from a thread of its own. It never runs two writes at
-once: a save that comes while the previous one is still writing waits for it. At start-up the
-worker reads its newest whole checkpoint (``read_newest``; which state it resumes from when its
-own newest is damaged: resume.py). The state is an opaque dict (model and optimizer state dicts,
-``capture_rng_state()``, sampler position, round, ...).
+A worker hands its state to a ``CheckpointWriter`` after an outer round and goes on training: a
+thread of the writer's streams the state to disk straight from the live tensors, nothing copied
+(the file's format, and how training waits for the parts it is about to change: ``checkpoint_file.py``).
+It never runs two writes at once: a save that comes while the previous one is still writing waits
+for it. At start-up the worker reads its newest whole checkpoint (``read_newest``; which state it
+resumes from when its own newest is damaged: resume.py). The state is an opaque dict (model and
+optimizer state dicts, ``capture_rng_state()``, sampler position, round, ...).
 
-Layout: ``<directory>/worker-<i>/round-<r:06d>.pt``. Each file is
-
-    MAGIC (8 bytes) | payload length (8 bytes, little-endian) | sha256 of payload (32 bytes) | payload
-
-where the payload is ``torch.save(state)``, streamed into a temp file in the same folder while its
-digest is computed; the header is filled in after, then the file is fsynced, renamed over its final
-name (atomic on POSIX) and the folder fsynced. So a crash at any moment (``kill -9`` in the middle
-of a write included) leaves either the old set of checkpoints or the new one, never a half file
-under a final name. Loading checks length and digest, so a truncated or bit-flipped file is skipped
-(and the previous checkpoint, or another worker's newer one, is used instead: resume.py).
-Leftover temp files (names starting with ``.``) are ignored.
+Layout: ``<directory>/worker-<i>/round-<r:06d>.pt``. Each file is streamed into a temp file in the
+same folder while its digest is computed; the header is filled in after, then the file is fsynced,
+renamed over its final name (atomic on POSIX) and the folder fsynced. So a crash at any moment
+(``kill -9`` in the middle of a write included) leaves either the old set of checkpoints or the new
+one, never a half file under a final name. Loading checks length and digest, so a truncated or
+bit-flipped file is skipped (and the previous checkpoint, or another worker's newer one, is used
+instead: resume.py). Leftover temp files (names starting with ``.``) are ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import logging
 import os
 import random
 import re
-import struct
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from diloco.core.host_copies import state_to_cpu
+from diloco.worker.checkpoint_file import CorruptCheckpointError as CorruptCheckpointError
+from diloco.worker.checkpoint_file import LiveState, read_file, write_file
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DILOCK01"
-_HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 digest
 _NAME_RE = re.compile(r"^round-(\d+)\.pt$")
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file is truncated, bit-flipped or not ours."""
 
 
 def checkpoint_folder(directory: Path, worker_index: int) -> Path:
@@ -82,38 +70,22 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-class _HashingWriter:
-    """A binary file that also hashes and counts what is written to it."""
-
-    def __init__(self, file, on_write: Callable[[int], None] | None = None):
-        self.file, self.digest, self.length, self._on_write = file, hashlib.sha256(), 0, on_write
-
-    def write(self, data) -> int:
-        written = self.file.write(data)
-        self.digest.update(memoryview(data)[:written])
-        self.length += written
-        if self._on_write is not None:
-            self._on_write(self.length)
-        return written
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def save_checkpoint(
     directory: Path,
     worker_index: int,
     round_index: int,
-    state: dict[str, Any],
+    state: dict[str, Any] | LiveState,
     *,
     keep: int = 2,
     on_write: Callable[[int], None] | None = None,
 ) -> Path:
     """Write ``state`` atomically as this worker's checkpoint for ``round_index``; keep the newest ``keep``.
 
-    The payload is streamed to the temp file (no serialized copy of the state in memory);
-    ``on_write(bytes_so_far)`` is called after each piece (tests use it to crash mid-write).
+    The body is streamed to the temp file (no serialized copy of the state in memory); a plain
+    dict is taken to stay as it is until this returns. ``on_write(bytes_so_far)`` is called after
+    each piece (tests use it to crash mid-write).
     """
+    live = state if isinstance(state, LiveState) else LiveState(state)
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     if round_index < 0:
@@ -125,19 +97,16 @@ def save_checkpoint(
     fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{final.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(b"\0" * _HEADER.size)  # filled in once the payload's length and digest are known
-            payload = _HashingWriter(f, on_write)
-            torch.save(state, payload)
-            f.seek(0)
-            f.write(_HEADER.pack(MAGIC, payload.length, payload.digest.digest()))
+            write_file(f, live, on_write=on_write)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, final)
     except BaseException:
+        live.release_all()  # nothing waits for a write that failed
         Path(tmp_name).unlink(missing_ok=True)
         raise
     _fsync_dir(folder)
-    logger.debug("saved checkpoint %s (%d bytes)", final, payload.length)
+    logger.debug("saved checkpoint %s", final)
 
     for _, old in list_checkpoints(directory, worker_index)[:-keep]:
         old.unlink(missing_ok=True)
@@ -146,11 +115,13 @@ def save_checkpoint(
 
 
 class CheckpointWriter:
-    """This worker's checkpoints, written in the background: ``save`` takes a snapshot of the
-    state and returns; a thread writes it (``save_checkpoint``). One write at a time: ``save``
-    waits for the previous write first. A write that failed (a full disk) raises its error from
-    the next ``save`` or from ``close``, which waits for the last write: the newest checkpoint is
-    on disk when ``close`` returns."""
+    """This worker's checkpoints, written in the background: ``save`` hands over the state and
+    returns; a thread writes it (``save_checkpoint``) from the live tensors. ``live`` says, for each
+    top-level part of the state, until when it stays as it is (``checkpoint_file.GROUPS``): before
+    the code that changes a part, ``wait_for`` its group. Parts not named are copied at ``save``.
+    One write at a time: ``save`` waits for the previous write first. A write that failed (a full
+    disk) raises its error from the next ``save`` or from ``close``, which waits for the last
+    write: the newest checkpoint is on disk when ``close`` returns."""
 
     def __init__(
         self, directory: Path, worker_index: int, *, keep: int = 2, on_write: Callable[[int], None] | None = None
@@ -162,31 +133,47 @@ class CheckpointWriter:
             stale.unlink(missing_ok=True)
             logger.info("removed %s, a checkpoint an earlier process did not finish writing", stale)
         self._thread: threading.Thread | None = None
+        self._live: LiveState | None = None  # the state being written
         self._error: BaseException | None = None
         self.last_write_s = 0.0  # how long the last finished write took, in its thread
 
-    def save(self, round_index: int, state: dict[str, Any]) -> None:
+    def save(self, round_index: int, state: dict[str, Any], live: Mapping[str, str] | None = None) -> None:
         self.wait()
-        copied = state_to_cpu(state, copy=True)  # what later steps change is not in it
+        self._live = LiveState(state, live or {})
         self._thread = threading.Thread(
-            target=self._write, args=(round_index, copied), name="diloco-checkpoint", daemon=False
+            target=self._write, args=(round_index, self._live), name="diloco-checkpoint", daemon=False
         )
         self._thread.start()
+
+    def writing(self, group: str) -> bool:
+        """Whether the write in progress has yet to write the parts of ``group``."""
+        live = self._live
+        return live is not None and live.waiting(group)
+
+    def wait_for(self, group: str) -> bool:
+        """Until the write in progress (if any) has written the parts of ``group``; whether it waited."""
+        live = self._live
+        if live is None or not live.waiting(group):
+            return False
+        live.wait(group)
+        return True
 
     def wait(self) -> None:
         """Until the write in progress (if any) is on disk; raises the error of one that failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._live = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
     close = wait
 
-    def _write(self, round_index: int, state: dict[str, Any]) -> None:
+    def _write(self, round_index: int, state: LiveState) -> None:
         started = time.perf_counter()
-        _yield_cpu_to_training()
+        # what training waits for is written at full speed; the rest only when training leaves the cores idle
+        state.on_release = lambda group: _yield_cpu_to_training() if group == 0 else None
         try:
             save_checkpoint(
                 self.directory, self.worker_index, round_index, state, keep=self.keep, on_write=self._on_write
@@ -206,19 +193,7 @@ def _yield_cpu_to_training() -> None:
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """Load one checkpoint file to CPU; raise ``CorruptCheckpointError`` if it fails verification."""
-    data = Path(path).read_bytes()
-    if len(data) < _HEADER.size:
-        raise CorruptCheckpointError(f"{path}: {len(data)} bytes, shorter than the header")
-    magic, length, digest = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise CorruptCheckpointError(f"{path}: not a diloco checkpoint (magic {magic!r})")
-    payload = memoryview(data)[_HEADER.size :]
-    if len(payload) != length:
-        raise CorruptCheckpointError(f"{path}: payload is {len(payload)} bytes, header says {length}")
-    if hashlib.sha256(payload).digest() != digest:
-        raise CorruptCheckpointError(f"{path}: sha256 mismatch")
-    # Our own files, verified above: full unpickling is needed for RNG states and optimizer extras.
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    return read_file(path)
 
 
 def read_newest(

@@ -76,6 +76,8 @@ class SyncMode:
     # the next round's averaging starts from the params hashed after this one, on the worker's own
     # thread: their digest tells a group whether its workers share one model (a split run met again)
     declares_params = False
+    # whether the global params and the outer optimizer change only at a round's end (not within steps)
+    outer_changes_at_round_end = False
 
     def __init__(self, synced_params: list[torch.Tensor], accounting: Accounting):
         self.synced_params = synced_params  # what every worker holds alike after a round: hashed each round
@@ -106,6 +108,7 @@ class BlockingRounds(SyncMode):
     """Training waits at each round's end while the worker averages and takes the outer step."""
 
     declares_params = True
+    outer_changes_at_round_end = True
 
     def __init__(
         self,

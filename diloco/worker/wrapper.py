@@ -219,6 +219,7 @@ class DiLoCo:
         """Average, take the outer step, evaluate, record and checkpoint (``last``: the worker's last round)."""
         cfg = self.run.config
         self._check_params()
+        worker.wait_for_checkpoint("round")  # the last checkpoint's global params and momentum are written
         end = worker.sync.end_round(self.inner_steps, self.round, weight=self._samples_this_round)
         self.inner_steps, self.round, self._samples_this_round = end.step, end.round_index + 1, 0
         worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import Averaging, CommConfig, HivemindConfig, SyncResult
+from diloco.comm.base import Averaging, CommConfig, HivemindConfig, Staged, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
@@ -149,19 +149,11 @@ class HivemindAveraging(Averaging):
 
     @contextlib.contextmanager
     def staging(self, fragment: int = 0):
-        """The averager's own tensors of ``fragment`` (shared with its process), under its lock."""
-        with self.averagers[fragment].tensors_within(self._peer.control_s) as buffers:
+        with self.averagers[fragment].tensors_within(self._peer.control_s) as buffers:  # under its lock
             yield buffers
 
     def all_reduce_mean(
-        self,
-        tensors: Sequence[torch.Tensor],
-        weight: float,
-        *,
-        round_index: int,
-        deadline_s: float,
-        fragment: int = 0,
-        restore: Callable[[], object] | None = None,
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         try:
             if self._alone():
@@ -174,7 +166,7 @@ class HivemindAveraging(Averaging):
                 return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
             try:
                 result = self._average(
-                    tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment, restore=restore
+                    tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
                 )
                 return self._noted(result)
             finally:
@@ -205,14 +197,7 @@ class HivemindAveraging(Averaging):
         return dataclasses.replace(result, missing=missing) if missing else result
 
     def _average(
-        self,
-        tensors: Sequence[torch.Tensor],
-        weight: float,
-        *,
-        round_index: int,
-        deadline_s: float,
-        fragment: int,
-        restore: Callable[[], object] | None,
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         behind = f"the run is past round {round_index + 1} without us"
         if self._peer.client_mode and self._run_is_ahead(round_index) and self._clients_only() and self._helpers():
@@ -222,7 +207,7 @@ class HivemindAveraging(Averaging):
             # each round's group a round behind theirs for good)
             return SyncResult(False, 1, weight, error=behind)
         result = self._average_in_group(
-            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment, restore=restore
+            tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
         if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
             return result
@@ -298,14 +283,7 @@ class HivemindAveraging(Averaging):
         return None if live is None else live[0]
 
     def _average_in_group(
-        self,
-        tensors: Sequence[torch.Tensor],
-        weight: float,
-        *,
-        round_index: int,
-        deadline_s: float,
-        fragment: int,
-        restore: Callable[[], object] | None,
+        self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
         expected, helpers = self._group_size(), self._helpers()
@@ -328,12 +306,8 @@ class HivemindAveraging(Averaging):
             # less the members lost inside the all-reduce (a group left behind lost none: its late
             # member retries too).
             logger.warning("round %d: %s; trying once more among the peers still there", round_index + 1, result.error)
-            if restore is not None:  # the broken attempt left averaged parts in them: the retry sends ours
-                try:
-                    with self.staging(fragment):
-                        restore()
-                except TimeoutError:  # the averager still holds them (that attempt's all-reduce)
-                    return dataclasses.replace(result, expected=expected)
+            if not restored(self, tensors, fragment):
+                return dataclasses.replace(result, expected=expected)
             retry_s = min(deadline - time.monotonic(), 2 * self.cfg.hivemind.matchmaking_s)
             lost = averager.traffic.reducers_lost() - lost_before
             lost = 0 if left_behind else _not_waited_for(lost, group=result.group, helpers=helpers)
@@ -416,6 +390,18 @@ class HivemindAveraging(Averaging):
         """Our last round may be over while we still send a peer its averaged parts (we reduced them
         for it): wait for those replies to go out, at most a moment."""
         wait_for_replies(self.averagers, timeout_s=self._peer.control_s)
+
+
+def restored(averaging: HivemindAveraging, tensors: Sequence[torch.Tensor], fragment: int) -> bool:
+    """Our own contribution back in ``tensors`` after a broken attempt left averaged parts in the
+    averager's buffers (``Staged``); False when the averager still holds them (that attempt's all-reduce)."""
+    if isinstance(tensors, Staged):
+        try:
+            with averaging.staging(fragment):
+                tensors.restore()
+        except TimeoutError:
+            return False
+    return True
 
 
 def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:

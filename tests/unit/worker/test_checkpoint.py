@@ -1,6 +1,8 @@
 """Tests for diloco.worker.checkpoint: round trip, atomic writes and pruning, corruption fallback, RNG state,
-and a whole run stopped and resumed bit-exact."""
+a whole run stopped and resumed bit-exact, writes from the live tensors, and the earlier format read."""
 
+import hashlib
+import io
 import json
 import logging
 import random
@@ -20,6 +22,8 @@ from diloco.worker.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from diloco.worker.checkpoint_file import HEADER, MAGIC_V1
+from tests.allocations import NewTensors
 
 
 def _state(round_index: int) -> dict:
@@ -223,3 +227,44 @@ def test_a_new_writer_removes_the_temp_file_a_killed_process_left(tmp_path):
     other_worker.write_bytes(b"\0")
     CheckpointWriter(tmp_path, 1)
     assert not left.exists() and other_worker.exists()
+
+
+def test_live_parts_are_written_from_the_tensors_themselves_each_before_what_changes_it(tmp_path):
+    model = {"w": torch.zeros(1 << 18)}  # 1 MB each
+    outer = {"global": torch.ones(1 << 18), "momentum": torch.full((1 << 18,), 2.0)}
+    writer = CheckpointWriter(tmp_path, 0)
+    with NewTensors() as new:
+        writer.save(1, {"model": model, "outer": outer, "round": 1}, live={"model": "step", "outer": "round"})
+    assert new.peak_bytes < (1 << 18)  # nothing copied: not even one of the tensors
+    writer.wait_for("step")
+    model["w"].add_(5.0)  # the next inner update, once its part is written
+    writer.wait_for("round")
+    outer["global"].add_(5.0)  # the next outer step
+    writer.close()
+    loaded = load_latest_checkpoint(tmp_path, 0)
+    assert torch.equal(loaded["model"]["w"], torch.zeros(1 << 18))
+    assert torch.equal(loaded["outer"]["global"], torch.ones(1 << 18))
+    assert torch.equal(loaded["outer"]["momentum"], torch.full((1 << 18,), 2.0))
+
+
+def test_a_tensor_the_state_holds_twice_is_written_once(tmp_path):
+    shared = torch.randn(1 << 18)
+    once = save_checkpoint(tmp_path, 0, 1, {"outer": [shared]}).stat().st_size
+    twice = save_checkpoint(tmp_path, 0, 2, {"model": {"w": shared}, "outer": [shared]}).stat().st_size
+    assert twice - once < 4096
+    loaded = load_latest_checkpoint(tmp_path, 0)
+    assert torch.equal(loaded["model"]["w"], shared) and torch.equal(loaded["outer"][0], shared)
+
+
+def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path):
+    state = _state(2)
+    payload = io.BytesIO()
+    torch.save(state, payload)
+    body = payload.getvalue()
+    folder = tmp_path / "worker-0"
+    folder.mkdir()
+    header = HEADER.pack(MAGIC_V1, len(body), hashlib.sha256(body).digest())
+    (folder / "round-000002.pt").write_bytes(header + body)
+    loaded = load_latest_checkpoint(tmp_path, 0)
+    assert loaded["sampler"] == state["sampler"]
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
