@@ -30,7 +30,7 @@ from diloco.core.evaluation import mean_loss
 logger = logging.getLogger(__name__)
 
 BatchLosses = Callable[[list[int]], Sequence[float]]  # the losses of the held-out batches of these indices, in order
-POLL_S = 0.1  # how often a worker waiting for others reads again
+POLL_S = 0.05  # how often a worker waiting for others reads again
 
 
 @dataclass(frozen=True)
