@@ -50,7 +50,7 @@ class HeldOutLoss:
             worker=worker,
             round_done=round_done,
             digest=digest,
-            expected=result.peers,
+            expected=result.sides[0] if result.sides else result.peers,  # a group of two models: ours only
         )
         return split.val_loss, split.evaluated
 

@@ -4,12 +4,14 @@ mean goes into each round record with the batches counted, and mistakes are one 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import diloco
+from diloco.comm.base import CommBackend, Declared, LossBoard, Membership, SyncResult
 from diloco.core.evaluation import mean_loss
 from diloco.errors import UsageError
 from diloco.worker.held_out import HeldOutLoss
@@ -74,3 +76,54 @@ def test_batch_losses_that_return_another_count_are_refused_in_one_line():
 def test_evaluate_serves_where_the_batches_are_not_split():
     held_out = HeldOutLoss(lambda: 2.5, lambda indices: [1.0 for _ in indices], 3)
     assert held_out.whole() == (2.5, None)
+
+
+class _Board(LossBoard):
+    """The other worker's share, already published; what this worker publishes is kept."""
+
+    wait_s = 2.0  # a worker that waits for what never comes waits this long
+
+    def __init__(self, others: dict[int, float]):
+        self.others, self.published = others, {}
+
+    def publish(self, key, worker, losses):
+        self.published[key] = dict(losses)
+
+    def read(self, key):
+        return dict(self.others)
+
+
+class _Membership(Membership):
+    def __init__(self, declared: dict[int, Declared]):
+        self.declared = declared
+
+    def declared_params(self) -> dict[int, Declared]:
+        return self.declared
+
+
+@pytest.mark.parametrize(
+    ("result", "declared", "board", "evaluated"),
+    [
+        (SyncResult(True, 2, 2.0), True, True, [0, 2, 4]),  # averaged by both, declared: split
+        (SyncResult(False, 2, 2.0, partial=True), True, True, [0, 2, 4]),  # partial: the group's params alike
+        (SyncResult(True, 3, 3.0, sides=(2, 1)), True, True, [0, 2, 4]),  # two models met: only ours counts
+        (SyncResult(False, 1, 1.0), True, True, [0, 1, 2, 3, 4]),  # a round that failed: params of its own
+        (SyncResult(True, 2, 2.0), False, True, [0, 1, 2, 3, 4]),  # not declared (overlapped rounds, a site)
+        (SyncResult(True, 2, 2.0), True, False, [0, 1, 2, 3, 4]),  # a transport without a board
+    ],
+)
+def test_a_worker_splits_the_batches_only_with_workers_that_hold_its_params(result, declared, board, evaluated):
+    digest, seen = "e" * 64, []
+    losses = [0.5, 1.5, 2.5, 3.5, 4.5]
+
+    def batch_losses(indices: list[int]) -> list[float]:
+        seen.extend(indices)
+        return [losses[i] for i in indices]
+
+    others = {1: Declared(3, digest[:16], 3), 2: Declared(3, "f" * 16, 3)}  # worker 2 holds other params
+    backend = CommBackend(None, membership=_Membership(others), board=_Board({1: 1.5, 3: 3.5}) if board else None)
+    held_out = HeldOutLoss(None, batch_losses, 5)
+    started = time.monotonic()
+    val_loss, counted = held_out.after_round(backend, result, declared=declared, worker=0, round_done=3, digest=digest)
+    assert val_loss == mean_loss(losses) and seen == evaluated and counted == len(evaluated)
+    assert time.monotonic() - started < 1.5  # it waited for no worker that does not hold its params
