@@ -34,13 +34,15 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       (``core/outer.py``: **the outer step happens here**), overlapped outer steps,
                       what a worker does after a failed, partial or split round and when it starts
                       behind the run (``core/recovery.py``: **recovery happens here**), when a round
-                      ends, the outer step's host copies, evaluation (``evaluation.py``)
+                      ends, the outer step's host copies, evaluation (``evaluation.py``; split among
+                      the workers that hold the same params: ``shared_evaluation.py``)
 - ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface
 - ``data/``           what a corpus is read from (``source.py``, a leaf); a corpus of tokens, per-worker shards, the
                       held-out split; Hugging Face datasets; a token cache;
                       the installed packages' Python source as a corpus, and its BPE tokenizer
 - ``comm/``           how pseudo-gradients travel: a transport (``CommBackend``, ``base.py``) is its
-                      averaging, state exchange and membership; the reduce rule (``reduce.py``);
+                      averaging, state exchange and membership, and a board of held-out losses;
+                      the reduce rule (``reduce.py``);
                       hivemind (``comm/hivemind/``: its peer, **a round is averaged in**
                       ``averaging.py`` and ``group_round.py``, the state exchange, the roster, the
                       averager, the gloo data plane, the run key), simulated, torchrun; robust

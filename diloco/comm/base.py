@@ -3,7 +3,8 @@
 A transport (``CommBackend``) is handed out in parts, each to the code that uses it: its
 ``averaging`` to the outer step and the sync modes (they only ever call ``all_reduce_mean`` or
 ``start_all_reduce``, and never branch on how bytes travel); its ``states`` and ``membership`` to
-recovery and joining; its end (``finish``, ``shutdown``) to the worker that built it. A failed or
+recovery and joining; its ``board`` (where offered) to the evaluation the workers holding the same
+params share; its end (``finish``, ``shutdown``) to the worker that built it. A failed or
 partial round is a ``SyncResult`` with ``ok=False``, never an exception that kills the worker.
 
 Its settings are ``CommConfig`` (the ``comm:`` section); those only the hivemind transport and the
@@ -283,27 +284,51 @@ class Membership:
         return []
 
 
+class LossBoard(abc.ABC):
+    """Held-out losses the workers that hold the same params share, batch by batch, so that each
+    evaluates only its share of the batches (core/shared_evaluation.py). Reads are never trusted
+    further than the transport trusts its peers: a transport offers one only where they are trusted."""
+
+    wait_s = 1.0  # how long a publication may take to be read by the others, beyond their own work
+
+    @abc.abstractmethod
+    def publish(self, key: str, worker: int, losses: dict[int, float]) -> None:
+        """Offer ``losses`` (a held-out batch's index -> its loss) under ``key`` as worker ``worker``'s,
+        replacing what it offered there before. A publication that fails is logged, never raised."""
+
+    @abc.abstractmethod
+    def read(self, key: str) -> dict[int, float]:
+        """Every loss published under ``key``, by batch index; {} when none was, or none answered."""
+
+
 class CommBackend:
     """A transport, in its parts: ``averaging`` (every transport has one), ``states`` and
-    ``membership`` (hivemind serves both; elsewhere they are the do-nothing defaults above). A
-    wrapper that changes one part builds a view with ``with_parts`` (fault injection changes the
+    ``membership`` (hivemind serves both; elsewhere they are the do-nothing defaults above), and
+    ``board``, the held-out losses shared among its workers (None where not offered). A wrapper
+    that changes one part builds a view with ``with_parts`` (fault injection changes the
     averaging); a transport with resources to release overrides ``finish`` and ``shutdown``."""
 
     def __init__(
-        self, averaging: Averaging, *, states: StateExchange | None = None, membership: Membership | None = None
+        self,
+        averaging: Averaging,
+        *,
+        states: StateExchange | None = None,
+        membership: Membership | None = None,
+        board: LossBoard | None = None,
     ):
         self.averaging = averaging
         self.states = states if states is not None else StateExchange()
         self.membership = membership if membership is not None else Membership()
+        self.board = board
 
-    def with_parts(self, **parts: Averaging | StateExchange | Membership) -> CommBackend:
-        """This transport with some of its parts replaced (``averaging=``, ``states=``, ``membership=``);
-        its end is still this transport's."""
-        unknown = set(parts) - {"averaging", "states", "membership"}
+    def with_parts(self, **parts: Averaging | StateExchange | Membership | LossBoard | None) -> CommBackend:
+        """This transport with some of its parts replaced (``averaging=``, ``states=``, ``membership=``,
+        ``board=``); its end is still this transport's."""
+        unknown = set(parts) - {"averaging", "states", "membership", "board"}
         if unknown:
             raise TypeError(f"a transport has no part {', '.join(sorted(unknown))}")
         current = {"averaging": self.averaging, "states": self.states, "membership": self.membership}
-        return _WithParts(self, **{**current, **parts})
+        return _WithParts(self, **{**current, "board": self.board, **parts})
 
     def finish(self) -> None:  # noqa: B027 - optional
         """Training is over: stay reachable as long as a peer may still need this worker's state."""
@@ -321,8 +346,16 @@ class CommBackend:
 class _WithParts(CommBackend):
     """``CommBackend.with_parts``: other parts, the same transport underneath; ending it ends that one."""
 
-    def __init__(self, underneath: CommBackend, *, averaging: Averaging, states: StateExchange, membership: Membership):
-        super().__init__(averaging, states=states, membership=membership)
+    def __init__(
+        self,
+        underneath: CommBackend,
+        *,
+        averaging: Averaging,
+        states: StateExchange,
+        membership: Membership,
+        board: LossBoard | None,
+    ):
+        super().__init__(averaging, states=states, membership=membership, board=board)
         self._underneath = underneath
 
     def finish(self) -> None:

@@ -157,6 +157,7 @@ class WorkerLog:
         val_loss: float | None,
         param_hash: str,
         phases_s: dict[str, float] | None = None,
+        eval_batches: int | None = None,
     ) -> None:
         if self._pending is not None and self._pending[0]["step"] < step:  # the round skipped ahead: in step order
             self.flush_step()
@@ -178,6 +179,8 @@ class WorkerLog:
         }
         if phases_s:  # seconds in each phase since the last record (watchdog.py): where the round went
             record["phases_s"] = {name: round(seconds, 4) for name, seconds in phases_s.items()}
+        if eval_batches is not None:  # the held-out batches this worker evaluated itself (shared: its share)
+            record["eval_batches"] = eval_batches
         if result.error:
             record["error"] = result.error
         if result.codec:  # compression.name=adaptive: the codec the round's peers agreed on

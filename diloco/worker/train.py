@@ -8,7 +8,8 @@
 Every ``outer.sync_every`` inner steps the worker averages its pseudo-gradient with the others
 and takes an outer step (``OuterStep.sync`` in core/outer.py); overlapped and data-parallel
 rounds plug into the same loop (sync_modes.py). After each round it evaluates on the
-held-out batches every worker shares, logs a round record (with the hash of the global params,
+held-out batches every worker shares (the workers that hold the same params split them where the
+transport offers it: core/shared_evaluation.py), logs a round record (with the hash of the global params,
 which every worker must agree on) and checkpoints. Rerunning the same command resumes from the
 newest checkpoint.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from diloco.config import Config
+from diloco.core.evaluation import batch_losses
 from diloco.core.inner import inner_step, lr_at
 from diloco.worker.lm_task import LanguageModelTask, build_task
 from diloco.worker.run import Run
@@ -44,7 +46,9 @@ def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
         run,
         task.model,
         task.inner_optimizer,
-        evaluate=held_out_loss,
+        evaluate=held_out_loss,  # where the batches are not split
+        batch_losses=lambda indices: batch_losses(task.model, task.held_out, indices),
+        eval_batches=len(task.held_out),
         state={"sampler": task.sampler},
         hook=False,  # the gradient averaging of a site goes before clipping, inside inner_step
         samples_per_step=task.samples_per_step,

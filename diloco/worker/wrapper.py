@@ -10,8 +10,9 @@ A hook on the inner optimizer's ``step`` counts inner steps (``hook=False``: the
 ``dl.after_step()`` after each instead). At each round's end, every ``outer.sync_every`` steps
 (or ``outer.round_s`` seconds), the worker averages its pseudo-gradient with the run's other
 workers and takes the outer step (how rounds sync: sync_modes.py; the outer step: core/outer.py;
-after a failed or partial round: core/recovery.py), evaluates (``evaluate``), writes its round
-record and checkpoints. Entering resumes from the worker's newest checkpoint (the model, the inner
+after a failed or partial round: core/recovery.py), evaluates (``evaluate``, or ``batch_losses``:
+the workers holding the same params then split the held-out batches, core/shared_evaluation.py),
+writes its round record and checkpoints. Entering resumes from the worker's newest checkpoint (the model, the inner
 optimizer, ``state``'s objects and ours) and catches up with a live run rounds ahead; leaving ends
 the worker's run as ``diloco train`` ends one: a round left part-done is averaged with the others,
 then it waits for late peers and writes its end record (``dl.result``). An error inside the loop
@@ -25,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from diloco.errors import UsageError
 from diloco.lifetime import sigterm_as_interrupt
 from diloco.worker.build import OWN_PARTS, Worker, build_worker
 from diloco.worker.faults import check_stop, slow_down
+from diloco.worker.held_out import HeldOutLoss
 from diloco.worker.resume import Resume
 from diloco.worker.run import Run
 
@@ -50,6 +52,10 @@ class DiLoCo:
     """The DiLoCo worker of ``run`` around ``model`` and ``inner_optimizer``, as a context manager.
 
     ``evaluate()``: called after each round, its validation loss goes into the round record.
+    ``batch_losses(indices)`` with ``eval_batches``: the losses of those of the ``eval_batches``
+    held-out batches, in order; the round's loss is their mean over all, and workers that hold the
+    same params split the batches between them where the transport offers it (``evaluate``, when
+    also given, serves where they are not split).
     ``state``: more objects with ``state_dict``/``load_state_dict`` (a data loader's position, a
     learning-rate scheduler) to checkpoint with the model. ``samples_per_step``: a step's weight
     in the average (default ``inner.batch_size``); ``tokens_per_step``: what the throughput counts
@@ -63,6 +69,8 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         *,
         evaluate: Callable[[], float | None] | None = None,
+        batch_losses: Callable[[list[int]], Sequence[float]] | None = None,
+        eval_batches: int = 0,
         state: dict[str, Any] | None = None,
         hook: bool = True,
         samples_per_step: int | None = None,
@@ -70,14 +78,15 @@ class DiLoCo:
         on_ready: Callable[[list[str]], None] | None = None,
     ):
         self.run, self.model, self.inner_optimizer = run, model, inner_optimizer
-        self.evaluate, self.hook, self.on_ready = evaluate, hook, on_ready
+        self.hook, self.on_ready = hook, on_ready
+        self.held_out = HeldOutLoss(evaluate, batch_losses, eval_batches)
         self.state = _checked_state(state or {})
         self.samples_per_step = samples_per_step or run.config.inner.batch_size
         self.tokens_per_step = tokens_per_step or self.samples_per_step
         self.inner_steps = 0  # inner steps this worker has taken over the run (a resumed one: from its checkpoint)
         self.round = 0  # rounds ended
         self.params_digest: str | None = None  # the synced params' digest after the latest round
-        self.val_loss: float | None = None  # ``evaluate()``'s after the latest round
+        self.val_loss: float | None = None  # the held-out loss after the latest round
         self.result: dict | None = None  # the end record, once the context is left normally
         self._worker: Worker | None = None
         self._entered = False
@@ -226,13 +235,22 @@ class DiLoCo:
         worker.clock.start_round()
         with worker.watchdog.phase("hashing"):
             self.params_digest = tensors_digest(worker.sync.synced_params)
-        if worker.sync.declares_params and worker.placement.ranks == 1:  # a site's ranks hold shards of their own
+        declared = worker.sync.declares_params and worker.placement.ranks == 1  # a site's ranks hold shards
+        if declared:
             # a peer may be checking a state of this round
             worker.log.declare_params(self.round, self.params_digest, peers=end.result.peers)
             worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
-        if self.evaluate is not None:
+        evaluated = None  # held-out batches this worker evaluated (where it counts them)
+        if self.held_out.given:
             with worker.watchdog.phase("evaluating"):
-                self.val_loss = self.evaluate()
+                self.val_loss, evaluated = self.held_out.after_round(
+                    worker.backend,
+                    end.result,
+                    declared=declared,
+                    worker=self.run.worker_index,
+                    round_done=self.round,
+                    digest=self.params_digest,
+                )
         worker.log.round(
             self.round,
             self.inner_steps,
@@ -242,6 +260,7 @@ class DiLoCo:
             val_loss=self.val_loss,
             param_hash=self.params_digest,
             phases_s=worker.watchdog.take_spent(),  # the previous round's checkpoint is in it
+            eval_batches=evaluated,
         )
         every = cfg.checkpoint.every_rounds
         if every and (last or self.round % every == 0 or not worker.clock.running(self.inner_steps, self.round)):
@@ -271,8 +290,8 @@ class DiLoCo:
             worker.checkpoints.close()  # the last checkpoint, written while the others finished, is on disk
         # the last round ran at the last step, on these very params: its evaluation is the final one
         # (a run resumed after its end has no round left, so it evaluates here)
-        if self.val_loss is None and self.evaluate is not None:
-            self.val_loss = self.evaluate()
+        if self.val_loss is None and self.held_out.given:
+            self.val_loss, _ = self.held_out.whole()
         synced = worker.sync.synced_params
         return worker.log.end(
             self.inner_steps,

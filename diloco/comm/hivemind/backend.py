@@ -7,6 +7,7 @@
 - ``state_exchange.py``  its state offered to peers and taken from them (``state_offers.py``);
                          in a run of clients, through a helper (``state_relay.py``)
 - ``redial.py``          its peers found again after the network between them healed
+- ``loss_board.py``      the held-out losses the workers holding the same params share
 
 With a run key (``run_key.py``) only key holders can write the run's DHT records or join its groups.
 """
@@ -22,6 +23,7 @@ import torch
 from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
 from diloco.comm.hivemind.helper_record import live_helper_ids, live_helpers
+from diloco.comm.hivemind.loss_board import DHTLossBoard
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.redial import Redial, redial_every_s
@@ -117,7 +119,10 @@ class HivemindBackend(CommBackend):
         except BaseException:
             _shut_down(roster, plane, averagers, peer, self._uploader)
             raise
-        super().__init__(averaging, states=states, membership=membership)
+        board = None  # an untrusted peer could publish any loss: workers then evaluate every batch themselves
+        if cfg.trust == "trusted":
+            board = DHTLossBoard(peer.call, run_id=cfg.run_id, wait_s=cfg.hivemind.request_timeout_s)
+        super().__init__(averaging, states=states, membership=membership, board=board)
         self._closed = False
 
     def finish(self) -> None:
