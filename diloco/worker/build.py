@@ -371,9 +371,9 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints: Path) ->
 
 @torch.no_grad()
 def sharing_global_params(model: torch.nn.Module, outer: OuterStep) -> dict:
-    """The model's state dict, each param that equals its global copy (on the CPU) replaced by
-    that copy: at a round's end the model's params are the global params, and a checkpoint then
-    holds those bytes once."""
+    """The model's state dict, each param that equals its global copy replaced by that copy (on the
+    CPU): at a round's end the model's params are the global params, and a checkpoint then holds
+    those bytes once."""
     state = model.state_dict()
     index = {id(param): i for i, param in enumerate(outer.local_params)}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -381,8 +381,9 @@ def sharing_global_params(model: torch.nn.Module, outer: OuterStep) -> dict:
         if i is None or name not in state or type(param.detach()) is not torch.Tensor:
             continue  # not averaged, a wrapped model's other names, or a shard
         copy = outer.global_params[i]
-        alike = copy.device == param.device and copy.dtype == param.dtype and copy.shape == param.shape
-        if alike and torch.equal(copy, param.detach()):
+        # (a model on a GPU is compared there, one tensor at a time)
+        alike = copy.dtype == param.dtype and copy.shape == param.shape
+        if alike and torch.equal(copy.to(param.device), param.detach()):
             state[name] = copy
     return state
 

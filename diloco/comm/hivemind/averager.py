@@ -70,6 +70,7 @@ from hivemind.utils.mpfuture import MPFuture
 from diloco.comm.base import StateReader
 from diloco.comm.hivemind import gathered, gloo_plane
 from diloco.comm.hivemind.exclusion import Exclusions
+from diloco.comm.hivemind.forked import release_inherited_tensors
 from diloco.comm.hivemind.reducer import ScreeningReducer, reducer_for
 from diloco.comm.hivemind.run_key import keyed_schema_hash
 from diloco.comm.hivemind.state_download import StateDownload
@@ -601,6 +602,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
     def run(self):
         # in the averager's own process: it dies with the worker, however the worker dies (lifetime.py)
         die_with_parent(signal.SIGKILL, parent_pid=self._parent_pid)
+        release_inherited_tensors()  # the worker's model, forked with us: we read only the shared buffers
         logging.getLogger("hivemind.averaging.averager").addFilter(drop_expected_step_failures)
         logging.getLogger("asyncio").addFilter(drop_result_of_a_cancelled_step)
         super().run()

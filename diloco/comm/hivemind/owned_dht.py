@@ -14,6 +14,7 @@ import signal
 
 import hivemind
 
+from diloco.comm.hivemind.forked import release_inherited_tensors
 from diloco.lifetime import asyncio_children_die_with_this_process, die_with_parent, shielded_from_interrupts
 
 
@@ -30,5 +31,6 @@ class OwnedDHT(hivemind.DHT):
 
     def run(self) -> None:
         die_with_parent(signal.SIGKILL, parent_pid=self._owner_pid)
+        release_inherited_tensors()  # the worker's model, forked with us: never read here
         asyncio_children_die_with_this_process(signal.SIGTERM)  # p2pd
         super().run()
