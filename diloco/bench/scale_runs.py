@@ -57,6 +57,7 @@ def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path,
         f"outer.sync_every={sync_every}",
         "inner.warmup_steps=1",
         f"checkpoint.every_rounds={int(checkpoints)}",
+        "checkpoint.max_share=0",  # every round's: what a checkpoint costs is measured
         "comm.deadline_s=900",
         "comm.hivemind.matchmaking_s=30",
         "logging.eval_batches=2",

@@ -259,6 +259,10 @@ def _check_records(cfg: Config) -> None:
         f"checkpoint.every_rounds={cfg.checkpoint.every_rounds} must be >= 0",
     )
     require(
+        0 <= cfg.checkpoint.max_share < 1,
+        f"checkpoint.max_share={cfg.checkpoint.max_share} must be in [0, 1) (0: every due checkpoint)",
+    )
+    require(
         cfg.checkpoint.keep >= 1,
         f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1 (checkpoint.every_rounds=0 writes none)",
     )

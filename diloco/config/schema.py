@@ -61,6 +61,7 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     every_rounds: int = 1  # save every N outer rounds; 0 = never
+    max_share: float = 0.05  # due ones wait while the last held training up (>1 s) over this share of the time since
     keep: int = 2  # how many recent checkpoints to keep per worker
 
 

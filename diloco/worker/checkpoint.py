@@ -136,14 +136,26 @@ class CheckpointWriter:
         self._live: LiveState | None = None  # the state being written
         self._error: BaseException | None = None
         self.last_write_s = 0.0  # how long the last finished write took, in its thread
+        self._taken_at: float | None = None  # when the last save began (monotonic)
+        self._cost_s = 0.0  # how long it has held training up: its save, and the waits for its parts
 
     def save(self, round_index: int, state: dict[str, Any], live: Mapping[str, str] | None = None) -> None:
+        started = time.monotonic()
         self.wait()
         self._live = LiveState(state, live or {})
         self._thread = threading.Thread(
             target=self._write, args=(round_index, self._live), name="diloco-checkpoint", daemon=False
         )
         self._thread.start()
+        self._taken_at, self._cost_s = started, time.monotonic() - started
+
+    def worth_taking(self, max_share: float) -> bool:
+        """Whether a checkpoint due now is taken: the last one held training up for at most
+        ``max_share`` of the time since it was taken, or for under a second (0: always). So
+        checkpoints cost at most that share of a run's time whatever the model's size and the disk."""
+        if max_share <= 0 or self._taken_at is None or self._cost_s < 1.0:
+            return True
+        return self._cost_s <= max_share * (time.monotonic() - self._taken_at)
 
     def writing(self, group: str) -> bool:
         """Whether the write in progress has yet to write the parts of ``group``."""
@@ -155,7 +167,9 @@ class CheckpointWriter:
         live = self._live
         if live is None or not live.waiting(group):
             return False
+        started = time.monotonic()
         live.wait(group)
+        self._cost_s += time.monotonic() - started
         return True
 
     def wait(self) -> None:

@@ -263,7 +263,8 @@ class DiLoCo:
             eval_batches=evaluated,
         )
         every = cfg.checkpoint.every_rounds
-        if every and (last or self.round % every == 0 or not worker.clock.running(self.inner_steps, self.round)):
+        due = every and self.round % every == 0 and worker.checkpoints.worth_taking(cfg.checkpoint.max_share)
+        if every and (last or due or not worker.clock.running(self.inner_steps, self.round)):
             worker.save_checkpoint(self.inner_steps, self.round)
             self._checkpointed = self.round
         check_stop(cfg.faults, cfg.worker.index, self.round)

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -268,3 +269,20 @@ def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path):
     loaded = load_latest_checkpoint(tmp_path, 0)
     assert loaded["sampler"] == state["sampler"]
     assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+
+
+def test_a_due_checkpoint_waits_while_the_last_one_cost_training_more_than_its_share(tmp_path):
+    slow_disk = threading.Event()
+
+    def slow(written: int) -> None:  # a disk that takes over a second for the first write
+        if not slow_disk.is_set():
+            slow_disk.set()
+            time.sleep(1.2)
+
+    writer = CheckpointWriter(tmp_path, 0, on_write=slow)
+    assert writer.worth_taking(0.05)  # nothing taken yet
+    writer.save(1, {"model": {"w": torch.zeros(1000)}}, live={"model": "step"})
+    assert writer.wait_for("step")  # training held up for the slow write
+    assert not writer.worth_taking(0.05)  # it cost about all of the time since
+    assert writer.worth_taking(0.0)  # 0: every due checkpoint
+    writer.close()
