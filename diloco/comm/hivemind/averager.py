@@ -218,12 +218,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._left_behind = False  # a member of this group refused our parts: counted once
         self.lost_reducers = 0  # other members whose averaged parts did not all come back to us
         self._replies: dict[int, asyncio.Future] = {}  # our share: part -> (payload, decoded)
+        self._replies_taken: collections.Counter[int] = collections.Counter()
         # a codec that gathers (gathered.py): what each sender sent of each part of our share,
         # and what we sent each reducer of each part of theirs
         self._kept: dict[int, dict[int, gathered.Kept]] = {}
         self._own_payloads: dict[tuple[int, int], bytes] = {}
         # robust aggregation: who every peer drops, each kept sender's factor, and the norms declared
         self.screening = screening or Screening(scales={peer: 1.0 for peer in self.ordered_peer_ids})
+        # how many take each reply: the senders every peer keeps (us included); one all took is let go
+        self._reply_takers = sum(peer not in self.screening.dropped for peer in self.sender_peer_ids)
         shapes, senders = self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
         excluded = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in self.screening.excluded)
         self.tensor_part_reducer = reducer_for(shapes, senders, self.screening.min_cosine, excluded=excluded)
@@ -286,7 +289,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
                 None, _compress_reply, self.codec.reply_codec, averaged
             )
-        return await self._replies[part_index]
+        reply = await self._replies[part_index]
+        self._replies_taken[part_index] += 1
+        if self._replies_taken[part_index] >= self._reply_takers:  # every sender has it: not held to the round's end
+            self._replies.pop(part_index, None)
+        return reply
 
     async def _gathered(self, part_index: int, numel: int) -> tuple[list[gathered.Kept], torch.Tensor]:
         """A codec that gathers: the contributions kept for one part of our share (those our
