@@ -256,6 +256,23 @@ class OuterStep:
             "optimizer": state_to_cpu(self.optimizer.state_dict(), copy=copy),
         }
 
+    @torch.no_grad()
+    def model_state(self, model: torch.nn.Module) -> dict:
+        """``model``'s state dict, each param that equals its global copy replaced by that copy (on
+        the CPU): at a round's end the model's params are the global params, and a checkpoint then
+        holds those bytes once. (A model on a GPU is compared there, one tensor at a time.)"""
+        state = model.state_dict()
+        index = {id(param): i for i, param in enumerate(self.local_params)}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            i = index.get(id(param))
+            if i is None or name not in state or type(param.detach()) is not torch.Tensor:
+                continue  # not averaged, a wrapped model's other names, or a shard
+            copy = self.global_params[i].detach().to("cpu", copy=False)
+            alike = copy.dtype == param.dtype and copy.shape == param.shape
+            if alike and torch.equal(copy.to(param.device), param.detach()):
+                state[name] = copy
+        return state
+
     def offered_state(self) -> Callable[[Callable[[dict], T]], T | None]:
         """The global state as it is now, for a peer that may ask for it later: ``read(use)`` calls
         ``use`` with the live state (nothing copied on the CPU) under the lock that outer steps

@@ -66,6 +66,8 @@ class Trained:
             restore_rng_state(state["rng"])
 
 
+# the parts of a checkpoint that hold the model's state, loaded into the model and the optimizers
+_LOADED_PARTS = ("model", "inner_optimizer", "outer", "error_feedback")
 # the parts of a checkpoint the outer step changes
 _OUTER_PARTS = ("outer", "error_feedback", "overlap")
 # the parts of a checkpoint that are diloco's own (``Worker.state_dict``): a user's ``extra`` takes other names
@@ -105,7 +107,7 @@ class Worker:
         """What a checkpoint after round ``round_index`` holds (a sharded site's rank: its own shards)."""
         trained = self.trained
         state = {
-            "model": sharing_global_params(trained.model, trained.outer),
+            "model": trained.outer.model_state(trained.model),
             "inner_optimizer": trained.inner_optimizer.state_dict(),
             "outer": trained.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
             "error_feedback": trained.error_feedback.state_dict(),
@@ -263,7 +265,8 @@ def _resume(cfg: Config, placement: Placement, trained: Trained, checkpoints: Pa
         return resume
     placement.check_resume(checkpoints)
     trained.load_state_dict(state, checkpoints, own=resume.own)
-    return resume
+    # what is loaded now lives in the model and the optimizers: the parts read from disk are let go
+    return replace(resume, state={key: value for key, value in state.items() if key not in _LOADED_PARTS})
 
 
 def _transport_opener(cfg: Config, trained: Trained, device: torch.device) -> Callable[[CommConfig], CommBackend]:
@@ -367,25 +370,6 @@ def _load_model_state(model: torch.nn.Module, saved: dict, checkpoints: Path) ->
             f"the checkpoint in {checkpoints} is of another model ({detail.rstrip('.')}): "
             f"resume with the run's own config (its config.yaml), or start afresh in another run.dir"
         ) from None
-
-
-@torch.no_grad()
-def sharing_global_params(model: torch.nn.Module, outer: OuterStep) -> dict:
-    """The model's state dict, each param that equals its global copy replaced by that copy (on the
-    CPU): at a round's end the model's params are the global params, and a checkpoint then holds
-    those bytes once."""
-    state = model.state_dict()
-    index = {id(param): i for i, param in enumerate(outer.local_params)}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        i = index.get(id(param))
-        if i is None or name not in state or type(param.detach()) is not torch.Tensor:
-            continue  # not averaged, a wrapped model's other names, or a shard
-        copy = outer.global_params[i]
-        # (a model on a GPU is compared there, one tensor at a time)
-        alike = copy.dtype == param.dtype and copy.shape == param.shape
-        if alike and torch.equal(copy.to(param.device), param.detach()):
-            state[name] = copy
-    return state
 
 
 def _hookable(optimizer: object) -> torch.optim.Optimizer | None:

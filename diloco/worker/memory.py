@@ -2,10 +2,12 @@
 
 A worker holds several copies of its parameters' fp32 bytes at once (``docs/scale.md`` lists
 them): on the CPU the model, its gradients, AdamW's two moments, the global params and the outer
-momentum, the pseudo-gradient the transport averages, the state offered to peers and, while a
-checkpoint is written, its snapshot. ``HOST_COPIES`` is the peak measured with ``diloco bench
-scale`` at 85M parameters, rounded up. A worker whose estimate is more than the memory this
-machine has available is refused before it builds its model (counted on PyTorch's meta device:
+momentum, and hivemind's averager buffer, in which the pseudo-gradient is formed and averaged;
+its averager process holds parts in flight. Checkpoints are written from the live tensors and add
+nothing. ``HOST_COPIES`` is the peak of the summed PSS of a run's whole process tree, less a tiny
+model's run, per worker, measured with ``diloco bench scale`` at 85M parameters, rounded up. A
+worker whose estimate is more than the memory this machine has available is refused before it
+builds its model (counted on PyTorch's meta device:
 nothing allocated), instead of being killed by the kernel half-way through its first round.
 On a GPU the model, gradients and moments sit in GPU memory (``GPU_COPIES``, two more with
 ``outer.global_device=model``), and so do the inner step's activations: for the built-in GPT about
@@ -23,8 +25,9 @@ import torch
 from diloco.config import ConfigError
 from diloco.models.gpt import ModelConfig, build_model
 
-HOST_COPIES = 14.0  # peak resident memory over the params' fp32 bytes, a worker on the CPU
-HOST_COPIES_WITH_GPU = 9.0  # the same with the model on a GPU: global params, momentum, offer, snapshot, ...
+HOST_COPIES = 9.0  # a worker's share of its run's peak PSS over the params' fp32 bytes, on the CPU (8.6 measured)
+# the same with the model on a GPU: global params, momentum, the averager's buffer and its parts in flight
+HOST_COPIES_WITH_GPU = 5.0
 GPU_COPIES = 4.0  # model, gradients, two AdamW moments (activations come on top)
 ACTIVATION_BYTES_PER_LAYER_WIDTH = 40  # a token's saved activations, per block and unit of width
 ACTIVATION_BYTES_PER_VOCAB = 8  # a token's logits (bf16) and their loss's fp32 share

@@ -78,14 +78,14 @@ def test_a_model_too_big_for_this_machine_is_refused_before_training(command, tm
     import diloco.worker.memory
 
     monkeypatch.setattr(
-        diloco.worker.memory, "available_host_bytes", lambda: 2**30
-    )  # 1 GiB free, whatever the machine has
+        diloco.worker.memory, "available_host_bytes", lambda: 2**29
+    )  # 0.5 GiB free, whatever the machine has
     big = ["model.n_layer=8", "model.n_head=8", "model.n_embd=512"]  # 25.4M parameters, 0.1 GiB in fp32
     assert main([command[0], *TINY, *big, f"run.dir={tmp_path}", *command[1:]]) == 2
     line = _one_error_line(capsys)
     workers = "3 workers on this machine need" if "local" in command else "a worker needs"
     assert "the model has 25.4M parameters (0.1 GiB in fp32): " + workers in line, line
-    assert "of memory and 1.0 GiB is available; choose a smaller model (model.*)" in line, line
+    assert "of memory and 0.5 GiB is available; choose a smaller model (model.*)" in line, line
     assert not (tmp_path / "checkpoints").exists() and not list(tmp_path.glob("worker-*.jsonl"))
 
 
