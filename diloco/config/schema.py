@@ -77,6 +77,7 @@ class FaultConfig:
     step_delay_until: str = ""  # a file: once it exists, faults.step_delay_s stops (a paced run's fault is over)
     weight_scale: float = 1.0  # this worker claims this x the samples it trained on as its contribution's weight
     poison_state: bool = False  # this worker offers peers its state with other params, claiming a group of 999
+    corrupt_state_range: bool = False  # every part of its state this worker serves a downloading peer is corrupt
 
 
 @dataclass

@@ -12,6 +12,7 @@
     diloco local ... faults.worker=6 faults.count=2 ...  # workers 6 and 7 alike
     diloco local ... faults.worker=1 faults.weight_scale=1000  # worker 1 claims 1000 x its samples
     diloco train ... faults.poison_state=true  # offers its state with other params, claiming a huge group
+    diloco train ... faults.corrupt_state_range=true  # serves corrupt parts of its state to a downloading peer
 
 Faults wrap the real parts; nothing else in the code knows about them.
 """
@@ -157,6 +158,33 @@ class PoisonedStateOffers(StateExchange):
         return self.inner.sole_state_source()
 
 
+class CorruptStateParts(StateExchange):
+    """Offers ``inner``'s state, but every part of it a peer downloads in parts has one byte
+    flipped (what a broken disk or link, or a peer that wants to spoil a newcomer, sends); the
+    manifest it serves, and the state whole, are right. It trains, averages and fetches states
+    as ``inner`` does."""
+
+    def __init__(self, inner: StateExchange):
+        self.inner = inner
+
+    def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
+        def corrupted(use):
+            read = state(use)
+            if not isinstance(read, bytes) or not read:  # parts are read as bytes (state_download.py)
+                return read
+            flipped = bytearray(read)
+            flipped[len(flipped) // 2] ^= 0xFF
+            return bytes(flipped)
+
+        self.inner.publish_state(round_index, rank, corrupted)
+
+    def fetch_state(self, round_index: int, **kwargs) -> PeerState | None:
+        return self.inner.fetch_state(round_index, **kwargs)
+
+    def sole_state_source(self) -> bool:
+        return self.inner.sole_state_source()
+
+
 class BadPayloadCodec(Codec):
     """``inner``, except that what it compresses arrives broken in the way ``mode`` names."""
 
@@ -230,6 +258,7 @@ def with_faults(backend: CommBackend, cfg: FaultConfig, worker_index: int) -> Co
     if cfg.skip_round:
         averaging = SkipRoundAveraging(averaging, cfg.skip_round)
     states = PoisonedStateOffers(backend.states) if cfg.poison_state else backend.states
+    states = CorruptStateParts(states) if cfg.corrupt_state_range else states
     if averaging is backend.averaging and states is backend.states:
         return backend
     return backend.with_parts(averaging=averaging, states=states)

@@ -580,6 +580,7 @@ class ExactAverager(StateDownload, DecentralizedAverager):
         # comm.exclude_after, across this peer's rounds (saved to ``standings``, read back on a restart)
         self.exclusions = Exclusions(rules.exclude_after, standings, readmit_after=rules.readmit_after)
         self._shared_state: tuple[dict, StateReader] | None = None
+        self._serve_parts()  # the parts of our state that peers download (state_download.py)
         super().__init__(
             averaged_tensors,
             dht,

@@ -2,6 +2,12 @@
 peers whose states were refused (``state_exchange.py`` checks what it downloads: a peer that
 offered params other than those the run's workers declared is not asked again in that search).
 
+The peers that offer the best state, the same one, serve it in parts at once
+(``state_swarm.py``): each serves the manifest of its live state and the parts asked of it
+(``rpc_download_state_part``), read under the outer step's lock as the whole state is; a stale
+offer answers nothing. Where no peer serves a manifest (a helper relays a state as bytes), the
+state comes whole from one peer, as hivemind downloads it (``rpc_download_state``).
+
 Stock hivemind (1.1.12) tries its peers in one fixed order and cannot be told to skip one, so a
 peer that claims the highest priority would be asked first every time. This is its download, with
 the peers to leave out, and the peer that served the state added to what it returns.
@@ -9,55 +15,145 @@ the peers to leave out, and the peer that served the state added to what it retu
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import multiprocessing as mp
 import random
+import threading
 import time
+import typing
+import weakref
 from collections.abc import AsyncIterator, Sequence
 
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from diloco.comm.hivemind.state_parts import Manifest, agreed, byte_views, flatten, manifest_of, read_range
+from diloco.comm.hivemind.state_swarm import SwarmDownload
+
 logger = logging.getLogger(__name__)
 
 SERVED_BY = "served_by"  # the metadata key this download adds: the peer the state came from
+SOURCES = "sources"  # ... a download in parts adds: the peers that served it (the manifest's)
+STATE_BYTES = "state_bytes"  # ... and its bytes
+MAX_SOURCES = 4  # the most peers a state is downloaded from at once
+RESUMES = 2  # a download in parts that broke is resumed this often (the offers read again)
+_FOREVER_S = 365 * 86400.0
 
 
 class StateDownload:
-    """A mix-in of the averager (``averager.ExactAverager``): ``load_state_from_peers`` with ``exclude``."""
+    """A mix-in of the averager (``averager.ExactAverager``): ``load_state_from_peers`` with
+    ``exclude``, in parts from several peers; and the parts of our state served to peers."""
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, exclude: Sequence[str] = ()):
-        """(metadata, tensors) of the best offer of a peer not in ``exclude`` (peer ids as text),
-        metadata[SERVED_BY] naming that peer; None when none served one."""
+        """(metadata, state) of the best offer of peers not in ``exclude`` (peer ids as text),
+        metadata[SERVED_BY] naming a peer that served it: the state as a dict where it came in
+        parts (metadata[SOURCES]: from whom, [STATE_BYTES]: its bytes), else hivemind's tensors
+        (the ``torch.save`` bytes); None when none served one."""
         future = MPFuture()
         kwargs = dict(timeout=timeout, future=future, exclude=tuple(exclude))
         self._outer_pipe.send(("_load_state_from_peers", [], kwargs))
         return future.result(timeout=timeout) if wait else future
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: float | None = None, exclude=()):
-        if timeout is not None:
+        deadline = time.monotonic() + (timeout if timeout is not None else _FOREVER_S)
+        if timeout is not None:  # from here on, the most to wait for one message (hivemind's)
             timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         try:
-            for peer in self._offering_peers(exclude):
-                try:
-                    found = await self._download_from(peer, timeout)
-                except Exception as error:  # that peer failed: the next one
-                    logger.warning("downloading the state of peer %s failed: %r", peer, error)
-                    continue
-                if found is not None:
-                    future.set_result(found)
-                    return
+            found = await self._download_in_parts(exclude, timeout, deadline)
+            if found is None:  # no peer serves a manifest (a helper's relayed state): whole, as hivemind does
+                found = await self._download_whole(exclude, timeout)
+            future.set_result(found)
         finally:
             if not future.done():
                 future.set_result(None)
 
+    async def _download_whole(self, exclude: Sequence[str], timeout: float | None):
+        for peer in self._offering_peers(exclude):
+            try:
+                found = await self._download_from(peer, timeout)
+            except Exception as error:  # that peer failed: the next one
+                logger.warning("downloading the state of peer %s failed: %r", peer, error)
+                continue
+            if found is not None:
+                return found
+        return None
+
+    async def _download_in_parts(self, exclude: Sequence[str], timeout: float | None, deadline: float):
+        """(metadata, state) of the best offer, in parts from the peers that offer it and agree on
+        its manifest; a download that broke goes on from the parts it has, with the peers that
+        offer it then. None where no peer served a manifest, or the parts did not all come."""
+        skipped, download = set(exclude), None
+        for _ in range(1 + RESUMES):
+            sources = self._same_offer_peers(skipped)
+            served = await self._manifests(sources, timeout)
+            if not served:
+                return None
+            manifest, metadata, peers = agreed(served, [p.to_base58() for p in sources])
+            if download is None or download.digest != manifest.digest() or download.metadata != metadata:
+                download, started = SwarmDownload(manifest, metadata), time.monotonic()
+            fetch = self._parts_fetcher(download.digest, timeout)
+            if await download.run(peers[:MAX_SOURCES], fetch, deadline=deadline):
+                return self._downloaded(download, peers, time.monotonic() - started)
+            skipped |= download.plan.refused
+            if time.monotonic() >= deadline:
+                return None
+        return None
+
+    def _downloaded(self, download: SwarmDownload, peers: Sequence[str], seconds: float):
+        size = download.manifest.total_bytes + len(download.manifest.skeleton)
+        used = {peer: n for peer, n in download.plan.served.items() if n}
+        logger.info("downloaded the state in parts: %d bytes in %.2f s from %d peers (parts per peer: %s)",
+                    size, seconds, len(used), used)  # fmt: skip
+        metadata = MSGPackSerializer.loads(download.metadata)
+        sources = [p for p in peers if p in used]
+        return {**metadata, SERVED_BY: sources[0], SOURCES: sources, STATE_BYTES: size}, download.state()
+
+    def _same_offer_peers(self, exclude: Sequence[str]) -> list[PeerID]:
+        """The peers that offer the best state (the highest priority, the same offer), but us and ``exclude``."""
+        offers = self._offers_by_priority(exclude)
+        return [peer for peer, priority in offers if priority == offers[0][1]][: 2 * MAX_SOURCES]
+
+    async def _manifests(self, peers: Sequence[PeerID], timeout: float | None) -> dict[str, tuple[Manifest, bytes]]:
+        """peer -> (the manifest of the state it serves, its offer's metadata), of those that answered."""
+
+        async def ask(peer: PeerID):
+            try:
+                stream = await self._part_stub(peer).rpc_download_state_part(_request({"manifest": True}))
+                async for message in aiter_with_timeout(stream, timeout=timeout):
+                    answer = MSGPackSerializer.loads(message.metadata)
+                    return peer.to_base58(), (Manifest.from_wire(answer["manifest"]), answer["metadata"])
+            except Exception as error:  # an older peer, a stale offer, a broken link: not a source
+                logger.debug("peer %s served no state manifest: %r", peer, error)
+            return None
+
+        return dict(found for found in await asyncio.gather(*(ask(p) for p in peers)) if found is not None)
+
+    def _parts_fetcher(self, digest: str, timeout: float | None):
+        async def fetch(peer: str, parts: range) -> AsyncIterator[tuple[int, bytes]]:
+            asked = _request({"digest": digest, "first": parts.start, "stop": parts.stop})
+            stream = await self._part_stub(PeerID.from_base58(peer)).rpc_download_state_part(asked)
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                yield MSGPackSerializer.loads(message.metadata), message.tensor_part.buffer
+
+        return fetch
+
+    def _part_stub(self, peer: PeerID):
+        return self.get_stub(self._p2p, peer, namespace=self.prefix)
+
     def _offering_peers(self, exclude: Sequence[str]) -> list[PeerID]:
         """The peers that offer a state, highest priority first (ties in a random order), but us and ``exclude``."""
+        return [peer for peer, _ in self._offers_by_priority(exclude)]
+
+    def _offers_by_priority(self, exclude: Sequence[str]) -> list[tuple[PeerID, float]]:
+        """(peer, priority) of the peers that offer a state, highest first (ties in a random
+        order), but us and ``exclude``."""
         key_manager = self._matchmaking.group_key_manager
         offers, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
         if not isinstance(offers, dict):
@@ -68,7 +164,8 @@ class StateDownload:
             if isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)
         }
         skipped = {self.peer_id, *(PeerID.from_base58(p) for p in exclude)}
-        return [peer for peer in sorted(priority, key=priority.get, reverse=True) if peer not in skipped]
+        ranked = sorted(priority, key=priority.get, reverse=True)
+        return [(peer, priority[peer][0]) for peer in ranked if peer not in skipped]
 
     async def _download_from(self, peer: PeerID, timeout: float | None):
         """(metadata with SERVED_BY, tensors) of ``peer``'s state, or None when it sent none."""
@@ -80,6 +177,84 @@ class StateDownload:
             return None
         logger.info("downloaded the state of peer %s in %.3f s", peer, time.monotonic() - started)
         return {**metadata, SERVED_BY: peer.to_base58()}, tensors
+
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.DownloadData, _context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the handler's kind from them
+        """The manifest of the state we offer ({"manifest": true} in the request's metadata, MSGPack),
+        or its parts ``first`` to ``stop`` of the manifest ``digest``, one message each. Nothing
+        where we offer none, or the offer is stale (or of another manifest)."""
+        if not self.allow_state_sharing:
+            return
+        try:
+            asked = MSGPackSerializer.loads(request.metadata)
+        except Exception:  # not a request of ours
+            return
+        if not isinstance(asked, dict):
+            return
+        future = MPFuture()
+        self._part_pipe[0].send((asked, future))
+        answer = await future
+        if isinstance(answer, dict):
+            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(answer))
+        elif isinstance(answer, tuple):
+            part_bytes, data = answer
+            for i, start in enumerate(range(0, len(data), part_bytes)):
+                part = runtime_pb2.Tensor(buffer=data[start : start + part_bytes])
+                yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(asked["first"] + i), tensor_part=part)
+
+    def _serve_parts(self) -> None:
+        """Start answering, in this (the host) process, what ``rpc_download_state_part`` asks in the
+        averager's: call before the averager's process starts."""
+        self._part_pipe = mp.Pipe(duplex=True)
+        self._manifest_cache: tuple[object, Manifest | None] | None = None
+        thread = threading.Thread(target=_answer_parts, args=(self._part_pipe[1], weakref.ref(self)), daemon=True)
+        thread.start()
+
+    def _answer_part_request(self, asked: dict):
+        """What ``rpc_download_state_part`` sends for ``asked``: {"metadata", "manifest"}, (part
+        bytes, the parts' bytes), or None."""
+        shared = self._shared_state
+        if shared is None:
+            return None
+        metadata, read = shared
+        if self._manifest_cache is None or self._manifest_cache[0] is not shared:
+            manifest = read(manifest_of)  # None once stale; a relayed state (bytes) has none
+            self._manifest_cache = (shared, manifest if isinstance(manifest, Manifest) else None)
+        manifest = self._manifest_cache[1]
+        if manifest is None:
+            return None
+        if asked.get("manifest"):
+            return {"metadata": MSGPackSerializer.dumps(metadata), "manifest": manifest.to_wire()}
+        first, stop = asked.get("first"), asked.get("stop")
+        if asked.get("digest") != manifest.digest() or not (isinstance(first, int) and isinstance(stop, int)):
+            return None
+        if not 0 <= first < stop <= manifest.parts:
+            return None
+        start, end = manifest.span(first)[0], manifest.span(stop - 1)[1]
+        data = read(lambda state: read_range(byte_views(flatten(state)[1]), start, end))
+        return (manifest.part_bytes, data) if isinstance(data, bytes) else None
+
+
+def _request(asked: dict) -> averaging_pb2.DownloadData:
+    """A request of ``rpc_download_state_part``: hivemind's messages are fixed, so it rides in the metadata."""
+    return averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(asked))
+
+
+def _answer_parts(pipe, owner: weakref.ref) -> None:
+    """The host process's thread that answers the part requests of the averager's process, while
+    the averager lives."""
+    while owner() is not None:
+        if not pipe.poll(1.0):
+            continue
+        asked, future = pipe.recv()
+        averager = owner()
+        try:
+            future.set_result(averager._answer_part_request(asked) if averager is not None else None)
+        except Exception as error:  # a request we cannot answer: nothing is sent
+            logger.warning("serving parts of our state failed: %r", error)
+            future.set_result(None)
+        del averager
 
 
 async def streamed_state(messages: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[object, list]:

@@ -22,7 +22,7 @@ import torch
 
 from diloco.comm.base import PeerState, StateCheck, StateExchange, StateRank, StateReader, StateVerdict
 from diloco.comm.hivemind.roster import live_counts, live_peer_ids
-from diloco.comm.hivemind.state_download import SERVED_BY
+from diloco.comm.hivemind.state_download import SERVED_BY, SOURCES, STATE_BYTES
 from diloco.comm.hivemind.state_offers import Offer, StateOffers, priority, same_offer
 from diloco.comm.hivemind.state_relay import Published, StateWants, Wanted
 
@@ -202,24 +202,31 @@ class HivemindStateExchange(StateExchange):
         found = self._download_best(timeout_s, refused)
         if found is None:
             return None, False
-        metadata, tensors = found
+        metadata, payload = found
         offered_round = metadata.get("round", -1)
         rank = StateRank(metadata.get("peers", 0), metadata.get("fingerprint", 0.0))
-        if not (reading.wanted(offered_round, rank) and tensors):
+        if not (reading.wanted(offered_round, rank) and payload):
             return None, False
+        sources = metadata.get(SOURCES, [])
         logger.info(
-            "downloaded the state of a peer after round %d: %d bytes in %.2f s",
+            "downloaded the state of a peer after round %d: %d bytes in %.2f s%s",
             offered_round + 1,
-            tensors[0].numel(),
+            metadata[STATE_BYTES] if isinstance(payload, dict) else payload[0].numel(),
             time.monotonic() - started,
+            f", in parts from {len(sources)} peers" if sources else "",
         )
-        state = torch.load(io.BytesIO(memoryview(tensors[0].numpy())), weights_only=True)
+        # in parts, the state itself; whole, hivemind's tensors: the bytes ``torch.save`` wrote
+        state = (
+            payload
+            if isinstance(payload, dict)
+            else torch.load(io.BytesIO(memoryview(payload[0].numpy())), weights_only=True)
+        )
         peer = metadata.get(SERVED_BY, "")
         found = PeerState(offered_round, rank, state, served_by=peer)
         verdict = check(found) if check is not None else StateVerdict()
         if verdict.refuse:
             logger.warning("refused the state of peer %s after round %d: %s", peer, offered_round + 1, verdict.refuse)
-            refused.add(peer)
+            refused.update([peer, *sources])  # every peer that served it serves that state
         elif verdict.wait:
             logger.info("the state of peer %s after round %d cannot be checked yet: %s", peer, offered_round + 1,
                         verdict.wait)  # fmt: skip
