@@ -100,8 +100,11 @@ def measure_size(
     )
     if "error" in row["checkpointed"]:
         return {**row, "error": row["checkpointed"]["error"]}
-    say("a third worker joins mid-run")
-    row["join"] = run_join(size, steps=steps, sync_every=sync_every, out=out)
+    if (refused := refusal(size, out, workers=WORKERS + 1)) is None:  # three at once on this machine
+        say("a third worker joins mid-run")
+        row["join"] = run_join(size, steps=steps, sync_every=sync_every, out=out)
+    else:
+        row["join"] = {"error": f"no third worker: {refused}"}
     if kill_restart:
         say("worker 1 killed with -9 after its first checkpoint, and restarted")
         row["restart"] = run_kill_restart(size, steps=steps, sync_every=sync_every, out=out)

@@ -69,8 +69,8 @@ def training_overrides(size: str, *, steps: int, sync_every: int, run_dir: Path,
     ]
 
 
-def refusal(size: str, out: Path) -> str | None:
-    """``refused: <the one line>`` when ``diloco local`` would refuse ``WORKERS`` workers of ``size``
+def refusal(size: str, out: Path, workers: int = WORKERS) -> str | None:
+    """``refused: <the one line>`` when ``diloco local`` would refuse ``workers`` workers of ``size``
     on this machine before they train (their estimated memory is more than is available), or None."""
     import torch
 
@@ -79,13 +79,13 @@ def refusal(size: str, out: Path) -> str | None:
     from diloco.worker.memory import check_model_fits
 
     overrides = training_overrides(size, steps=2, sync_every=1, run_dir=out / size)
-    cfg = load_config(CONFIG, [*overrides, f"worker.count={WORKERS}"])
+    cfg = load_config(CONFIG, [*overrides, f"worker.count={workers}"])
     try:
         check_model_fits(
             cfg.model,
             vocab_size=load_corpus(cfg.data).vocab_size,
             device=torch.device("cpu"),
-            workers_here=WORKERS,
+            workers_here=workers,
             batch_size=cfg.inner.batch_size,
             precision=cfg.worker.precision,
         )
