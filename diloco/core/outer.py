@@ -206,20 +206,29 @@ class OuterStep:
         formed again when an attempt left them changed: the local params do not change before the
         outer step, so it is the same."""
         if self.error_feedback is None or not self.error_feedback.enabled:  # sent as it is
-            with averaging.staging() as buffers:
-                if buffers is not None and not _shaped_like(buffers, self.global_params):
-                    buffers = None  # not one buffer per param (the transport's fragments differ)
-                pseudo_gradients = self.pseudo_gradients(out=buffers)
-            if buffers is not None:
-                pseudo_gradients = Staged(pseudo_gradients, partial(self.pseudo_gradients, out=buffers))
+            buffers, pseudo_gradients = self._staged(averaging)
             result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
-            if buffers is not None and not result.averaged:  # what is left in the buffers is not defined
+            if buffers is not None and not result.averaged and not result.postponed:  # the buffers' values: undefined
                 pseudo_gradients = self.pseudo_gradients()
             return result, pseudo_gradients, pseudo_gradients
         raw = self.pseudo_gradients()
         pseudo_gradients = self.error_feedback.apply(raw)
         result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
         return result, pseudo_gradients, raw
+
+    def _staged(self, averaging: Averaging) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """(the transport's buffers or None, the pseudo-gradient): formed in the buffers where the
+        transport has them, one per param, and can hand them over now (an abandoned all-reduce may
+        hold them past ``staging``'s bound: then in fresh tensors)."""
+        try:
+            with averaging.staging() as buffers:
+                if buffers is not None and _shaped_like(buffers, self.global_params):
+                    buffers = list(buffers)
+                    formed = self.pseudo_gradients(out=buffers)
+                    return buffers, Staged(formed, partial(self.pseudo_gradients, out=buffers))
+        except TimeoutError:
+            logger.warning("the averager still holds its buffers: this round's pseudo-gradient is formed apart")
+        return None, self.pseudo_gradients()
 
     def account(self, result: SyncResult, where: str, indices: Sequence[int] | None = None) -> None:
         """What an average's ``result`` leaves the error feedback of the params ``indices`` (all:
@@ -260,10 +269,15 @@ class OuterStep:
     def model_state(self, model: torch.nn.Module) -> dict:
         """``model``'s state dict, each param that equals its global copy replaced by that copy (on
         the CPU): at a round's end the model's params are the global params, and a checkpoint then
-        holds those bytes once. (A model on a GPU is compared there, one tensor at a time.)"""
+        holds those bytes once. (A model on a GPU is compared there, one tensor at a time.) Its
+        buffers, which a forward pass may change before the next update, are copies."""
         state = model.state_dict()
+        named = dict(model.named_parameters(remove_duplicate=False))
+        for name in state.keys() - named.keys():  # buffers a forward pass may change (running stats): copied
+            if isinstance(state[name], torch.Tensor):
+                state[name] = state[name].detach().to("cpu", copy=True)
         index = {id(param): i for i, param in enumerate(self.local_params)}
-        for name, param in model.named_parameters(remove_duplicate=False):
+        for name, param in named.items():
             i = index.get(id(param))
             if i is None or name not in state or type(param.detach()) is not torch.Tensor:
                 continue  # not averaged, a wrapped model's other names, or a shard

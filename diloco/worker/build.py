@@ -109,7 +109,7 @@ class Worker:
         state = {
             "model": trained.outer.model_state(trained.model),
             "inner_optimizer": trained.inner_optimizer.state_dict(),
-            "outer": trained.outer.state_dict(copy=False),  # the checkpoint writer copies it (once)
+            "outer": trained.outer.state_dict(copy=False),  # written live (checkpoint_file.py)
             "error_feedback": trained.error_feedback.state_dict(),
             "overlap": self.sync.state_dict(),
             **{name: item.state_dict() for name, item in trained.extra.items()},
@@ -137,11 +137,12 @@ class Worker:
         """Checkpoint the state after round ``round_index``, written in the background from the live
         tensors: the next inner update waits for the model and its optimizer's part to be written,
         the next round's end for the outer step's (``checkpoint_file.py``)."""
-        # blocking rounds change the global state only at a round's end; overlapped ones within steps
-        outer_until = "round" if self.sync.outer_changes_at_round_end else "step"
-        live = dict.fromkeys(_OUTER_PARTS, outer_until)
+        # blocking rounds change the global state only at a round's end; overlapped ones within steps,
+        # after the update. Parts written live must be waited for: an inner optimizer without step
+        # hooks gets no wait, and what it changes is copied instead
+        live = dict.fromkeys(_OUTER_PARTS, "round") if self.sync.outer_changes_at_round_end else {}
         if self._before_update is not None:
-            live |= dict.fromkeys(("model", "inner_optimizer"), "step")
+            live = dict.fromkeys((*_OUTER_PARTS, "model", "inner_optimizer"), "step") | live
         with self.watchdog.phase("checkpointing"):
             self.checkpoints.save(round_index, self.state_dict(step, round_index), live=live)
 

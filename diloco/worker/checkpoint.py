@@ -142,11 +142,10 @@ class CheckpointWriter:
     def save(self, round_index: int, state: dict[str, Any], live: Mapping[str, str] | None = None) -> None:
         started = time.monotonic()
         self.wait()
-        self._live = LiveState(state, live or {})
-        self._thread = threading.Thread(
-            target=self._write, args=(round_index, self._live), name="diloco-checkpoint", daemon=False
-        )
-        self._thread.start()
+        written = LiveState(state, live or {})
+        thread = threading.Thread(target=self._write, args=(round_index, written), name="diloco-checkpoint")
+        thread.start()  # only a write under way is waited for
+        self._thread, self._live = thread, written
         self._taken_at, self._cost_s = started, time.monotonic() - started
 
     def worth_taking(self, max_share: float) -> bool:
@@ -186,14 +185,18 @@ class CheckpointWriter:
 
     def _write(self, round_index: int, state: LiveState) -> None:
         started = time.perf_counter()
-        # what training waits for is written at full speed; the rest only when training leaves the cores idle
-        state.on_release = lambda group: _yield_cpu_to_training() if group == 0 else None
+        # what training waits for is written at full speed; making the file durable only when
+        # training leaves the cores idle (a thread cannot take its priority back once it gave it up)
+        state.on_release = lambda group: _yield_cpu_to_training() if group == len(state.tensors) - 1 else None
         try:
             save_checkpoint(
                 self.directory, self.worker_index, round_index, state, keep=self.keep, on_write=self._on_write
             )
         except BaseException as exc:  # handed to the training thread at its next save or at close
             self._error = exc
+        finally:
+            state.release_all()  # however it ended, nothing waits for it any more
+            state.forget()  # the tensors it copied, and its references to the live ones, are let go
         self.last_write_s = time.perf_counter() - started
 
 

@@ -105,6 +105,10 @@ class LiveState:
     def release_all(self) -> None:
         self.release(len(GROUPS) - 1)
 
+    def forget(self) -> None:
+        """Let go of the tensors (once written, or once the write failed)."""
+        self.tensors, self.skeleton = [[] for _ in GROUPS], {}
+
     def waiting(self, group: str) -> bool:
         """Whether group ``group`` is still being written."""
         return not self._written[GROUPS.index(group)].is_set()

@@ -263,7 +263,9 @@ class DiLoCo:
             eval_batches=evaluated,
         )
         every = cfg.checkpoint.every_rounds
-        due = every and self.round % every == 0 and worker.checkpoints.worth_taking(cfg.checkpoint.max_share)
+        # (one that waited for the last one's cost is taken at the next round that finds it worth it)
+        due = every and (self.round % every == 0 or self.round - self._checkpointed >= every)
+        due = due and worker.checkpoints.worth_taking(cfg.checkpoint.max_share)
         if every and (last or due or not worker.clock.running(self.inner_steps, self.round)):
             worker.save_checkpoint(self.inner_steps, self.round)
             self._checkpointed = self.round

@@ -296,6 +296,8 @@ class HivemindAveraging(Averaging):
         self._roster.group = first.group_size  # announced: a helper waits for the same group
         result = self.group_round.run(averager, flat, tensors, weight, first)
         if not result.ok and not result.group and self._alone():  # the others left while we looked for a group
+            if not restored(self, tensors, fragment):  # an attempt given up on may have changed them
+                return dataclasses.replace(result, expected=expected)
             return self._average_alone(tensors, weight, round_index=round_index)
         left_behind = left_behind_since(averager, first.left_before)
         if self._worth_retrying(result, round_index, left_behind=left_behind, remaining=deadline - time.monotonic()):

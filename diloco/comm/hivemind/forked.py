@@ -14,17 +14,29 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import mmap
 import sys
 import warnings
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 MADV_DONTNEED = 4
 SMALLEST_BYTES = 1 << 20  # smaller tensors are left alone: not worth a system call
 
 
 def release_inherited_tensors() -> int:
+    """``_release_inherited_tensors``, never failing the child: 0 when it could not (logged)."""
+    try:
+        return _release_inherited_tensors()
+    except Exception:  # an object that will not say what it is: the child runs on, holding its pages
+        logger.warning("could not release the memory inherited from the worker", exc_info=True)
+        return 0
+
+
+def _release_inherited_tensors() -> int:
     """In a forked child: drop its copy of every CPU tensor of at least ``SMALLEST_BYTES`` that is
     not in shared memory (whole pages inside each; never the allocator's bookkeeping around them).
     The child must not read those tensors afterwards. Returns the bytes released (0 off Linux)."""
@@ -41,7 +53,7 @@ def release_inherited_tensors() -> int:
             continue
         try:
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage of its own (a tensor subclass, a wrapper)
+        except Exception:  # no storage of its own (a tensor subclass, a wrapper)
             continue
         if storage.is_shared() or storage.nbytes() < SMALLEST_BYTES or storage.data_ptr() in seen:
             continue

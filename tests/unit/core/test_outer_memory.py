@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from diloco.comm.base import Averaging, Staged, SyncResult
@@ -70,3 +71,52 @@ def test_the_params_are_the_same_either_way():
     _, _, staged = _round(_Buffered)
     _, _, fresh = _round(_Unbuffered)
     assert all(torch.equal(a, b) for a, b in zip(staged, fresh))
+
+
+class _Scribbling(_Buffered):
+    """Its first attempt breaks part-way, leaving garbage in its buffers: it restores the caller's
+    contribution and tries again (``retry``), or gives up (the round did not average)."""
+
+    def __init__(self, templates, *, retry: bool):
+        super().__init__(templates)
+        self.retry = retry
+
+    def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
+        for buffer in self.buffers:
+            buffer.fill_(123.0)
+        if not self.retry:
+            return SyncResult(ok=False, peers=1, total_weight=weight, error="the group broke")
+        tensors.restore()
+        return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
+
+
+class _Held(_Buffered):
+    """Its buffers are still held by an all-reduce it gave up on."""
+
+    @contextlib.contextmanager
+    def staging(self, fragment: int = 0):
+        raise TimeoutError("the averager held its tensors")
+        yield
+
+
+def _params_after(make) -> list[torch.Tensor]:
+    model = _model()
+    outer = OuterStep(list(model.parameters()), OuterConfig())
+    averaging = make(outer.global_params)
+    for round_index in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        outer.sync(averaging, weight=1.0, round_index=round_index, deadline_s=5.0, expected_peers=1)
+    return [p.detach().clone() for p in outer.global_params]
+
+
+@pytest.mark.parametrize("retry", [True, False])
+def test_what_a_broken_attempt_leaves_in_the_buffers_is_never_applied(retry):
+    fresh = _params_after(_Unbuffered)  # alone, a failed round applies our own pseudo-gradient: the same
+    scribbled = _params_after(lambda templates: _Scribbling(templates, retry=retry))
+    assert all(torch.equal(a, b) for a, b in zip(scribbled, fresh))
+
+
+def test_buffers_still_held_by_the_averager_leave_the_round_to_fresh_tensors():
+    assert all(torch.equal(a, b) for a, b in zip(_params_after(_Held), _params_after(_Unbuffered)))

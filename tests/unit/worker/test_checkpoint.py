@@ -286,3 +286,13 @@ def test_a_due_checkpoint_waits_while_the_last_one_cost_training_more_than_its_s
     assert not writer.worth_taking(0.05)  # it cost about all of the time since
     assert writer.worth_taking(0.0)  # 0: every due checkpoint
     writer.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_write_that_fails_before_it_starts_never_holds_training_up(tmp_path):
+    (tmp_path / "not-a-folder").write_text("")
+    writer = CheckpointWriter(tmp_path / "not-a-folder", 0)
+    writer.save(1, {"model": {"w": torch.zeros(10)}}, live={"model": "step"})
+    writer.wait_for("step")  # returns: the failed write released what it held
+    with pytest.raises(OSError):
+        writer.close()
