@@ -39,6 +39,8 @@ from diloco.comm.hivemind.state_swarm import SwarmDownload
 
 logger = logging.getLogger(__name__)
 
+STATE_COPIES = 4  # a global state is at most this many times the params' bytes (Adam: 3, and some)
+
 SERVED_BY = "served_by"  # the metadata key this download adds: the peer the state came from
 SOURCES = "sources"  # ... a download in parts adds: the peers that served it (the manifest's)
 STATE_BYTES = "state_bytes"  # ... and its bytes
@@ -92,7 +94,7 @@ class StateDownload:
         skipped, download = set(exclude), None
         for _ in range(1 + RESUMES):
             sources = self._same_offer_peers(skipped)
-            served = await self._manifests(sources, timeout)
+            served = self._within_bound(await self._manifests(sources, timeout))
             if not served:
                 return None
             manifest, metadata, peers = agreed(served, [p.to_base58() for p in sources])
@@ -105,6 +107,17 @@ class StateDownload:
             if time.monotonic() >= deadline:
                 return None
         return None
+
+    def _within_bound(self, served: dict[str, tuple[Manifest, bytes]]) -> dict[str, tuple[Manifest, bytes]]:
+        """The manifests of states no larger than a global state can be (its params and an outer
+        optimizer's moments: ``STATE_COPIES`` x our params' bytes): a peer's claim sizes what we
+        allocate before any part of it is checked."""
+        bound = STATE_COPIES * sum(t.numel() * t.element_size() for t in self._averaged_tensors)
+        for peer, (manifest, _) in served.items():
+            if manifest.total_bytes > bound:
+                logger.warning("peer %s describes a state of %d bytes, more than ours can be: refused", peer,
+                               manifest.total_bytes)  # fmt: skip
+        return {peer: found for peer, found in served.items() if found[0].total_bytes <= bound}
 
     def _downloaded(self, download: SwarmDownload, peers: Sequence[str], seconds: float):
         size = download.manifest.total_bytes + len(download.manifest.skeleton)
