@@ -15,7 +15,7 @@ from tests.processes import wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 DOWNLOADED = re.compile(
-    r"downloaded the state of a peer after round \d+: \d+ bytes in [0-9.]+ s, in parts from 1 peers"
+    r"downloaded the state of a peer after round \d+: \d+ bytes in [0-9.]+ s, in parts from \d+ peers"
 )
 
 
