@@ -81,11 +81,15 @@ def _data(cfg: Config, *, ranks: int) -> tuple[ShardSampler, list, int]:
         seed=cfg.seed,
         chunk=cfg.data.shard_chunk,
     )
-    held_out = val_batches(
-        corpus.val,
+    return sampler, held_out_batches(cfg, corpus.val), corpus.vocab_size
+
+
+def held_out_batches(cfg: Config, val: torch.Tensor) -> list:
+    """The held-out batches every worker of the run evaluates, drawn from the corpus's ``val`` split."""
+    return val_batches(
+        val,
         block_size=cfg.model.block_size,
         batch_size=cfg.logging.eval_batch_size,
         num_batches=cfg.logging.eval_batches,
         seed=cfg.seed,
     )
-    return sampler, held_out, corpus.vocab_size

@@ -8,9 +8,10 @@ import torch
 
 from diloco.config import load_config
 from diloco.core.evaluation import evaluate
-from diloco.data.corpus import load_corpus, val_batches
+from diloco.data.corpus import load_corpus
 from diloco.models.gpt import build_model
 from diloco.worker.checkpoint import load_latest_checkpoint
+from diloco.worker.lm_task import held_out_batches
 from tests.conftest import TINY, log_tails, round_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -20,13 +21,7 @@ def _one_evaluation_of_every_batch(run_dir) -> float:
     """The held-out loss of worker 0's last checkpoint (its last round's params), every batch by this process."""
     cfg = load_config(run_dir / "config.yaml")
     corpus = load_corpus(cfg.data)
-    held_out = val_batches(
-        corpus.val,
-        block_size=cfg.model.block_size,
-        batch_size=cfg.logging.eval_batch_size,
-        num_batches=cfg.logging.eval_batches,
-        seed=cfg.seed,
-    )
+    held_out = held_out_batches(cfg, corpus.val)
     model = build_model(cfg.model, vocab_size=corpus.vocab_size)
     model.load_state_dict(load_latest_checkpoint(run_dir / "checkpoints", 0)["model"])
     return evaluate(model, held_out)
