@@ -24,6 +24,7 @@ import time
 import typing
 import weakref
 from collections.abc import AsyncIterator, Sequence
+from multiprocessing.reduction import ForkingPickler
 
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
@@ -258,9 +259,17 @@ def _answer_parts(pipe, owner: weakref.ref) -> None:
     """The host process's thread that answers the part requests of the averager's process, while
     the averager lives."""
     while owner() is not None:
-        if not pipe.poll(1.0):
+        try:
+            if not pipe.poll(1.0):
+                continue
+            request = pipe.recv_bytes()
+        except (EOFError, OSError):  # the averager's process has ended
+            return
+        try:
+            asked, future = ForkingPickler.loads(request)
+        except Exception as error:  # its asker ended while sending it (as at Ctrl-C): nothing to answer
+            logger.debug("a part request could not be read: %r", error)
             continue
-        asked, future = pipe.recv()
         averager = owner()
         try:
             future.set_result(averager._answer_part_request(asked) if averager is not None else None)
