@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import SyncResult
+from diloco.comm.base import Outcome, SyncResult
 from diloco.config import LoggingConfig
 from diloco.worker.metrics import JsonlWriter, start_record
 from diloco.worker.records import Totals, WorkerLog
@@ -47,7 +47,7 @@ def write_session(
             step += 1
             log.count_step(step, round_number - 1, due=step % 5 == 0)
             log.write_step({"loss": torch.tensor(3.0), "lr": 1e-3})
-        result = SyncResult(True, 2, 2.0, bytes_sent=100 * round_number)
+        result = SyncResult(Outcome.AVERAGED, 2, 2.0, bytes_sent=100 * round_number)
         log.round(round_number, step, result, comm_s=0.1, recovered=False, val_loss=val_loss, param_hash=digest)
     if finished:
         log.end(step, rounds, Totals(), val_loss=val_loss, param_hash=digest)

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from diloco.bench import write_json
-from diloco.comm.base import Averaging, SyncResult
+from diloco.comm.base import Averaging, Outcome, SyncResult
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
@@ -135,7 +135,7 @@ class Loopback(Averaging):
     def all_reduce_mean(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
-        return SyncResult(ok=True, peers=1, total_weight=weight)
+        return SyncResult(Outcome.AVERAGED, peers=1, total_weight=weight)
 
 
 def peak_tflops_for(device_name: str) -> float | None:
@@ -225,7 +225,7 @@ def _outer_sync_s(model: torch.nn.Module, global_device: str, size: BenchSize, d
     for round_index in range(size.outer_repeats + 1):  # the first allocates buffers and momentum: untimed
         _synchronize(device)
         started = time.perf_counter()
-        outer.sync(backend, weight=1.0, round_index=round_index, deadline_s=60.0, expected_peers=1)
+        outer.sync(backend, weight=1.0, round_index=round_index, deadline_s=60.0)
         _synchronize(device)
         timings.append(time.perf_counter() - started)
     digests = []

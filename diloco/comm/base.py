@@ -5,7 +5,8 @@ A transport (``CommBackend``) is handed out in parts, each to the code that uses
 ``start_all_reduce``, and never branch on how bytes travel); its ``states`` and ``membership`` to
 recovery and joining; its ``board`` (where offered) to the evaluation the workers holding the same
 params share; its end (``finish``, ``shutdown``) to the worker that built it. A failed or
-partial round is a ``SyncResult`` with ``ok=False``, never an exception that kills the worker.
+partial round is a ``SyncResult`` whose ``Outcome`` says so (comm/round_result.py), never an
+exception that kills the worker.
 
 Its settings are ``CommConfig`` (the ``comm:`` section); those only the hivemind transport and the
 tools that start hivemind peers read are ``HivemindConfig``, nested in it (``comm.hivemind``).
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.comm.round_result import Outcome as Outcome  # what a round produced: importers take it from here too
+from diloco.comm.round_result import SyncResult as SyncResult
 from diloco.errors import CommError as CommError  # raised here; importers take it from here too
 
 # how a worker offers its state: ``read(use)`` is ``use(live state)`` under the outer step's lock, or None once stale
@@ -68,48 +71,6 @@ class CommConfig:
     exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of the later ones; 0 = never
     readmit_after: int = 20  # an excluded worker is back on probation after this many rounds (x 2 each time); 0 = never
     hivemind: HivemindConfig = field(default_factory=HivemindConfig)  # the hivemind transport's own settings
-
-
-@dataclass
-class SyncResult:
-    """What one round of averaging achieved."""
-
-    ok: bool  # True when the tensors now hold the mean over ``peers`` workers
-    peers: int  # workers whose contribution is in the mean (1 = only this worker; 0 = the group dropped ours)
-    total_weight: float  # sum of the weights of those workers
-    bytes_sent: int = 0  # payload bytes this worker put on the wire for the round
-    bytes_recv: int = 0  # payload bytes this worker took off the wire for the round
-    error: str = ""  # why the round failed or was partial, for the log
-    group: int = 0  # workers in the round's group, dropped ones included (0 = not known)
-    simulated_s: float | None = None  # a simulated transport's modelled round time; None = measure it
-    # the tensors hold the group's common mean, but some part of it was averaged over fewer
-    # contributions than the group's (``peers``: the fewest): not ok, and nothing for a peer to fix
-    partial: bool = False
-    # an outer step taken alone while workers that vanished without leaving may be training on,
-    # cut off: the params may part from theirs, so the worker ranks its state below theirs
-    # (unsynced, core/recovery.py) until it takes one
-    drifted: bool = False
-    # the codec the round's peers agreed on, where the transport chose it (compression.name=adaptive)
-    codec: str = ""
-    # a group that held more than one model (a split run met again): how many of its workers held
-    # each, ours first; empty when all held one. The average is whole, but only the workers of our
-    # model share our params: recovery ranks the round by them (core/recovery.py)
-    sides: tuple[int, ...] = ()
-    # workers seen in the run that are not live now and did not leave (crashed, or cut off: a
-    # split run), where the transport tracks who is live
-    missing: tuple[int, ...] = ()
-    # the group the round waited for: the live workers the roster expected (0 = not known)
-    expected: int = 0
-    # workers excluded from the run's means now (comm.exclude_after, comm/scores.py), by index
-    excluded: tuple[int, ...] = ()
-    # nobody could reduce the round (every live worker a client, no helper live): a blocking round
-    # then takes no outer step, and the worker's steps count toward the next round (core/outer.py)
-    postponed: bool = False
-
-    @property
-    def averaged(self) -> bool:
-        """The tensors hold the mean every worker of the group holds (whole, or ``partial``)."""
-        return self.ok or self.partial
 
 
 @dataclass(frozen=True, order=True)
@@ -398,7 +359,9 @@ class PendingAverage:
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self.abandoned:
-                return SyncResult(False, 1, 0.0, error=f"no result within {timeout_s:.0f} s: the average was abandoned")
+                return SyncResult(
+                    Outcome.FAILED, 1, 0.0, error=f"no result within {timeout_s:.0f} s: the average was abandoned"
+                )
         if self._error is not None:
             raise self._error
         return self._result

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
+from diloco.comm.base import Averaging, CommBackend, CommConfig, Outcome, SyncResult
 from diloco.comm.reduce import Contribution, Verdicts, average_payloads
 from diloco.comm.robust import NO_SCREENING, ScreeningRules
 from diloco.comm.scores import Scores
@@ -189,7 +189,7 @@ class SimulatedAveraging(Averaging):
         )
         peers, total = len(used), sum(c.weight for c in used)
         if not used:
-            return SyncResult(False, 1, weight, error="every contribution was dropped")
+            return SyncResult(Outcome.FAILED, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
         payload, gathers = sum(len(p) for p in payloads), self.codec.gathers
@@ -198,7 +198,7 @@ class SimulatedAveraging(Averaging):
             payload, peers, bandwidth_mbps=self.bandwidth_mbps, latency_ms=self.latency_ms, gathers=gathers
         )
         return SyncResult(
-            True,
+            Outcome.AVERAGED,
             peers,
             total,
             bytes_sent=volume,

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Averaging, CommBackend, CommConfig, SyncResult
+from diloco.comm.base import Averaging, CommBackend, CommConfig, Outcome, SyncResult
 from diloco.comm.reduce import Contribution, Verdicts, average_payloads
 from diloco.comm.robust import ScreeningRules, screen
 from diloco.comm.scores import Scores
@@ -86,7 +86,7 @@ class TorchDistAveraging(Averaging):
         try:
             dist.all_gather(stats, mine)
         except RuntimeError as error:  # a peer died or timed out: the group is unusable
-            return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
+            return SyncResult(Outcome.FAILED, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
         norms, weights = zip(*(s.tolist() for s in stats))
         taken = [rank for rank in range(self.num_workers) if not self.scores.is_excluded(f"rank {rank}")]
         screening = screen({r: norms[r] for r in taken}, self.rules, {r: weights[r] for r in taken})
@@ -101,7 +101,7 @@ class TorchDistAveraging(Averaging):
         kept = sorted(screening.scales)
         total = sum(screening.weight(weights[rank]) for rank in kept)
         if not kept or not (math.isfinite(total) and total > 0):  # every rank sees the same and gives up alike
-            return SyncResult(False, 1, weight, error="every contribution was dropped")
+            return SyncResult(Outcome.FAILED, 1, weight, error="every contribution was dropped")
         rank = dist.get_rank()
         if rank in screening.scales:
             flat.mul_(screening.weight(weight) * screening.scales[rank])
@@ -110,7 +110,7 @@ class TorchDistAveraging(Averaging):
         try:
             dist.all_reduce(flat)
         except RuntimeError as error:
-            return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
+            return SyncResult(Outcome.FAILED, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
         flat.div_(total)
         offset = 0
         for tensor in tensors:
@@ -119,7 +119,9 @@ class TorchDistAveraging(Averaging):
             offset += n
         payload = flat.numel() * 4
         volume = int(2 * (self.num_workers - 1) / self.num_workers * payload)
-        return SyncResult(True, len(kept), total, bytes_sent=volume, bytes_recv=volume, excluded=self._excluded())
+        return SyncResult(
+            Outcome.AVERAGED, len(kept), total, bytes_sent=volume, bytes_recv=volume, excluded=self._excluded()
+        )
 
     def _all_gather_compressed(self, tensors: Sequence[torch.Tensor], weight: float, round_index: int) -> SyncResult:
         numels = [t.numel() for t in tensors]
@@ -134,7 +136,7 @@ class TorchDistAveraging(Averaging):
             weights = [torch.zeros(1, dtype=torch.float64, device=self.device) for _ in range(self.num_workers)]
             dist.all_gather(weights, torch.tensor([float(weight)], dtype=torch.float64, device=self.device))
         except RuntimeError as error:
-            return SyncResult(False, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
+            return SyncResult(Outcome.FAILED, 1, weight, error=f"torch.distributed: {error}".splitlines()[0])
         ranks = [f"rank {rank}" for rank in range(self.num_workers)]
         contributions = [
             Contribution(
@@ -151,12 +153,12 @@ class TorchDistAveraging(Averaging):
         )
         self._record(round_index, ranks, verdicts.left_out, verdicts.clipped)
         if not used:
-            return SyncResult(False, 1, weight, error="every contribution was dropped")
+            return SyncResult(Outcome.FAILED, 1, weight, error="every contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
         volume = (self.num_workers - 1) * mine.numel()
         return SyncResult(
-            True,
+            Outcome.AVERAGED,
             len(used),
             sum(c.weight for c in used),
             bytes_sent=volume,

@@ -35,11 +35,10 @@ from typing import TypeVar
 
 import torch
 
-from diloco.comm.base import Averaging, Staged, SyncResult, fingerprint_of
+from diloco.comm.base import Averaging, Outcome, Staged, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
 from diloco.core.digest import tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
-from diloco.core.recovery import Recovery, RoundOutcome
 from diloco.errors import require
 
 T = TypeVar("T")
@@ -124,8 +123,6 @@ class OuterStep:
         # held while the global state changes, and while a peer's download reads it (offered_state)
         self._state_lock = threading.Lock()
         self._state_version = 0  # how many times the global state changed: an offer is of one version
-        # after a failed, partial or split round: whether the global state is the run's, and taking a peer's
-        self.recovery = Recovery(self)
 
     @torch.no_grad()
     def pseudo_gradients(self, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -171,31 +168,24 @@ class OuterStep:
             self._state_version += 1
             yield
 
-    def sync(
-        self, averaging: Averaging, *, weight: float, round_index: int, deadline_s: float, expected_peers: int
-    ) -> tuple[SyncResult, int | None]:
+    def sync(self, averaging: Averaging, *, weight: float, round_index: int, deadline_s: float) -> SyncResult:
         """One round: pseudo-gradient, average with the other workers, outer step. When the average
-        failed the worker applies its own pseudo-gradient; then the recovery protocol (recovery.py)
-        runs: after a round that failed, was partial or ran in a smaller group, it takes the state
-        of a peer that did better. A round nobody could reduce (``SyncResult.postponed``) takes no
-        outer step. Returns the averaging result and the round of the state taken from a peer
-        (None when none was)."""
-        started = time.monotonic()
+        failed the worker applies its own pseudo-gradient; a round nobody could reduce
+        (``Outcome.POSTPONED``) takes no outer step. The caller then runs the recovery protocol
+        (recovery.py): after a round that failed, was partial or ran in a smaller group, it takes
+        the state of a peer that did better (worker/sync_modes.py)."""
         result, pseudo_gradients, raw = self._average(averaging, weight, round_index=round_index, deadline_s=deadline_s)
-        if result.postponed:
+        if result.outcome is Outcome.POSTPONED:
             # nobody could reduce (every live worker a client): no outer step, alone or otherwise, so
             # that every worker keeps the same global params; the local params train on and the next
             # round's pseudo-gradient holds this round's steps too (the residual waits for it as it was)
             logger.warning("round %d: %s", round_index + 1, result.error)
             if self.error_feedback is not None:
                 self.error_feedback.take_back(pseudo_gradients, raw)
-            return result, None
+            return result
         self.account(result, f"round {round_index + 1}")
         self.apply(pseudo_gradients)
-        # what is left of the round's deadline, but never less than a short download
-        remaining = max(deadline_s - (time.monotonic() - started), min(10.0, deadline_s / 4))
-        outcome = RoundOutcome.of(result, round_index)
-        return result, self.recovery.after_round(outcome, expected_peers=expected_peers, timeout_s=remaining)
+        return result
 
     def _average(
         self, averaging: Averaging, weight: float, *, round_index: int, deadline_s: float
@@ -208,7 +198,7 @@ class OuterStep:
         if self.error_feedback is None or not self.error_feedback.enabled:  # sent as it is
             buffers, pseudo_gradients = self._staged(averaging)
             result = averaging.all_reduce_mean(pseudo_gradients, weight, round_index=round_index, deadline_s=deadline_s)
-            if buffers is not None and not result.averaged and not result.postponed:  # the buffers' values: undefined
+            if buffers is not None and not (result.averaged or result.outcome is Outcome.POSTPONED):  # undefined values
                 pseudo_gradients = self.pseudo_gradients()
             return result, pseudo_gradients, pseudo_gradients
         raw = self.pseudo_gradients()
@@ -235,7 +225,7 @@ class OuterStep:
         None) with, before the outer step applies it; a failed or partial one logged as ``where``."""
         # partial: the group's common mean, honest about how few it covers in places; sides: the
         # whole group's mean, in a group whose params differ (a split run met again)
-        if result.partial or result.sides:
+        if result.outcome in (Outcome.PARTIAL, Outcome.SPLIT):
             logger.warning("%s: %s", where, result.error)
         elif not result.ok:  # the transport left our own pseudo-gradient in place: it is applied in full
             logger.warning("%s: averaging failed (%s)", where, result.error)

@@ -43,10 +43,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from diloco.comm.base import Averaging, PendingAverage, SyncResult
+from diloco.comm.base import Averaging, Outcome, PendingAverage, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.core.outer import OuterConfig, OuterStep
-from diloco.core.recovery import RoundOutcome
+from diloco.core.recovery import Recovery, RoundOutcome
 from diloco.errors import require
 
 logger = logging.getLogger(__name__)
@@ -129,10 +129,17 @@ class OverlappedOuter:
     optimizer; ``after_inner_step`` is called after every inner step."""
 
     def __init__(
-        self, outer: OuterStep, averaging: Averaging, cfg: OuterConfig, *, deadline_s: float, expected_peers: int
+        self,
+        outer: OuterStep,
+        averaging: Averaging,
+        recovery: Recovery,
+        cfg: OuterConfig,
+        *,
+        deadline_s: float,
+        expected_peers: int,
     ):
         self.outer, self.averaging, self.deadline_s = outer, averaging, deadline_s
-        self.recovery = outer.recovery
+        self.recovery = recovery  # after an applied average (``_recover``); recovers ``outer``'s state
         self.wait_limit_s = round_limit_s(deadline_s)  # an average not done by then is abandoned (comm/bounds.py)
         self.expected_peers = expected_peers
         self.every = cfg.sync_every
@@ -198,8 +205,7 @@ class OverlappedOuter:
         for flight in [f for f in self.in_flight if final or f.apply_at <= step]:
             self.in_flight.remove(flight)
             started = time.perf_counter()
-            # a fragment's average nobody could reduce is a failed one here: the fragment takes its own step
-            result = replace(flight.pending.wait(timeout_s=self.wait_limit_s), postponed=False)
+            result = _not_postponed(flight.pending.wait(timeout_s=self.wait_limit_s))
             wait_s = time.perf_counter() - started
             if flight.pending.abandoned:  # its thread may still write the mean into what we apply
                 flight.averaged = [t.clone() for t in flight.averaged]
@@ -316,3 +322,9 @@ class OverlappedOuter:
         self.syncs_started = list(state["syncs_started"])
         self.last_start_step = list(state["last_start_step"])
         self.recovery.load_state_dict(state)
+
+
+def _not_postponed(result: SyncResult) -> SyncResult:
+    """An overlapped average nobody could reduce is a failed one: the fragment takes its own step
+    (an average in flight cannot wait for the next round's)."""
+    return replace(result, outcome=Outcome.FAILED) if result.outcome is Outcome.POSTPONED else result

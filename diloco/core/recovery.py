@@ -5,7 +5,7 @@ a smaller group than expected (hivemind's matchmaking can split a round), the wo
 state to its peers and takes the state of one that ranks higher, so that it ends with the
 others' params instead of drifting. ``Recovery`` holds that protocol for every case:
 
-    after_round       after a blocking round (``OuterStep.sync``): may take the state of a later
+    after_round       after a blocking round (worker/sync_modes.py): may take the state of a later
                       round, and says which, so that the worker skips to it (worker/sync_modes.py)
     after_average     after an overlapped average of one fragment (core/overlap.py): the same, of
                       that round only (the schedule of averages in flight cannot skip rounds)
@@ -18,7 +18,23 @@ others' params instead of drifting. ``Recovery`` holds that protocol for every c
     behind_the_run    before the first round, when live peers are rounds ahead (a newcomer, or a
                       restart from an old checkpoint: worker/joining.py says when, and where to start)
 
-Its input is a ``RoundOutcome``, built from the round's ``SyncResult``; its state a ``Standing``.
+Its input is a ``RoundOutcome`` (the round's ``Outcome``, comm/round_result.py, and how many
+share its params) and a ``Finding`` (what it found after the round); its state a ``Standing``,
+which ``next_standing`` moves:
+
+    finding        the round (its Outcome)               standing before    after
+    TOOK_STATE     any                                   any                SYNCED
+    RUN_OF_ONE     CUT_OFF                               any                UNSYNCED
+    RUN_OF_ONE     any other                             any                as it was
+    NONE_OUTSIDE   CUT_OFF                               any                UNSYNCED
+    NONE_OUTSIDE   any other                             any                SYNCED
+    NONE_BETTER    a mean (AVERAGED, SPLIT, PARTIAL, ..) SYNCED, DRIFTED    SYNCED (a split round's winner)
+    NONE_BETTER    a mean                                UNSYNCED           UNSYNCED
+    NONE_BETTER    no mean (FAILED, DROPPED)             any                UNSYNCED
+    SOLE_SOURCE    no mean, and a group formed without   any                UNSYNCED
+    SOLE_SOURCE    any other                             any                SYNCED (the others take ours)
+    (note_average) no mean, or CUT_OFF, of a fragment    SYNCED             DRIFTED
+
 How good a state is, is a ``StateRank`` (comm/base.py): averaged over more peers first, then the
 fingerprint of the params, which makes the groups of a split round agree on one winner. A worker
 that needed a state and found none is UNSYNCED: its params may differ from its group's, and
@@ -27,8 +43,9 @@ itself below every peer (peers 0, "demoted") and takes its group's state.
 
 Where the rest lives: the transport serves and downloads states (its ``StateExchange``:
 ``publish_state``, ``fetch_state``, ``sole_state_source`` in comm/base.py; hivemind's in
-comm/hivemind/state_exchange.py) and says who is live (its ``Membership``); the worker hands both
-to ``Recovery.connect`` once it has a transport (worker/build.py). The outer step applies the
+comm/hivemind/state_exchange.py) and says who is live (its ``Membership``); the worker builds its
+``Recovery`` with both once it has a transport (worker/build.py), and runs it after each round
+(worker/sync_modes.py for blocking rounds, core/overlap.py for overlapped ones). The outer step applies the
 worker's own pseudo-gradient when a round failed (core/outer.py).
 
 A downloaded state is checked before it is taken (``Recovery.check``): its params must be those
@@ -49,6 +66,7 @@ from typing import Protocol
 from diloco.comm.base import (
     Declared,
     Membership,
+    Outcome,
     PeerState,
     StateExchange,
     StateRank,
@@ -74,16 +92,45 @@ class Standing(enum.Enum):
     DRIFTED = "drifted"
 
 
+class Finding(enum.Enum):
+    """What recovery found after a round: the other input of ``next_standing``."""
+
+    RUN_OF_ONE = "run of one"  # no other worker is live: nobody to compare with, nothing looked for
+    NONE_OUTSIDE = "none outside"  # everyone averaged, or too few are outside our group to rank higher
+    TOOK_STATE = "took state"  # a better peer's state was taken
+    NONE_BETTER = "none better"  # looked for a better state; none was served
+    SOLE_SOURCE = "sole source"  # none was served, and no other live worker serves states: they take ours
+
+
+def next_standing(standing: Standing, outcome: RoundOutcome, finding: Finding) -> Standing:
+    """The standing after a round (the table in this module's docstring)."""
+    if finding is Finding.TOOK_STATE:
+        return Standing.SYNCED
+    if finding in (Finding.RUN_OF_ONE, Finding.NONE_OUTSIDE):
+        if outcome.outcome is Outcome.CUT_OFF:  # alone while others may train on: its params may part
+            return Standing.UNSYNCED
+        return standing if finding is Finding.RUN_OF_ONE else Standing.SYNCED
+    if finding is Finding.NONE_BETTER:  # a winner of a split round stays; a failed or unsynced one cannot tell
+        return Standing.SYNCED if outcome.averaged and standing is not Standing.UNSYNCED else Standing.UNSYNCED
+    # SOLE_SOURCE: the others take our state, so ours is the run's, unless a group averaged without us
+    return Standing.UNSYNCED if outcome.grouped and not outcome.averaged else Standing.SYNCED
+
+
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What a round left this worker with, as recovery reads it."""
+    """What a round left this worker with, as recovery reads it: the round's ``Outcome``, and how
+    many workers share the params it left."""
 
     round_index: int
-    averaged: bool  # it holds its group's mean (whole or partial); else its own pseudo-gradient
+    outcome: Outcome
     peers: int  # workers in that mean; at most 1 when not averaged (0: the group dropped ours)
     group: int  # the group's size, dropped members included, when averaged; 0 = not known
     grouped: bool  # a group of several formed for the round, with this worker or without it
-    drifted: bool = False  # taken alone while workers that vanished may train on (``SyncResult.drifted``)
+
+    @property
+    def averaged(self) -> bool:
+        """It holds its group's mean (whole or partial); else its own pseudo-gradient."""
+        return self.outcome.averaged
 
     @classmethod
     def of(cls, result: SyncResult, round_index: int) -> RoundOutcome:
@@ -94,12 +141,11 @@ class RoundOutcome:
         side = result.sides[0] if result.sides else None
         return cls(
             round_index,
-            averaged=result.averaged,
+            result.outcome,
             # a worker whose contribution the group dropped ranks its state below every other (peers 0)
             peers=min(side or result.peers, result.peers) if result.averaged else min(result.peers, 1),
             group=(side or result.group) if result.averaged else 0,
             grouped=result.group > 1,
-            drifted=result.drifted,
         )
 
 
@@ -118,22 +164,27 @@ class RecoverableState(Protocol):
 class Recovery:
     """The recovery protocol of one worker's global ``state`` (see the module's docstring)."""
 
-    def __init__(self, state: RecoverableState, *, records_lag_s: float = RECORDS_LAG_S):
+    def __init__(
+        self,
+        state: RecoverableState,
+        states: StateExchange | None = None,
+        membership: Membership | None = None,
+        *,
+        records_lag_s: float = RECORDS_LAG_S,
+    ):
+        """Recover ``state`` through the transport's ``states`` exchange, asking its ``membership``
+        who is live and what they declared (neither given: a transport that exchanges no states,
+        where there is never a state to take)."""
         self.state = state
+        self.states = states if states is not None else StateExchange()
+        self.membership = membership if membership is not None else Membership()
         # how long the others' records may lag what they did, before a state nobody else vouches for is taken
         self.records_lag_s = records_lag_s
         self._unvoted: dict[str, float] = {}  # servers of states nobody else vouched for: since when
-        # what it uses of the transport, once the worker has one (``connect``); until then, or on a
-        # transport that exchanges no states, there is never a state to take
-        self.states, self.membership = StateExchange(), Membership()
         self.standing = Standing.SYNCED
         # several fragments: some average since the last state taken held a group's mean (with
         # others, not alone); a worker that drifted then still carries the others' progress
         self.averaged_with_others = False
-
-    def connect(self, states: StateExchange, membership: Membership) -> None:
-        """Recover through the transport's state exchange, asking its membership who is live."""
-        self.states, self.membership = states, membership
 
     def after_round(self, outcome: RoundOutcome, *, expected_peers: int, timeout_s: float) -> int | None:
         """After a blocking round: take a better state of this round or of a later one. Returns the
@@ -147,7 +198,7 @@ class Recovery:
     def note_average(self, outcome: RoundOutcome) -> None:
         """An average of one of several fragments was applied: one that failed for this worker, or
         that it took alone while workers had vanished, leaves it DRIFTED until the run's end."""
-        if self.standing is Standing.SYNCED and (not outcome.averaged or outcome.drifted):
+        if self.standing is Standing.SYNCED and (not outcome.averaged or outcome.outcome is Outcome.CUT_OFF):
             self.standing = Standing.DRIFTED
         self.averaged_with_others = self.averaged_with_others or (outcome.averaged and outcome.peers > 1)
 
@@ -175,7 +226,7 @@ class Recovery:
         drifted = self.standing is Standing.DRIFTED
         outcome = RoundOutcome(
             round_index,
-            averaged=not drifted,
+            Outcome.FAILED if drifted else Outcome.AVERAGED,
             peers=int(self.averaged_with_others) if drifted else min(r.peers for r in last),
             group=0 if drifted else min(r.group for r in last),
             grouped=self.averaged_with_others,
@@ -198,39 +249,28 @@ class Recovery:
         a peer that ranks higher (a bigger group, or the agreed winner between groups of one size),
         or, with ``newer``, of a later round. When the workers outside our group are fewer than our
         peers, none can have averaged over as many: nothing to fetch. ``expected_peers`` is the plan;
-        a transport that tracks who is alive says how many are left.
-
-        A worker that needed a state and found none is UNSYNCED, unless it is the only one serving
-        its state: the others are clients and take its state, so it is the run's, except when a group
-        formed and averaged without it (they moved on apart). The winner of a split round also finds
-        nobody better, but its round did not fail: it stays SYNCED."""
+        a transport that tracks who is alive says how many are left. The standing then follows
+        ``next_standing``."""
         live = self.membership.expected_peers()
         expected = expected_peers if live is None else live
-        failed = not outcome.averaged
         demoted = self.standing is Standing.UNSYNCED and expected > 1
         ranked_peers = 0 if demoted else outcome.peers
         # the fingerprint only tells apart groups of one size, which a round that everyone
         # averaged in cannot have: hashing every global param each round is skipped then
         rank = StateRank(ranked_peers, self.state.fingerprint() if ranked_peers < expected else 0.0)
-        self.states.publish_state(
-            outcome.round_index, rank, self.state.offered_state()
-        )  # for transports that serve state
+        self.states.publish_state(outcome.round_index, rank, self.state.offered_state())  # where states are served
         if not demoted and (
             ranked_peers >= expected or expected - max(ranked_peers, outcome.group) < ranked_peers
         ):  # everyone averaged, or too few are left outside our group to rank higher
-            if outcome.drifted:
-                self.standing = Standing.UNSYNCED
-            elif expected > 1:  # alone with nobody live to sync with, it stays what it was until someone is back
-                self.standing = Standing.SYNCED
+            finding = Finding.NONE_OUTSIDE if expected > 1 else Finding.RUN_OF_ONE
+            self.standing = next_standing(self.standing, outcome, finding)
             return None
         found = self.states.fetch_state(
             outcome.round_index, better_than=rank, timeout_s=timeout_s, newer=newer, check=self.check
         )
         if found is not None:
             self._load(found)
-            self.states.publish_state(
-                found.round, found.rank, self.state.offered_state()
-            )  # no longer behind: peers may go
+            self.states.publish_state(found.round, found.rank, self.state.offered_state())  # no longer behind
             logger.warning(
                 "round %d: averaged over %d of %d workers; took the state of a peer (%d peers) after round %d",
                 outcome.round_index + 1,
@@ -240,12 +280,13 @@ class Recovery:
                 found.round + 1,
             )
             return found.round
-        # nobody serving a state but us: the others (clients) take ours, so ours is the run's
-        in_step = (failed or demoted) and not (outcome.grouped and failed) and self.states.sole_state_source()
-        if in_step and demoted:  # offered as unsynced a moment ago: offered again as what it is
+        finding = Finding.NONE_BETTER
+        if (demoted or not outcome.averaged) and self.states.sole_state_source():
+            finding = Finding.SOLE_SOURCE
+        self.standing = next_standing(self.standing, outcome, finding)
+        if demoted and self.standing is Standing.SYNCED:  # offered as unsynced a moment ago: again as what it is
             rank = StateRank(outcome.peers, rank.fingerprint if outcome.peers < expected else 0.0)
             self.states.publish_state(outcome.round_index, rank, self.state.offered_state())
-        self.standing = Standing.UNSYNCED if (failed or demoted) and not in_step else Standing.SYNCED
         logger.warning(
             "round %d: averaged over %d of %d workers and no peer did better",
             outcome.round_index + 1,
@@ -309,7 +350,7 @@ class Recovery:
 
     def _load(self, found: PeerState) -> None:
         self.state.load_state_dict(found.state)
-        self.standing = Standing.SYNCED
+        self.standing = Standing.SYNCED  # ``Finding.TOOK_STATE``
         self.averaged_with_others = False
 
     def state_dict(self) -> dict:

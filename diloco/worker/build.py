@@ -24,11 +24,12 @@ from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import Config, ConfigError, save_config, to_dict
 from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter, fragments_for
+from diloco.core.recovery import Recovery
 from diloco.core.rounds import RoundClock
 from diloco.errors import make_folder
 from diloco.worker.checkpoint import CheckpointWriter, capture_rng_state, checkpoint_folder, restore_rng_state
 from diloco.worker.faults import with_bad_payloads, with_faults
-from diloco.worker.joining import catch_up_with_run, model_digest, published_run
+from diloco.worker.joining import Joining, model_digest, published_run
 from diloco.worker.placement import Placement
 from diloco.worker.records import Totals, WorkerLog, totals_state
 from diloco.worker.resume import Resume, choose_resume, model_shapes, told
@@ -202,7 +203,6 @@ def build_worker(
 
     # a site's ranks connect through the site
     backend = placement.connect(cfg.comm, _transport_opener(cfg, trained, placement.device))
-    trained.outer.recovery.connect(backend.states, backend.membership)  # what recovery uses of the transport
     with contextlib.ExitStack() as undo:  # should a step below fail, what started is stopped again
         undo.callback(backend.shutdown)
         undo.callback(backend.membership.leave)
@@ -332,28 +332,29 @@ def _sync_mode(
     """The worker's rounds (sync_modes.py): data-parallel (outer.sync_every=0), overlapped
     (outer.overlap=delayed|streaming) or blocking."""
     model, outer = trained.model, trained.outer
+    # after a failed, partial or split round: whether the global state is the run's, and taking a peer's
+    recovery = Recovery(outer, backend.states, backend.membership)
     deadline_s, workers, timed = cfg.comm.deadline_s, cfg.worker.count, cfg.outer.round_s > 0
     if cfg.outer.sync_every == 0:
         params = list(model.parameters())
         averaging = GradientAveraging(params, backend.averaging, weight=samples_per_step, deadline_s=deadline_s)
         return DataParallelRounds(averaging, accounting)
     if cfg.outer.overlap != "none":
-        overlapped = OverlappedOuter(outer, backend.averaging, cfg.outer, deadline_s=deadline_s, expected_peers=workers)
+        overlapped = OverlappedOuter(
+            outer, backend.averaging, recovery, cfg.outer, deadline_s=deadline_s, expected_peers=workers
+        )
         return OverlappedRounds(
             overlapped, accounting, watchdog, samples_per_step=samples_per_step, total_steps=cfg.inner.steps
         )
 
-    def catch_up(step: int, round_index: int) -> tuple[int, int]:
-        return catch_up_with_run(
-            outer, backend.membership, step, round_index, cfg=cfg, required=join, align_step=not timed, model=model_id
-        )
-
+    joining = Joining(recovery, backend.membership, cfg, required=join, align_step=not timed, model=model_id)
     return BlockingRounds(
         outer,
         backend.averaging,
+        recovery,
         accounting,
         watchdog,
-        catch_up=catch_up,
+        joining=joining,
         worker_index=cfg.worker.index,
         deadline_s=deadline_s,
         expected_peers=workers,

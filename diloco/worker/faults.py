@@ -25,7 +25,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, PeerState, StateExchange, StateRank, StateReader, SyncResult
+from diloco.comm.base import (
+    Averaging,
+    CommBackend,
+    Outcome,
+    PeerState,
+    StateExchange,
+    StateRank,
+    StateReader,
+    SyncResult,
+)
 from diloco.compression import Codec
 from diloco.config import FaultConfig
 from diloco.config.schema import FORGED_PAYLOADS
@@ -58,7 +67,7 @@ class SkipRoundAveraging(FaultyAveraging):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int = 0
     ) -> SyncResult:
         if round_index + 1 == self.skip_round:
-            return SyncResult(ok=False, peers=1, total_weight=weight, error="faults.skip_round")
+            return SyncResult(Outcome.FAILED, peers=1, total_weight=weight, error="faults.skip_round")
         return self.inner.all_reduce_mean(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )

@@ -16,11 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 
 from diloco.comm.base import CommError, Membership
 from diloco.comm.hivemind.roster import nobody_answered
 from diloco.config import Config, ConfigError, to_dict
-from diloco.core.outer import OuterStep
+from diloco.core.recovery import Recovery
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +139,35 @@ def check_same_run(cfg: Config, others: dict, *, model: str = "") -> None:
             )
 
 
+@dataclass(frozen=True)
+class Joining:
+    """How a worker starts its run (``catch_up``): behind live peers, it takes their state first.
+    ``required``: a live run must answer (``diloco join``); ``align_step``: rounds are H steps, so
+    it starts at their step; ``model``: its ``model_digest``, which theirs must match."""
+
+    recovery: Recovery
+    membership: Membership
+    cfg: Config
+    required: bool
+    align_step: bool
+    model: str = ""
+
+    def catch_up(self, step: int, round_index: int) -> tuple[int, int]:
+        """Where the worker starts: (step, round) (``catch_up_with_run``)."""
+        return catch_up_with_run(
+            self.recovery,
+            self.membership,
+            step,
+            round_index,
+            cfg=self.cfg,
+            required=self.required,
+            align_step=self.align_step,
+            model=self.model,
+        )
+
+
 def catch_up_with_run(
-    outer: OuterStep,
+    recovery: Recovery,
     membership: Membership,
     step: int,
     round_index: int,
@@ -160,7 +188,7 @@ def catch_up_with_run(
     check_same_run(cfg, others, model=model)  # before any download: a state of other shapes cannot be loaded
     if not any(e.round > round_index for e in others.values()):
         return step, round_index
-    taken_round = outer.recovery.behind_the_run(round_index, timeout_s=cfg.comm.deadline_s)
+    taken_round = recovery.behind_the_run(round_index, timeout_s=cfg.comm.deadline_s)
     if taken_round is None:
         if required:
             raise JoinError(f"no live worker of run {cfg.comm.run_id!r} served its state within comm.deadline_s")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import SyncResult
+from diloco.comm.base import Outcome, SyncResult
 from diloco.config import LoggingConfig
 from diloco.worker.metrics import JsonlWriter, build_wandb_logger, format_duration, start_record
 
@@ -168,7 +168,7 @@ class WorkerLog:
             "val_loss": val_loss,
             "peers": result.peers,
             "ok": result.ok,
-            "partial": result.partial,
+            "partial": result.outcome is Outcome.PARTIAL,
             "recovered": recovered,
             "bytes_sent": result.bytes_sent,
             "bytes_recv": result.bytes_recv,
@@ -193,7 +193,9 @@ class WorkerLog:
             record["sides"] = list(result.sides)
         if result.excluded:  # workers left out of every mean now (comm.exclude_after)
             record["excluded"] = list(result.excluded)
-        if result.postponed:  # nobody could reduce: no outer step; the steps count toward the next round
+        if (
+            result.outcome is Outcome.POSTPONED
+        ):  # nobody could reduce: no outer step; the steps count toward the next round
             record["postponed"] = True
         self._emit(record, step)
         self.live = {**self.live, "val_loss": None if val_loss is None else round(val_loss, 4), "peers": result.peers}

@@ -61,6 +61,7 @@ from diloco.comm.base import (
     SyncResult,
     fingerprint_of,
 )
+from diloco.comm.round_result import agreed_outcome
 from diloco.config import ConfigError
 
 
@@ -302,9 +303,8 @@ class ShardedSiteAveraging(Averaging):
         results = self.site.gather(result)
         return replace(
             result,  # this rank's traffic, for its records
-            ok=all(r.ok for r in results),
-            # every shard holds its group's common mean, some partial: the site's round is partial
-            partial=not all(r.ok for r in results) and all(r.averaged for r in results),
+            # every shard whole: ours; every shard its group's common mean, some partial: partial
+            outcome=agreed_outcome(result.outcome, [r.outcome for r in results]),
             peers=min(r.peers for r in results),
             group=min(r.group for r in results),
             error=next((r.error for r in results if r.error), ""),

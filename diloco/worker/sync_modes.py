@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from diloco.comm.base import Averaging, SyncResult
+from diloco.comm.base import Averaging, Outcome, SyncResult
+from diloco.comm.round_result import agreed_outcome
 from diloco.core.outer import GradientAveraging, OuterStep
 from diloco.core.overlap import OverlappedOuter
+from diloco.core.recovery import Recovery, RoundOutcome
+from diloco.worker.joining import Joining
 from diloco.worker.records import Totals, WorkerLog
 from diloco.worker.watchdog import Watchdog
 
@@ -114,10 +116,11 @@ class BlockingRounds(SyncMode):
         self,
         outer: OuterStep,
         averaging: Averaging,
+        recovery: Recovery,
         accounting: Accounting,
         watchdog: Watchdog,
         *,
-        catch_up: Callable[[int, int], tuple[int, int]],
+        joining: Joining,
         worker_index: int,
         deadline_s: float,
         expected_peers: int,
@@ -125,8 +128,8 @@ class BlockingRounds(SyncMode):
         total_steps: int,
     ):
         super().__init__(outer.global_params, accounting)
-        self.outer, self.averaging, self.watchdog = outer, averaging, watchdog
-        self.catch_up = catch_up  # (step, round) -> where the run is: joining.py's catch_up_with_run
+        self.outer, self.averaging, self.recovery, self.watchdog = outer, averaging, recovery, watchdog
+        self.joining = joining  # where a worker behind the run starts (joining.py)
         self.worker_index = worker_index
         self.deadline_s, self.expected_peers = deadline_s, expected_peers
         # fixed rounds (not outer.round_s) end at multiples of H: a worker skipping rounds keeps to them
@@ -136,18 +139,13 @@ class BlockingRounds(SyncMode):
         """A worker whose peers are rounds ahead (it joins a live run, or restarts from an old
         checkpoint) first takes their state."""
         with self.watchdog.phase("downloading state"):
-            return self.catch_up(step, round_index)
+            return self.joining.catch_up(step, round_index)
 
     def end_round(self, step: int, round_index: int, *, weight: float) -> RoundEnd:
         started = time.perf_counter()
         with self.watchdog.phase("averaging"):
-            result, taken_round = self.outer.sync(
-                self.averaging,
-                weight=weight,
-                round_index=round_index,
-                deadline_s=self.deadline_s,
-                expected_peers=self.expected_peers,
-            )
+            result = self.outer.sync(self.averaging, weight=weight, round_index=round_index, deadline_s=self.deadline_s)
+            taken_round = self._recover(result, round_index, started=started)
         comm_s = self.accounting.average(result, time.perf_counter() - started).comm_s
         if taken_round is not None and taken_round > round_index:  # the others are rounds ahead: skip to them
             logger.warning("worker %d skips from round %d to %d", self.worker_index, round_index + 1, taken_round + 1)
@@ -155,6 +153,17 @@ class BlockingRounds(SyncMode):
                 step = min(self.total_steps, step + (taken_round - round_index) * self.steps_per_round)
             round_index = taken_round
         return RoundEnd(result, comm_s, taken_round is not None, step, round_index)
+
+    def _recover(self, result: SyncResult, round_index: int, *, started: float) -> int | None:
+        """After the outer step, the recovery protocol (core/recovery.py): after a round that failed,
+        was partial or ran in a smaller group, the state of a peer that did better, within what is
+        left of the round's deadline (never less than a short download). Returns the round of the
+        state taken, or None. A postponed round took no step: nothing to recover."""
+        if result.outcome is Outcome.POSTPONED:
+            return None
+        remaining = max(self.deadline_s - (time.perf_counter() - started), min(10.0, self.deadline_s / 4))
+        outcome = RoundOutcome.of(result, round_index)
+        return self.recovery.after_round(outcome, expected_peers=self.expected_peers, timeout_s=remaining)
 
 
 class _AveragesWithinSteps(SyncMode):
@@ -240,9 +249,9 @@ def merged(window: list[RoundCost]) -> SyncResult:
     """The averages applied since the last record, as one result."""
     results = [cost.result for cost in window]
     if not results:
-        return SyncResult(ok=True, peers=1, total_weight=0.0)
+        return SyncResult(Outcome.AVERAGED, peers=1, total_weight=0.0)
     return SyncResult(
-        ok=all(r.ok for r in results),
+        agreed_outcome(Outcome.AVERAGED, [r.outcome for r in results]),
         peers=min(r.peers for r in results),
         total_weight=results[-1].total_weight,
         bytes_sent=sum(r.bytes_sent for r in results),

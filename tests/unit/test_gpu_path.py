@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco.cli import main
-from diloco.comm.base import Averaging, SyncResult
+from diloco.comm.base import Averaging, Outcome, SyncResult
 from diloco.config import ConfigError, load_config
 from diloco.core.digest import tensors_digest
 from diloco.core.inner import InnerConfig, autocast, build_inner_optimizer, inner_step
@@ -27,7 +27,7 @@ class Alone(Averaging):
     """One worker: the mean of its pseudo-gradient is itself."""
 
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
-        return SyncResult(ok=True, peers=1, total_weight=weight)
+        return SyncResult(Outcome.AVERAGED, peers=1, total_weight=weight)
 
 
 def _batch(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,7 @@ def _train(model, optimizer, steps: int, *, precision: str, device: str = "cpu")
 
 
 def _sync(outer: OuterStep, round_index: int) -> None:
-    outer.sync(Alone(), weight=1.0, round_index=round_index, deadline_s=10.0, expected_peers=1)
+    outer.sync(Alone(), weight=1.0, round_index=round_index, deadline_s=10.0)
 
 
 def test_bf16_inner_steps_on_cpu_reduce_the_loss_and_keep_fp32_master_params():

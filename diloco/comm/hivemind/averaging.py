@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import Averaging, CommConfig, HivemindConfig, Staged, SyncResult
+from diloco.comm.base import Averaging, CommConfig, HivemindConfig, Outcome, Staged, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
@@ -163,7 +163,9 @@ class HivemindAveraging(Averaging):
             # still hold the averager; the round fails at once rather than queue behind it
             busy = self._busy[fragment]
             if not busy.acquire(blocking=False):
-                return SyncResult(False, 1, weight, error="an earlier average of these tensors is still running")
+                return SyncResult(
+                    Outcome.FAILED, 1, weight, error="an earlier average of these tensors is still running"
+                )
             try:
                 result = self._average(
                     tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
@@ -205,7 +207,7 @@ class HivemindAveraging(Averaging):
             # group of this round will form; the round fails at once, and its recovery takes their
             # state through a helper with the whole deadline left (postponed, it would look for
             # each round's group a round behind theirs for good)
-            return SyncResult(False, 1, weight, error=behind)
+            return SyncResult(Outcome.FAILED, 1, weight, error=behind)
         result = self._average_in_group(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
@@ -229,7 +231,7 @@ class HivemindAveraging(Averaging):
         else:
             error = "no worker or helper that can be dialled is live: the round is postponed"
         self._roster.postponed_averaging(fragment, round_index)
-        return dataclasses.replace(result, postponed=True, error=error)
+        return dataclasses.replace(result, outcome=Outcome.POSTPONED, error=error)
 
     def _records(self) -> tuple[dict[int, RosterEntry], list[RosterEntry]] | None:
         """One read of the roster: every live worker's record by index (ours included), and the
@@ -315,9 +317,8 @@ class HivemindAveraging(Averaging):
             lost = 0 if left_behind else _not_waited_for(lost, group=result.group, helpers=helpers)
             again = Attempt(round_index, 1, expected, retry_s, limit, helpers, fragment=fragment, lost=lost)
             retry = self.group_round.run(averager, flat, tensors, weight, again)
-            retry.bytes_sent += result.bytes_sent
-            retry.bytes_recv += result.bytes_recv
-            result = retry
+            sent, recv = retry.bytes_sent + result.bytes_sent, retry.bytes_recv + result.bytes_recv
+            result = dataclasses.replace(retry, bytes_sent=sent, bytes_recv=recv)
         return dataclasses.replace(result, expected=expected)
 
     def _worth_retrying(self, result: SyncResult, round_index: int, *, left_behind: bool, remaining: float) -> bool:
@@ -381,12 +382,14 @@ class HivemindAveraging(Averaging):
         alone = [Contribution("self", [codec.compress(t) for t in tensors], weight)]
         means, used = average_payloads(codec, alone, [t.numel() for t in tensors], round_index=round_index)
         if not used:
-            return SyncResult(False, 1, weight, error="our own contribution was dropped")
+            return SyncResult(Outcome.FAILED, 1, weight, error="our own contribution was dropped")
         for tensor, mean in zip(tensors, means):
             tensor.copy_(mean.view_as(tensor))
         # alone while workers that vanished without leaving may train on, cut off from us (or we from them)
         drifted = self.num_workers > 1 and bool(self._roster.missing)
-        return SyncResult(ok=True, peers=1, total_weight=weight, drifted=drifted, codec=self.codecs.named(codec))
+        return SyncResult(
+            Outcome.CUT_OFF if drifted else Outcome.ALONE, peers=1, total_weight=weight, codec=self.codecs.named(codec)
+        )
 
     def finish(self) -> None:
         """Our last round may be over while we still send a peer its averaged parts (we reduced them

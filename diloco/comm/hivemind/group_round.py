@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.comm.base import CommConfig, SyncResult
+from diloco.comm.base import CommConfig, Outcome, SyncResult
 from diloco.comm.hivemind import gloo_plane
 from diloco.comm.hivemind.helper_record import contributors
 from diloco.comm.link_meter import CodecChoice
@@ -168,7 +168,7 @@ class GroupRound:
             # a transfer that did not finish says the link is too slow for the codec it used (the
             # averager's process says which; nothing is measured when no all-reduce began)
             self.codecs.measure(self.codec.candidates[averager.traffic.used_codec()], sent + recv, transfer_s)
-            return SyncResult(False, 1, weight, sent, recv, error=failure)
+            return SyncResult(Outcome.FAILED, 1, weight, sent, recv, error=failure)
         # the group's screening (robust.py), which every peer computes alike from what it gathered
         norms = {peer: declared_norm(g) for peer, g in gathered.items()}
         screening = screen(norms, ScreeningRules.of(self.cfg), declared_weights(gathered))
@@ -191,7 +191,9 @@ class GroupRound:
                 f"the group held {len(sides)} models ({text} workers, ours first): a split run met again, or a "
                 f"worker that missed a state; the side that ranks lower takes the other's"
             )
-            result = dataclasses.replace(result, sides=sides, error=result.error or error)
+            # a whole mean of two models is the SPLIT outcome; a partial one stays partial, with its sides
+            outcome = Outcome.SPLIT if result.outcome is Outcome.AVERAGED else result.outcome
+            result = dataclasses.replace(result, outcome=outcome, sides=sides, error=result.error or error)
         return result
 
     def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, declared: dict, at: Attempt):
@@ -255,18 +257,18 @@ class GroupRound:
         group = len(gathered)
         if self._own_id in screening.dropped:  # the others refused our contribution: no retry
             error = f"the group dropped our contribution: {screening.dropped[self._own_id]}"
-            return SyncResult(False, 0, weight, sent, recv, error=error, group=group)
+            return SyncResult(Outcome.DROPPED, 0, weight, sent, recv, error=error, group=group)
         if failed_values:
             # some reducer dropped out: part of the buffers hold our own values, not the mean
             error = f"{failed_values} values were not averaged"
-            return SyncResult(False, 1, weight, sent, recv, error=error, group=group)
+            return SyncResult(Outcome.FAILED, 1, weight, sent, recv, error=error, group=group)
         try:
             with averager.tensors_within(self._control_s) as buffers:
                 for buffer, tensor in zip(buffers, tensors):
                     if not same_memory(buffer, tensor):
                         tensor.copy_(buffer)
         except TimeoutError as error:
-            return SyncResult(False, 1, weight, sent, recv, error=str(error), group=group)
+            return SyncResult(Outcome.FAILED, 1, weight, sent, recv, error=str(error), group=group)
         kept = screening.scales  # the peers whose contribution is in the mean
         total_weight = sum(
             screening.weight(float(g.get("weight", 0.0))) for peer, g in gathered.items() if peer in kept
@@ -278,12 +280,10 @@ class GroupRound:
             # a reducer averaged a part without some sender (it could not reach it, or it came late):
             # every worker holds the same mean, but that part is of fewer workers: not ok on any of them
             error = f"part of the vector was averaged over only {least} of {most} contributions"
-            return SyncResult(
-                False, least, total_weight, sent, recv, error=error, group=group, partial=True, codec=named
-            )
+            return SyncResult(Outcome.PARTIAL, least, total_weight, sent, recv, error=error, group=group, codec=named)
         # every part over the same contributions: fewer than kept when every reducer refused one it
         # could not decode (the sender then knows: its own reducer refused it too)
-        return SyncResult(True, min(least, len(kept)), total_weight, sent, recv, group=group, codec=named)
+        return SyncResult(Outcome.AVERAGED, min(least, len(kept)), total_weight, sent, recv, group=group, codec=named)
 
     def _over_plane(self, flat: torch.Tensor, tensors, gathered: dict, screening: Screening) -> SyncResult:
         """The group's weighted mean through the data plane (gloo_plane.py): every peer scales its
@@ -305,19 +305,19 @@ class GroupRound:
             if own not in kept:
                 reason = screening.dropped.get(own, "dropped")
                 error = f"the group dropped our contribution: {reason}"
-                return SyncResult(False, 0, weights[own], moved, moved, error=error, group=len(gathered))
+                return SyncResult(Outcome.DROPPED, 0, weights[own], moved, moved, error=error, group=len(gathered))
             flat.div_(total_weight)
             if not all_finite(flat):
                 raise ValueError("the mean is not finite")
         except Exception as error:  # a peer gone or cut off, a timeout: the group's round failed
             error = f"data plane: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            return SyncResult(False, 1, weights[own], moved, moved, error=error, group=len(gathered))
+            return SyncResult(Outcome.FAILED, 1, weights[own], moved, moved, error=error, group=len(gathered))
         finally:
             self._stage(None)
         for mean, tensor in zip(flat.split([t.numel() for t in tensors]), tensors):
             if not same_memory(mean.view_as(tensor), tensor):
                 tensor.copy_(mean.view_as(tensor))
-        return SyncResult(True, len(kept), total_weight, moved, moved, group=len(gathered))
+        return SyncResult(Outcome.AVERAGED, len(kept), total_weight, moved, moved, group=len(gathered))
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

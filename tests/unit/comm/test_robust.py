@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, SyncResult
+from diloco.comm.base import Averaging, CommBackend, Outcome, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.comm.robust import ScreeningRules, against_the_others, norm_of, screen
 from diloco.compression import CompressionConfig, NoCompression, build_codec
@@ -139,7 +139,7 @@ class _Echo(Averaging):
 
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
         self.seen = [t.clone() for t in tensors]
-        return SyncResult(self.ok, 1, weight)
+        return SyncResult(Outcome.AVERAGED if self.ok else Outcome.FAILED, 1, weight)
 
 
 @pytest.mark.parametrize("ok", [True, False])

@@ -10,9 +10,10 @@ import io
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, Membership, PeerState, StateExchange, StateRank, SyncResult
+from diloco.comm.base import Averaging, Membership, Outcome, PeerState, StateExchange, StateRank, SyncResult
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep, build_outer_optimizer
+from diloco.core.recovery import Recovery, RoundOutcome
 from diloco.data.corpus import ShardSampler
 from diloco.models.gpt import ModelConfig, build_model
 
@@ -110,7 +111,7 @@ class _FailingTransport(Averaging, StateExchange):
         self.peer_state, self.peer_round, self.published, self.asked = peer_state, peer_round, [], []
 
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s):
-        return SyncResult(ok=False, peers=1, total_weight=weight, error="nobody came")
+        return SyncResult(Outcome.FAILED, peers=1, total_weight=weight, error="nobody came")
 
     def publish_state(self, round_index, rank, state):
         self.published.append((round_index, rank.peers))
@@ -123,10 +124,15 @@ class _FailingTransport(Averaging, StateExchange):
         return PeerState(taken, StateRank(better_than.peers + 1), self.peer_state)
 
 
-def _sync(outer: OuterStep, transport: _FailingTransport, **kwargs):
-    """``outer.sync`` over ``transport``, whose state exchange its recovery uses."""
-    outer.recovery.connect(transport, Membership())
-    return outer.sync(transport, weight=1.0, deadline_s=1.0, **kwargs)
+def _sync(outer: OuterStep, transport: _FailingTransport, *, round_index: int, expected_peers: int):
+    """A blocking round as worker/sync_modes.py runs it: ``outer.sync`` over ``transport``, then the
+    recovery of ``outer``'s state through the transport's state exchange. Returns (result, taken round)."""
+    result = outer.sync(transport, weight=1.0, deadline_s=1.0, round_index=round_index)
+    if result.outcome is Outcome.POSTPONED:
+        return result, None
+    recovery = Recovery(outer, transport, Membership())
+    outcome = RoundOutcome.of(result, round_index)
+    return result, recovery.after_round(outcome, expected_peers=expected_peers, timeout_s=1.0)
 
 
 def test_failed_round_without_better_peer_applies_the_workers_own_pseudo_gradient():
@@ -145,11 +151,11 @@ def test_a_postponed_round_takes_no_outer_step_and_its_steps_count_toward_the_ne
     local = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     outer = OuterStep([local], OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0))
     backend = _FailingTransport()
-    backend.all_reduce_mean = lambda tensors, weight, **_: SyncResult(False, 1, weight, error="nobody", postponed=True)
+    backend.all_reduce_mean = lambda tensors, weight, **_: SyncResult(Outcome.POSTPONED, 1, weight, error="nobody")
     with torch.no_grad():
         local.sub_(torch.tensor([0.5, 0.25]))
     result, recovered = _sync(outer, backend, round_index=3, expected_peers=2)
-    assert result.postponed and recovered is None and backend.published == backend.asked == []
+    assert result.outcome is Outcome.POSTPONED and recovered is None and backend.published == backend.asked == []
     torch.testing.assert_close(outer.global_params[0], torch.tensor([1.0, 2.0]))  # no outer step, not even alone
     torch.testing.assert_close(local.detach(), torch.tensor([0.5, 1.75]))  # the local params train on
     torch.testing.assert_close(outer.pseudo_gradients()[0], torch.tensor([0.5, 0.25]))

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, Staged, SyncResult
+from diloco.comm.base import Averaging, Outcome, Staged, SyncResult
 from diloco.core.outer import OuterConfig, OuterStep
 from tests.allocations import NewTensors
 
@@ -29,7 +29,7 @@ class _Buffered(Averaging):
         for buffer, tensor in zip(self.buffers, tensors):  # a transport without buffers of its own copies
             if buffer.data_ptr() != tensor.data_ptr():
                 buffer.copy_(tensor)
-        return SyncResult(ok=True, peers=1, total_weight=weight)
+        return SyncResult(Outcome.AVERAGED, peers=1, total_weight=weight)
 
 
 class _Unbuffered(_Buffered):
@@ -52,7 +52,7 @@ def _round(averaging_type) -> tuple[int, int, list[torch.Tensor]]:
             for p in model.parameters():
                 p.add_(0.01)
         with NewTensors() as new:
-            outer.sync(averaging, weight=1.0, round_index=round_index, deadline_s=5.0, expected_peers=1)
+            outer.sync(averaging, weight=1.0, round_index=round_index, deadline_s=5.0)
     assert averaging.staged_rounds == (2 if averaging_type is _Buffered else 0)
     return new.peak_bytes, params_bytes, [p.detach().clone() for p in outer.global_params]
 
@@ -85,7 +85,7 @@ class _Scribbling(_Buffered):
         for buffer in self.buffers:
             buffer.fill_(123.0)
         if not self.retry:
-            return SyncResult(ok=False, peers=1, total_weight=weight, error="the group broke")
+            return SyncResult(Outcome.FAILED, peers=1, total_weight=weight, error="the group broke")
         tensors.restore()
         return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
 
@@ -107,7 +107,7 @@ def _params_after(make) -> list[torch.Tensor]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01)
-        outer.sync(averaging, weight=1.0, round_index=round_index, deadline_s=5.0, expected_peers=1)
+        outer.sync(averaging, weight=1.0, round_index=round_index, deadline_s=5.0)
     return [p.detach().clone() for p in outer.global_params]
 
 

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, Membership, PeerState, StateExchange, StateRank, SyncResult
+from diloco.comm.base import Averaging, Membership, Outcome, PeerState, StateExchange, StateRank, SyncResult
 from diloco.comm.bounds import round_limit_s
 from diloco.config import ConfigError, load_config
 from diloco.core.outer import OuterConfig, OuterStep
 from diloco.core.overlap import OverlappedOuter, split_fragments
-from diloco.core.recovery import Standing
+from diloco.core.recovery import Recovery, Standing
 from diloco.tools.launcher import simulate
 from tests.conftest import TINY
 
@@ -29,7 +29,7 @@ class ScriptedAverages(Averaging):
         self.calls.append((fragment, round_index))
         for tensor in tensors:
             tensor.fill_(round_index + 1.0)
-        return SyncResult(True, 2, 2 * weight)
+        return SyncResult(Outcome.AVERAGED, 2, 2 * weight)
 
 
 def _outer(values: list[float], **cfg) -> tuple[OverlappedOuter, OuterStep, ScriptedAverages, list]:
@@ -37,7 +37,8 @@ def _outer(values: list[float], **cfg) -> tuple[OverlappedOuter, OuterStep, Scri
     outer_cfg = OuterConfig(optimizer="sgd", lr=1.0, momentum=0.0, **cfg)
     outer = OuterStep(local, outer_cfg)
     backend = ScriptedAverages()
-    return OverlappedOuter(outer, backend, outer_cfg, deadline_s=1, expected_peers=2), outer, backend, local
+    overlapped = OverlappedOuter(outer, backend, Recovery(outer), outer_cfg, deadline_s=1, expected_peers=2)
+    return overlapped, outer, backend, local
 
 
 def _run(overlapped: OverlappedOuter, steps: int, local: list, on_step=None) -> None:
@@ -96,7 +97,7 @@ class ScriptedWithStates(ScriptedAverages, StateExchange):
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
         result = super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
         if (fragment, round_index) in self.lost:
-            return SyncResult(False, 1, weight, error="64 values were not averaged")
+            return SyncResult(Outcome.FAILED, 1, weight, error="64 values were not averaged")
         return result
 
     def publish_state(self, round_index, rank, state):
@@ -110,7 +111,7 @@ class ScriptedWithStates(ScriptedAverages, StateExchange):
 def _use(overlapped: OverlappedOuter, transport: ScriptedWithStates) -> ScriptedWithStates:
     """``overlapped`` averaging over ``transport``, and its recovery using its states."""
     overlapped.averaging = transport
-    overlapped.recovery.connect(transport, Membership())
+    overlapped.recovery = Recovery(overlapped.outer, transport, Membership())
     return transport
 
 
@@ -127,7 +128,7 @@ class NeverAnswers(ScriptedWithStates):
     def all_reduce_mean(self, tensors, weight, *, round_index, deadline_s, fragment=0):
         if fragment == 1:
             self.release.wait()
-            return SyncResult(False, 1, weight, error="released")
+            return SyncResult(Outcome.FAILED, 1, weight, error="released")
         return super().all_reduce_mean(tensors, weight, round_index=round_index, deadline_s=deadline_s)
 
 
@@ -183,7 +184,7 @@ def test_streaming_takes_a_peers_state_at_the_end_after_an_average_failed_for_it
 
     overlapped, outer, backend, local, applied = _streaming_that_loses_an_average(peers_state)
     assert [a.recovered for a in applied[4]] == [False]  # fragment 1's failed average (step 5): kept going
-    assert outer.recovery.standing is Standing.SYNCED and all(a.recovered for a in applied[-1])
+    assert overlapped.recovery.standing is Standing.SYNCED and all(a.recovered for a in applied[-1])
     assert backend.asked == [(5, 1, True)]  # its other averages held the others' mean: ranked as alone
     assert backend.published[0] == (3, 0)  # before the last syncs: an older state, so peers wait for us
     assert [g[0].item() for g in outer.global_params] == [4.0, 17.0]
@@ -209,7 +210,7 @@ def test_streaming_without_a_failed_average_offers_its_state_and_takes_none():
 
 def test_streaming_that_finds_no_better_state_at_the_end_stays_marked_drifted():
     overlapped, outer, backend, local, applied = _streaming_that_loses_an_average()
-    assert outer.recovery.standing is Standing.UNSYNCED and not any(a.recovered for a in applied[-1])
+    assert overlapped.recovery.standing is Standing.UNSYNCED and not any(a.recovered for a in applied[-1])
     assert overlapped.state_dict()["drifted"]
 
 

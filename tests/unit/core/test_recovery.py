@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from diloco.comm.base import (
     Declared,
     Membership,
+    Outcome,
     PeerState,
     StateExchange,
     StateRank,
@@ -18,9 +21,9 @@ from diloco.comm.base import (
     SyncResult,
     fingerprint_of,
 )
-from diloco.core.recovery import Recovery, RoundOutcome, Standing
+from diloco.core.recovery import Finding, Recovery, RoundOutcome, Standing, next_standing
 
-FAILED = SyncResult(ok=False, peers=1, total_weight=1.0, error="nobody came")
+FAILED = SyncResult(Outcome.FAILED, peers=1, total_weight=1.0, error="nobody came")
 
 
 class _Params:
@@ -81,59 +84,60 @@ class _Peers(StateExchange, Membership):
         return self.live
 
 
-def _connected(recovery: Recovery, peers: _Peers) -> Recovery:
-    """``recovery``, recovering through ``peers`` from now on (as a worker's does through its transport's)."""
-    recovery.connect(peers, peers)
-    return recovery
-
-
-def _after_round(recovery: Recovery, peers: _Peers, result: SyncResult, round_index: int, *, expected: int):
+def _after_round(recovery: Recovery, result: SyncResult, round_index: int, *, expected: int):
     outcome = RoundOutcome.of(result, round_index)
-    return _connected(recovery, peers).after_round(outcome, expected_peers=expected, timeout_s=1.0)
+    return recovery.after_round(outcome, expected_peers=expected, timeout_s=1.0)
 
 
 def test_the_outcome_of_a_round_is_read_from_its_result():
-    dropped = RoundOutcome.of(SyncResult(ok=False, peers=0, total_weight=1.0, group=3), 4)
-    assert dropped == RoundOutcome(4, averaged=False, peers=0, group=0, grouped=True)
-    alone = RoundOutcome.of(SyncResult(ok=False, peers=3, total_weight=1.0, group=1), 0)
-    assert alone == RoundOutcome(0, averaged=False, peers=1, group=0, grouped=False)  # its own, whatever it says
-    partial = RoundOutcome.of(SyncResult(ok=False, peers=2, total_weight=2.0, group=3, partial=True, drifted=True), 1)
-    assert partial == RoundOutcome(1, averaged=True, peers=2, group=3, grouped=True, drifted=True)
+    dropped = RoundOutcome.of(SyncResult(Outcome.DROPPED, peers=0, total_weight=1.0, group=3), 4)
+    assert dropped == RoundOutcome(4, Outcome.DROPPED, peers=0, group=0, grouped=True) and not dropped.averaged
+    alone = RoundOutcome.of(SyncResult(Outcome.FAILED, peers=3, total_weight=1.0, group=1), 0)
+    assert alone == RoundOutcome(0, Outcome.FAILED, peers=1, group=0, grouped=False)  # its own, whatever it says
+    partial = RoundOutcome.of(SyncResult(Outcome.PARTIAL, peers=2, total_weight=2.0, group=3), 1)
+    assert partial == RoundOutcome(1, Outcome.PARTIAL, peers=2, group=3, grouped=True) and partial.averaged
 
 
 def test_a_failed_round_without_a_better_peer_offers_its_state_asks_once_and_is_unsynced():
-    recovery, peers = Recovery(_Params(1.0)), _Peers()
-    assert _after_round(recovery, peers, FAILED, 3, expected=2) is None
+    peers = _Peers()
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, FAILED, 3, expected=2) is None
     assert peers.published == [(3, 1)] and peers.asked == [(3, 1, True)]
     assert recovery.standing is Standing.UNSYNCED and recovery.state.value == 1.0
 
 
 def test_a_failed_round_takes_the_state_of_a_peer_from_a_bigger_group_and_offers_it_on():
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=7.0)
-    assert _after_round(recovery, peers, FAILED, 0, expected=4) == 0
+    peers = _Peers(served=7.0)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, FAILED, 0, expected=4) == 0
     assert recovery.state.value == 7.0 and recovery.standing is Standing.SYNCED
     assert peers.published == [(0, 1), (0, 2)]  # no longer behind: the peers that waited for it may go
 
 
 def test_a_worker_left_behind_takes_a_later_rounds_state_and_says_which():
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=3.0, served_round=7)
-    assert _after_round(recovery, peers, FAILED, 4, expected=3) == 7
+    peers = _Peers(served=3.0, served_round=7)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, FAILED, 4, expected=3) == 7
     assert peers.published[-1] == (7, 2) and recovery.state.value == 3.0
 
 
 def test_a_strict_majority_of_the_round_asks_nobody_for_state():
-    majority = SyncResult(ok=True, peers=3, total_weight=3.0)
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=5.0)
-    assert _after_round(recovery, peers, majority, 2, expected=5) is None
+    majority = SyncResult(Outcome.AVERAGED, peers=3, total_weight=3.0)
+    peers = _Peers(served=5.0)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, majority, 2, expected=5) is None
     assert peers.asked == [] and peers.published == [(2, 3)]
-    assert _after_round(recovery, peers, majority, 2, expected=6) == 2
+    assert _after_round(recovery, majority, 2, expected=6) == 2
     assert peers.asked == [(2, 3, True)]  # 3 others could have averaged as a group of 3
 
 
 def test_a_group_that_knows_its_size_asks_nobody_when_too_few_are_left_outside_it():
     # 2 averaged in a group of 3 (one dropped) out of 4: the one worker outside cannot rank higher
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=5.0)
-    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=3), 0, expected=4) is None
+    peers = _Peers(served=5.0)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert (
+        _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=3), 0, expected=4) is None
+    )
     assert peers.asked == []
 
 
@@ -141,15 +145,16 @@ def test_a_worker_that_found_no_state_takes_its_groups_state_next_round():
     """A failed round whose catch-up found nobody leaves the worker's global params apart from the
     others'. Averaging with them next round would not bring them together, so the worker ranks
     itself below its group (peers 0) and takes a peer's state even though everyone averaged."""
-    everyone = SyncResult(ok=True, peers=3, total_weight=3.0, group=3)
-    recovery, peers = Recovery(_Params(1.0)), _Peers()
-    assert _after_round(recovery, peers, FAILED, 0, expected=3) is None
+    everyone = SyncResult(Outcome.AVERAGED, peers=3, total_weight=3.0, group=3)
+    peers = _Peers()
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, FAILED, 0, expected=3) is None
     assert recovery.standing is Standing.UNSYNCED
     peers.served = 3.0
-    assert _after_round(recovery, peers, everyone, 1, expected=3) == 1
+    assert _after_round(recovery, everyone, 1, expected=3) == 1
     assert recovery.standing is Standing.SYNCED and peers.asked == [(0, 1, True), (1, 0, True)]
     assert recovery.state.value == 3.0
-    assert _after_round(recovery, peers, everyone, 2, expected=3) is None
+    assert _after_round(recovery, everyone, 2, expected=3) is None
     assert len(peers.asked) == 2  # in step with its group again: asks nobody
 
 
@@ -157,10 +162,11 @@ def test_a_failed_round_leaves_the_only_worker_serving_its_state_in_step():
     """Every other worker is a client: they take this one's state, so this one's is the run's. It
     stays in step (its next offer ranks by its group, which a client stuck looking for a group of
     that round reads as "the others went ahead"), and it asks nobody for a state next round."""
-    recovery, peers = Recovery(_Params(1.0)), _Peers(sole=True)
-    assert _after_round(recovery, peers, FAILED, 0, expected=3) is None
+    peers = _Peers(sole=True)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, FAILED, 0, expected=3) is None
     assert recovery.standing is Standing.SYNCED
-    _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 1, expected=3)
+    _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2), 1, expected=3)
     assert peers.published == [(0, 1), (1, 2)]  # ranked by its group, not demoted to 0
 
 
@@ -168,29 +174,34 @@ def test_the_only_server_unsynced_before_the_clients_showed_up_is_in_step_once_i
     """Round 0 failed before the clients were seen (one might have served a state of its own):
     unsynced. Round 1 averaged with them, who took its state: in step, and offered again with its
     group's rank, not the unsynced one it was offered with a moment before."""
-    recovery, peers = Recovery(_Params(1.0)), _Peers()
-    _after_round(recovery, peers, FAILED, 0, expected=3)
+    peers = _Peers()
+    recovery = Recovery(_Params(1.0), peers, peers)
+    _after_round(recovery, FAILED, 0, expected=3)
     assert recovery.standing is Standing.UNSYNCED
     peers.sole = True
-    _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 1, expected=3)
+    _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2), 1, expected=3)
     assert recovery.standing is Standing.SYNCED and peers.published == [(0, 1), (1, 0), (1, 2)]
 
 
 def test_the_only_server_whose_contribution_its_group_dropped_is_unsynced():
     """The clients averaged without it (its norm was screened out): they moved on apart from it."""
-    dropped = SyncResult(ok=False, peers=0, total_weight=1.0, error="the group dropped ours", group=3)
-    recovery = Recovery(_Params(1.0))
-    _after_round(recovery, _Peers(sole=True), dropped, 0, expected=3)
+    dropped = SyncResult(Outcome.DROPPED, peers=0, total_weight=1.0, error="the group dropped ours", group=3)
+    peers = _Peers(sole=True)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    _after_round(recovery, dropped, 0, expected=3)
     assert recovery.standing is Standing.UNSYNCED
 
 
 def test_the_winner_of_a_split_round_finds_nobody_better_and_stays_in_step():
     """Two groups of 2 out of 4: the winning group's members find nobody better. Their round did
     not fail, so they are in step, not unsynced: the next round asks nobody for a state."""
-    recovery, peers = Recovery(_Params(1.0)), _Peers()  # no peer state: nobody ranks above the winner
-    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 0, expected=4) is None
+    peers = _Peers()  # no peer state: nobody ranks above the winner
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert (
+        _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2), 0, expected=4) is None
+    )
     assert recovery.standing is Standing.SYNCED and peers.asked == [(0, 2, True)]
-    _after_round(recovery, peers, SyncResult(ok=True, peers=4, total_weight=4.0, group=2), 1, expected=4)
+    _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=4, total_weight=4.0, group=2), 1, expected=4)
     assert peers.asked == [(0, 2, True)]  # everyone averaged in round 1: no download
 
 
@@ -198,53 +209,57 @@ def test_rounds_taken_alone_while_a_worker_vanished_leave_the_worker_to_take_a_s
     """Its other worker stopped its heartbeats (killed, or cut off, and then maybe training alone
     too): the rounds taken alone meanwhile may part the params from its. When it is back and both
     average in one group, the one whose rounds drifted ranks itself below and takes a state."""
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=3.0, live=1)
+    peers = _Peers(served=3.0, live=1)
+    recovery = Recovery(_Params(1.0), peers, peers)
     for round_index in (0, 1):
-        alone = SyncResult(ok=True, peers=1, total_weight=1.0, drifted=True)
-        assert _after_round(recovery, peers, alone, round_index, expected=2) is None
+        alone = SyncResult(Outcome.CUT_OFF, peers=1, total_weight=1.0)
+        assert _after_round(recovery, alone, round_index, expected=2) is None
         assert recovery.standing is Standing.UNSYNCED  # nobody live to take a state from
     assert peers.asked == []
     peers.live = 2
-    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 2, expected=2) == 2
+    assert _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2), 2, expected=2) == 2
     assert recovery.standing is Standing.SYNCED and peers.asked == [(2, 0, True)] and recovery.state.value == 3.0
 
 
 def test_an_unsynced_worker_left_alone_stays_unsynced_until_someone_is_back():
-    recovery, peers = Recovery(_Params(1.0)), _Peers()
-    _after_round(recovery, peers, FAILED, 0, expected=2)
+    peers = _Peers()
+    recovery = Recovery(_Params(1.0), peers, peers)
+    _after_round(recovery, FAILED, 0, expected=2)
     peers.live = 1  # the other worker left: rounds alone, in step with nobody, fix nothing
-    assert _after_round(recovery, peers, SyncResult(ok=True, peers=1, total_weight=1.0), 1, expected=2) is None
+    assert _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=1, total_weight=1.0), 1, expected=2) is None
     assert recovery.standing is Standing.UNSYNCED and peers.published[-1] == (1, 1)
     peers.live, peers.served = 2, 3.0
-    assert _after_round(recovery, peers, SyncResult(ok=True, peers=2, total_weight=2.0, group=2), 2, expected=2) == 2
+    assert _after_round(recovery, SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2), 2, expected=2) == 2
     assert peers.asked[-1] == (2, 0, True)  # demoted: it takes the state of the worker that is back
 
 
 def test_an_overlapped_average_takes_a_state_of_its_own_round_only():
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=4.0)
+    peers = _Peers(served=4.0)
+    recovery = Recovery(_Params(1.0), peers, peers)
     outcome = RoundOutcome.of(FAILED, 5)
-    assert _connected(recovery, peers).after_average(outcome, expected_peers=2, timeout_s=1.0) == 5
+    assert recovery.after_average(outcome, expected_peers=2, timeout_s=1.0) == 5
     assert peers.asked == [(5, 1, False)] and recovery.state.value == 4.0
 
 
-def _several_fragments(outcomes: list[SyncResult]) -> Recovery:
-    recovery = Recovery(_Params(1.0))
+def _several_fragments(outcomes: list[SyncResult], peers: _Peers | None = None) -> Recovery:
+    recovery = Recovery(_Params(1.0), peers, peers)
     for k, result in enumerate(outcomes):
         recovery.note_average(RoundOutcome.of(result, k))
     return recovery
 
 
-def _at_run_end(recovery: Recovery, peers: _Peers, last: list[SyncResult]):
-    return _connected(recovery, peers).at_run_end(last, round_index=5, expected_peers=2, timeout_s=1.0)
+def _at_run_end(recovery: Recovery, last: list[SyncResult]):
+    return recovery.at_run_end(last, round_index=5, expected_peers=2, timeout_s=1.0)
 
 
 def test_several_fragments_take_a_peers_state_at_the_run_end_after_an_average_failed():
     # fragment 0 averaged with the other worker, fragment 1's failed for this one: it goes on drifted
-    with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
-    recovery, peers = _several_fragments([with_others, FAILED]), _Peers(served=4.0)
+    with_others = SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2)
+    peers = _Peers(served=4.0)
+    recovery = _several_fragments([with_others, FAILED], peers)
     assert recovery.standing is Standing.DRIFTED
-    _connected(recovery, peers).offer_before_end(3)
-    assert _at_run_end(recovery, peers, [with_others, with_others]) == 5
+    recovery.offer_before_end(3)
+    assert _at_run_end(recovery, [with_others, with_others]) == 5
     assert peers.published == [(3, 0), (5, 1), (5, 2)]  # "still here", then ranked as alone, then what it took
     assert peers.asked == [(5, 1, True)]  # its other averages held the others' mean: ranked as alone
     assert recovery.standing is Standing.SYNCED and recovery.state.value == 4.0
@@ -253,22 +268,24 @@ def test_several_fragments_take_a_peers_state_at_the_run_end_after_an_average_fa
 def test_several_fragments_none_of_whose_averages_held_rank_below_one_that_averaged_some():
     # an average that failed for every worker leaves them all apart; the one whose every
     # contribution was dropped (peers 0) must not win that run's end over those that averaged some
-    recovery, peers = _several_fragments([FAILED, FAILED]), _Peers()
-    assert _at_run_end(recovery, peers, [FAILED, FAILED]) is None
+    peers = _Peers()
+    recovery = _several_fragments([FAILED, FAILED], peers)
+    assert _at_run_end(recovery, [FAILED, FAILED]) is None
     assert peers.asked == [(5, 0, True)]
 
 
 def test_several_fragments_without_a_failed_average_offer_their_state_and_take_none():
-    with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
-    recovery, peers = _several_fragments([with_others, with_others]), _Peers(served=4.0)
-    assert _at_run_end(recovery, peers, [with_others, with_others]) is None
+    with_others = SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2)
+    peers = _Peers(served=4.0)
+    recovery = _several_fragments([with_others, with_others], peers)
+    assert _at_run_end(recovery, [with_others, with_others]) is None
     assert peers.asked == [] and peers.published == [(5, 2)] and recovery.standing is Standing.SYNCED
 
 
 def test_several_fragments_that_find_no_better_state_at_the_end_stay_marked_drifted():
-    with_others = SyncResult(ok=True, peers=2, total_weight=2.0, group=2)
-    recovery = _several_fragments([with_others, FAILED])
-    assert _at_run_end(recovery, _Peers(), [with_others, with_others]) is None
+    with_others = SyncResult(Outcome.AVERAGED, peers=2, total_weight=2.0, group=2)
+    recovery = _several_fragments([with_others, FAILED], _Peers())
+    assert _at_run_end(recovery, [with_others, with_others]) is None
     assert recovery.standing is Standing.UNSYNCED and recovery.state_dict()["drifted"]
     resumed = Recovery(_Params(1.0))
     resumed.load_state_dict(_several_fragments([with_others, FAILED]).state_dict())
@@ -276,28 +293,32 @@ def test_several_fragments_that_find_no_better_state_at_the_end_stay_marked_drif
 
 
 def test_a_worker_behind_the_run_takes_the_newest_state_of_a_later_round():
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=9.0, served_round=6)
-    assert _connected(recovery, peers).behind_the_run(3, timeout_s=1.0) == 6
+    peers = _Peers(served=9.0, served_round=6)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert recovery.behind_the_run(3, timeout_s=1.0) == 6
     assert peers.asked == [(2, 1 << 30, True)] and recovery.state.value == 9.0
     assert peers.published == []
     nobody = _Peers()
-    assert _connected(Recovery(_Params(1.0)), nobody).behind_the_run(3, timeout_s=1.0) is None and nobody.asked
+    assert Recovery(_Params(1.0), nobody, nobody).behind_the_run(3, timeout_s=1.0) is None and nobody.asked
 
 
 def test_a_group_that_held_two_models_ranks_each_side_by_its_own_workers_and_the_smaller_takes_the_bigger():
     # a split run met again: the whole group averaged, but only the workers of our model share our params
-    met = SyncResult(ok=True, peers=4, total_weight=4.0, group=4, sides=(1, 3), error="the group held 2 models")
-    assert RoundOutcome.of(met, 9) == RoundOutcome(9, averaged=True, peers=1, group=1, grouped=True)
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=6.0)
-    assert _after_round(recovery, peers, met, 9, expected=4) == 9  # the lone side takes the other's state
+    met = SyncResult(Outcome.SPLIT, peers=4, total_weight=4.0, group=4, sides=(1, 3), error="the group held 2 models")
+    assert RoundOutcome.of(met, 9) == RoundOutcome(9, Outcome.SPLIT, peers=1, group=1, grouped=True)
+    peers = _Peers(served=6.0)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, met, 9, expected=4) == 9  # the lone side takes the other's state
     assert recovery.state.value == 6.0 and recovery.standing is Standing.SYNCED
-    bigger = SyncResult(ok=True, peers=4, total_weight=4.0, group=4, sides=(3, 1))
-    recovery, peers = Recovery(_Params(1.0)), _Peers(served=6.0)
-    assert _after_round(recovery, peers, bigger, 9, expected=4) is None  # too few outside to rank higher
+    bigger = SyncResult(Outcome.SPLIT, peers=4, total_weight=4.0, group=4, sides=(3, 1))
+    peers = _Peers(served=6.0)
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, bigger, 9, expected=4) is None  # too few outside to rank higher
     assert peers.asked == [] and recovery.state.value == 1.0
-    tie = SyncResult(ok=True, peers=4, total_weight=4.0, group=4, sides=(2, 2))
-    recovery, peers = Recovery(_Params(1.0)), _Peers()
-    assert _after_round(recovery, peers, tie, 9, expected=4) is None  # the other side ranks lower: none better
+    tie = SyncResult(Outcome.SPLIT, peers=4, total_weight=4.0, group=4, sides=(2, 2))
+    peers = _Peers()
+    recovery = Recovery(_Params(1.0), peers, peers)
+    assert _after_round(recovery, tie, 9, expected=4) is None  # the other side ranks lower: none better
     assert peers.asked == [(9, 2, True)] and recovery.standing is Standing.SYNCED
 
 
@@ -311,8 +332,8 @@ def _after_failed_round_4(
     """A worker whose round 4 failed looks for a state; peer "S" serves ``served`` (a group of 2);
     the others declared ``declared`` ({worker: Declared}); ``live`` workers (None: as planned)."""
     peers = _Peers(served, declared=declared, live=live)
-    recovery = Recovery(_Params(0.0), records_lag_s=records_lag_s)
-    taken = _after_round(recovery, peers, SyncResult(ok=False, peers=1, total_weight=1.0), 3, expected=4)
+    recovery = Recovery(_Params(0.0), peers, peers, records_lag_s=records_lag_s)
+    taken = _after_round(recovery, SyncResult(Outcome.FAILED, peers=1, total_weight=1.0), 3, expected=4)
     return recovery, peers, taken
 
 
@@ -378,5 +399,48 @@ def test_a_worker_that_ended_the_round_alone_does_not_vote_against_the_state_of_
     assert taken is None and peers.verdicts[0].refuse, peers.verdicts
     # a state claiming a group bigger than the live run silences nobody (a poisoned offer claims 999)
     declared = {1: _done(pair, progress=3), 3: Declared(4, _digest(alone), 4, peers=1)}
-    recovery = _connected(Recovery(_Params(0.0)), _Peers(pair, declared=declared, live=4))
+    peers = _Peers(pair, declared=declared, live=4)
+    recovery = Recovery(_Params(0.0), peers, peers)
     assert recovery.check(PeerState(3, StateRank(999), {"value": pair}, served_by="S")).refuse
+
+
+def _round(outcome: Outcome, *, grouped: bool = True) -> RoundOutcome:
+    return RoundOutcome(3, outcome, peers=1 if not outcome.averaged else 2, group=2, grouped=grouped)
+
+
+TRANSITIONS = [  # the rows of core/recovery.py's table, in its order: (finding, round, standings before, after)
+    (Finding.TOOK_STATE, _round(Outcome.FAILED), list(Standing), Standing.SYNCED),
+    (Finding.RUN_OF_ONE, _round(Outcome.CUT_OFF), list(Standing), Standing.UNSYNCED),
+    (Finding.RUN_OF_ONE, _round(Outcome.ALONE), list(Standing), None),  # None: as it was
+    (Finding.NONE_OUTSIDE, _round(Outcome.CUT_OFF), list(Standing), Standing.UNSYNCED),
+    (Finding.NONE_OUTSIDE, _round(Outcome.AVERAGED), list(Standing), Standing.SYNCED),
+    (Finding.NONE_BETTER, _round(Outcome.SPLIT), [Standing.SYNCED, Standing.DRIFTED], Standing.SYNCED),
+    (Finding.NONE_BETTER, _round(Outcome.PARTIAL), [Standing.UNSYNCED], Standing.UNSYNCED),
+    (Finding.NONE_BETTER, _round(Outcome.DROPPED), list(Standing), Standing.UNSYNCED),
+    (Finding.SOLE_SOURCE, _round(Outcome.FAILED, grouped=True), list(Standing), Standing.UNSYNCED),
+    (Finding.SOLE_SOURCE, _round(Outcome.FAILED, grouped=False), list(Standing), Standing.SYNCED),
+]
+
+
+@pytest.mark.parametrize(("finding", "outcome", "before", "after"), TRANSITIONS)
+def test_each_row_of_the_transition_table(finding, outcome, before, after):
+    for standing in before:
+        assert next_standing(standing, outcome, finding) is (standing if after is None else after), standing
+
+
+def test_every_outcome_and_finding_has_a_row_of_the_table():
+    # a new outcome or finding without a decided row would fall to a default nobody chose
+    findings = {row[0] for row in TRANSITIONS}
+    assert findings == set(Finding)
+    for finding in Finding:
+        for outcome in Outcome:
+            for standing in Standing:
+                assert next_standing(standing, _round(outcome), finding) in set(Standing)
+
+
+def test_a_fragment_whose_average_failed_or_was_cut_off_leaves_a_synced_worker_drifted():
+    for outcome, after in [(Outcome.FAILED, Standing.DRIFTED), (Outcome.CUT_OFF, Standing.DRIFTED),
+                           (Outcome.AVERAGED, Standing.SYNCED)]:  # fmt: skip
+        recovery = Recovery(_Params(1.0))
+        recovery.note_average(_round(outcome))
+        assert recovery.standing is after, outcome

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, SyncResult
+from diloco.comm.base import Averaging, Outcome, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
 from diloco.compression import ErrorFeedback, build_codec
 from diloco.config import ConfigError, load_config
@@ -37,7 +37,7 @@ class _Pair:
                 pair.barrier.wait(timeout=10)
                 for tensor, mean in zip(tensors, means):
                     tensor.copy_(mean.view_as(tensor))
-                return SyncResult(True, len(used), sum(c.weight for c in used))
+                return SyncResult(Outcome.AVERAGED, len(used), sum(c.weight for c in used))
 
         return _Backend()
 
@@ -107,7 +107,7 @@ def test_two_rounds_of_sparseloco_match_the_formulas_written_out_by_hand(momentu
             threading.Thread(
                 target=outers[w].sync,
                 args=(pair.backend(w),),
-                kwargs={"weight": weights[w], "round_index": 0, "deadline_s": 10.0, "expected_peers": 2},
+                kwargs={"weight": weights[w], "round_index": 0, "deadline_s": 10.0},
             )
             for w in range(2)
         ]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import diloco
-from diloco.comm.base import CommBackend, Declared, LossBoard, Membership, SyncResult
+from diloco.comm.base import CommBackend, Declared, LossBoard, Membership, Outcome, SyncResult
 from diloco.core.evaluation import mean_loss
 from diloco.errors import UsageError
 from diloco.worker.held_out import HeldOutLoss
@@ -104,12 +104,17 @@ class _Membership(Membership):
 @pytest.mark.parametrize(
     ("result", "declared", "board", "evaluated"),
     [
-        (SyncResult(True, 2, 2.0), True, True, [0, 2, 4]),  # averaged by both, declared: split
-        (SyncResult(False, 2, 2.0, partial=True), True, True, [0, 2, 4]),  # partial: the group's params alike
-        (SyncResult(True, 3, 3.0, sides=(2, 1)), True, True, [0, 2, 4]),  # two models met: only ours counts
-        (SyncResult(False, 1, 1.0), True, True, [0, 1, 2, 3, 4]),  # a round that failed: params of its own
-        (SyncResult(True, 2, 2.0), False, True, [0, 1, 2, 3, 4]),  # not declared (overlapped rounds, a site)
-        (SyncResult(True, 2, 2.0), True, False, [0, 1, 2, 3, 4]),  # a transport without a board
+        (SyncResult(Outcome.AVERAGED, 2, 2.0), True, True, [0, 2, 4]),  # averaged by both, declared: split
+        (SyncResult(Outcome.PARTIAL, 2, 2.0), True, True, [0, 2, 4]),  # partial: the group's params alike
+        (SyncResult(Outcome.SPLIT, 3, 3.0, sides=(2, 1)), True, True, [0, 2, 4]),  # two models met: only ours counts
+        (SyncResult(Outcome.FAILED, 1, 1.0), True, True, [0, 1, 2, 3, 4]),  # a round that failed: params of its own
+        (
+            SyncResult(Outcome.AVERAGED, 2, 2.0),
+            False,
+            True,
+            [0, 1, 2, 3, 4],
+        ),  # not declared (overlapped rounds, a site)
+        (SyncResult(Outcome.AVERAGED, 2, 2.0), True, False, [0, 1, 2, 3, 4]),  # a transport without a board
     ],
 )
 def test_a_worker_splits_the_batches_only_with_workers_that_hold_its_params(result, declared, board, evaluated):

@@ -15,7 +15,6 @@ from diloco.worker.joining import catch_up_with_run, model_digest, run_identity
 class _Outer:
     def __init__(self) -> None:
         self.loaded = None
-        self.recovery = Recovery(self)
 
     def load_state_dict(self, state: dict) -> None:
         self.loaded = state
@@ -41,8 +40,8 @@ class _Transport(StateExchange, Membership):
 
 def _catch_up(backend: _Transport, outer: _Outer, *, step: int, round_index: int) -> tuple[int, int]:
     cfg = load_config(None, ["worker.count=3", "worker.index=2", "outer.sync_every=20", "inner.steps=200"])
-    outer.recovery.connect(backend, backend)
-    return catch_up_with_run(outer, backend, step, round_index, cfg=cfg, required=False, align_step=True)
+    return catch_up_with_run(Recovery(outer, backend, backend), backend, step, round_index, cfg=cfg, required=False,
+                             align_step=True)  # fmt: skip
 
 
 def test_a_restart_behind_the_run_takes_the_state_and_starts_where_the_others_are():

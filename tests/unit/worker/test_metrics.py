@@ -175,7 +175,7 @@ def test_offline_wandb_run_writes_files(tmp_path, monkeypatch):
 
 
 def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_models_did(tmp_path):
-    from diloco.comm.base import SyncResult
+    from diloco.comm.base import Outcome, SyncResult
     from diloco.worker.records import WorkerLog
 
     log = WorkerLog(
@@ -187,9 +187,9 @@ def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_
         tokens_per_step=10,
         config_dict={},
     )
-    cut = SyncResult(True, 2, 2.0, group=2, missing=(2, 3), expected=2)
-    fewer = SyncResult(True, 2, 2.0, group=2, expected=4)  # the others are live, and matched apart
-    met = SyncResult(True, 4, 4.0, group=4, sides=(2, 2), expected=4, error="the group held 2 models")
+    cut = SyncResult(Outcome.AVERAGED, 2, 2.0, group=2, missing=(2, 3), expected=2)
+    fewer = SyncResult(Outcome.AVERAGED, 2, 2.0, group=2, expected=4)  # the others are live, and matched apart
+    met = SyncResult(Outcome.SPLIT, 4, 4.0, group=4, sides=(2, 2), expected=4, error="the group held 2 models")
     for number, result in enumerate((cut, fewer, met), start=1):
         log.round(number, 20 * number, result, comm_s=1.0, recovered=False, val_loss=3.0, param_hash="ab" * 32)
     log.close()

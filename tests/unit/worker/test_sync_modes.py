@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from diloco.comm import SyncResult
+from diloco.comm.base import Outcome, SyncResult
 from diloco.core.overlap import Applied
 from diloco.worker.records import Totals
 from diloco.worker.sync_modes import (
@@ -50,7 +50,10 @@ def _accounting() -> Accounting:
 
 
 def test_a_data_parallel_steps_averages_count_as_communication_not_compute():
-    done = [(SyncResult(True, 2, 16.0, bytes_sent=100), 0.25), (SyncResult(True, 2, 16.0, bytes_sent=50), 0.5)]
+    done = [
+        (SyncResult(Outcome.AVERAGED, 2, 16.0, bytes_sent=100), 0.25),
+        (SyncResult(Outcome.AVERAGED, 2, 16.0, bytes_sent=50), 0.5),
+    ]
     averaging = SimpleNamespace(params=[torch.zeros(1)], take_rounds=lambda: list(done))
     mode = DataParallelRounds(averaging, _accounting())
     accounting = mode.accounting
@@ -62,14 +65,16 @@ def test_a_data_parallel_steps_averages_count_as_communication_not_compute():
 
 
 def test_a_simulated_average_costs_its_modelled_time_and_leaves_the_wait_out_of_the_wall_clock():
-    averaging = SimpleNamespace(params=[], take_rounds=lambda: [(SyncResult(True, 2, 1.0, simulated_s=0.1), 0.4)])
+    averaging = SimpleNamespace(
+        params=[], take_rounds=lambda: [(SyncResult(Outcome.AVERAGED, 2, 1.0, simulated_s=0.1), 0.4)]
+    )
     mode = DataParallelRounds(averaging, _accounting())
     mode.after_inner_step(1, 1.0)
     assert abs(mode.accounting.log.discounted - 0.3) < 1e-9 and mode.accounting.totals.comm_wait_s == 0.1
 
 
 def test_an_overlapped_round_sums_what_was_applied_since_the_last_record_and_time_spent_starting_syncs():
-    results = iter([[], [Applied(SyncResult(True, 2, 8.0, bytes_sent=10), 0.0, recovered=True)], []])
+    results = iter([[], [Applied(SyncResult(Outcome.AVERAGED, 2, 8.0, bytes_sent=10), 0.0, recovered=True)], []])
     overlapped = SimpleNamespace(
         outer=SimpleNamespace(global_params=[torch.zeros(1)]),
         averaging=SimpleNamespace(simulated=False),
@@ -87,20 +92,37 @@ def test_an_overlapped_round_sums_what_was_applied_since_the_last_record_and_tim
 
 
 class _Outer:
-    def __init__(self, taken_round):
-        self.global_params, self.taken_round = [torch.zeros(1)], taken_round
+    def __init__(self, outcome: Outcome):
+        self.global_params, self.outcome = [torch.zeros(1)], outcome
 
     def sync(self, averaging, **_):
-        return SyncResult(True, 2, 8.0), self.taken_round
+        return SyncResult(self.outcome, 2, 8.0)
 
 
-def _blocking(taken_round, *, steps_per_round=10) -> BlockingRounds:
+class _Recovery:
+    """Takes the state after ``taken_round`` (None: none) after every round it is asked about."""
+
+    def __init__(self, taken_round):
+        self.taken_round, self.asked = taken_round, []
+
+    def after_round(self, outcome, *, expected_peers, timeout_s):
+        self.asked.append(outcome)
+        return self.taken_round
+
+
+class _Joining:
+    def catch_up(self, step, round_index):
+        return step + 20, round_index + 2
+
+
+def _blocking(taken_round, *, steps_per_round=10, outcome=Outcome.AVERAGED) -> BlockingRounds:
     return BlockingRounds(
-        _Outer(taken_round),
+        _Outer(outcome),
         averaging=None,
+        recovery=_Recovery(taken_round),
         accounting=_accounting(),
         watchdog=_Watchdog(),
-        catch_up=lambda step, round_index: (step + 20, round_index + 2),
+        joining=_Joining(),
         worker_index=0,
         deadline_s=10.0,
         expected_peers=2,
@@ -116,6 +138,15 @@ def test_a_blocking_worker_that_took_the_state_of_peers_rounds_ahead_skips_to_th
     assert (end.step, end.round_index) == (20, 4)
     end = _blocking(taken_round=None).end_round(20, 1, weight=8)
     assert not end.recovered and (end.step, end.round_index) == (20, 1)
+
+
+def test_a_blocking_round_is_recovered_from_after_its_outer_step_unless_it_was_postponed():
+    mode = _blocking(taken_round=None, outcome=Outcome.PARTIAL)
+    mode.end_round(20, 1, weight=8)
+    assert [(o.round_index, o.outcome) for o in mode.recovery.asked] == [(1, Outcome.PARTIAL)]
+    postponed = _blocking(taken_round=4, outcome=Outcome.POSTPONED)
+    end = postponed.end_round(20, 1, weight=8)  # no outer step was taken: nothing to recover from
+    assert postponed.recovery.asked == [] and not end.recovered and (end.step, end.round_index) == (20, 1)
 
 
 def test_only_a_blocking_worker_catches_up_with_the_run_before_its_first_step():
