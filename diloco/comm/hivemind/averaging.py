@@ -28,8 +28,11 @@ from diloco.comm.base import Averaging, CommConfig, HivemindConfig, Outcome, Sta
 from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
+from diloco.comm.hivemind.helper_record import RunHelpers
+from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, RosterEntry, live_counts, worker_names
+from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads
@@ -102,10 +105,10 @@ def start_averager(
 class HivemindAveraging(Averaging):
     """The averaging of one worker: ``averagers`` (one per fragment, hivemind's ``ExactAverager``)
     and ``flats`` (each one's tensors as one flat buffer, which the data plane reduces whole).
-    ``group_size()``: the group size a round waits for (``membership.py``); ``published()``:
-    whether this worker offers its state after rounds (then a peer's offer tells
-    whether a broken group failed for the others too); ``helpers()``: the run's live helpers
-    (``helper_record.py``), who join each round's group to reduce."""
+    ``membership``: the group size a round waits for (``expected_peers``); ``states``: whether this
+    worker offers its state after rounds (``published``: then a peer's offer tells whether a broken
+    group failed for the others too); ``helpers``: the run's live helpers (``helper_record.py``),
+    who join each round's group to reduce."""
 
     averages_in_background = True  # the averager process does the work
 
@@ -121,15 +124,15 @@ class HivemindAveraging(Averaging):
         flats: Sequence[torch.Tensor],
         plane: DataPlane | None,
         num_workers: int,
-        group_size: Callable[[], int],
-        published: Callable[[], bool],
-        helpers: Callable[[], int] = lambda: 0,
+        membership: HivemindMembership,
+        states: HivemindStateExchange,
+        helpers: RunHelpers,
     ):
         self.cfg, self.codec, self.num_workers = cfg, codec, num_workers
         self._peer, self._roster, self._offers = peer, roster, offers
         self.averagers, self._flats, self.plane = list(averagers), list(flats), plane
         self._busy = [threading.Lock() for _ in self.averagers]  # held while a fragment's average runs
-        self._group_size, self._published, self._helpers = group_size, published, helpers
+        self._membership, self._states, self._run_helpers = membership, states, helpers
         self.codecs = CodecChoice(codec)
         self.group_round = GroupRound(
             cfg,
@@ -202,7 +205,12 @@ class HivemindAveraging(Averaging):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         behind = f"the run is past round {round_index + 1} without us"
-        if self._peer.client_mode and self._run_is_ahead(round_index) and self._clients_only() and self._helpers():
+        if (
+            self._peer.client_mode
+            and self._run_is_ahead(round_index)
+            and self._clients_only()
+            and self._run_helpers.count()
+        ):
             # a client a round behind the others (it joined, or came back, as a round ended): no
             # group of this round will form; the round fails at once, and its recovery takes their
             # state through a helper with the whole deadline left (postponed, it would look for
@@ -213,7 +221,7 @@ class HivemindAveraging(Averaging):
         )
         if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
             return result
-        helpers = self._helpers()
+        helpers = self._run_helpers.count()
         if helpers and self._others_went_on(fragment, round_index):  # while we looked for a group
             return dataclasses.replace(result, error=behind)
         # a client, no group, and no worker that could reduce: the clients in the same place (a
@@ -288,7 +296,7 @@ class HivemindAveraging(Averaging):
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
         averager, flat = self.averagers[fragment], self._flats[fragment]
-        expected, helpers = self._group_size(), self._helpers()
+        expected, helpers = self._membership.expected_peers(), self._run_helpers.count()
         deadline = time.monotonic() + deadline_s
         # the hard stop of the whole round, retry included (comm/bounds.py): hivemind's own timeouts
         # bound matchmaking and the all-reduce, and this bounds hivemind
@@ -337,7 +345,7 @@ class HivemindAveraging(Averaging):
             return True
         return (
             bool(result.peers and result.bytes_sent)
-            and self._published()  # the others' state offers tell whether they failed too
+            and self._states.published is not None  # the others' state offers tell whether they failed too
             and len(self.averagers) == 1  # not for a fragment's sync: offers are of whole rounds (overlap.py)
             and not self._averaged_by_others(round_index)
         )

@@ -22,7 +22,7 @@ import torch
 
 from diloco.comm.base import CommBackend, CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
-from diloco.comm.hivemind.helper_record import live_helper_ids, live_helpers
+from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.loss_board import DHTLossBoard
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
@@ -88,6 +88,7 @@ class HivemindBackend(CommBackend):
                 )
             roster.start()
             membership = HivemindMembership(roster, peer, num_workers=num_workers)
+            helpers = RunHelpers(peer.call, cfg.run_id)  # who joins each round's group to reduce
             offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
             wants = StateWants(peer.call, cfg.run_id, str(peer.peer_id)) if peer.client_mode else None
             # the first fragment's averager also serves the worker's state
@@ -99,7 +100,7 @@ class HivemindBackend(CommBackend):
                 client_mode=peer.client_mode,
                 linger_s=cfg.hivemind.matchmaking_s,
                 wants=wants,
-                helpers=lambda: live_helpers(peer.call, cfg.run_id),
+                helpers=helpers,
             )
             self._uploader = _start_uploader(cfg, peer, roster, wants, offers, states) if wants else None
             averaging = HivemindAveraging(
@@ -112,9 +113,9 @@ class HivemindBackend(CommBackend):
                 flats=flats,
                 plane=plane,
                 num_workers=num_workers,
-                group_size=membership.expected_peers,
-                published=lambda: states.published is not None,
-                helpers=lambda: live_helpers(peer.call, cfg.run_id),
+                membership=membership,
+                states=states,
+                helpers=helpers,
             )
         except BaseException:
             _shut_down(roster, plane, averagers, peer, self._uploader)
@@ -147,7 +148,7 @@ def _start_uploader(
         wants=wants,
         offers=offers.read,
         published=states.published_state,
-        helpers=lambda: live_helper_ids(peer.call, cfg.run_id),
+        helpers=RunHelpers(peer.call, cfg.run_id),
         no_server=roster.no_server_seen,
         timeout_s=cfg.deadline_s,
     )

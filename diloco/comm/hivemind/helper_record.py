@@ -99,3 +99,31 @@ def live_helper_ids(dht_call, run_id: str) -> list[str]:
         for subkey, item in found.value.items()
         if isinstance(getattr(item, "value", None), dict) and not item.value.get("leaving")
     ]
+
+
+class RunHelpers:
+    """The live helpers of run ``run_id``, read from the DHT (through ``dht_call``) each time they
+    are asked about: how many (``count``: a round's group waits for them too) and their peer ids
+    (``ids``: where a client uploads its state)."""
+
+    def __init__(self, dht_call, run_id: str):
+        self._dht_call, self.run_id = dht_call, run_id
+
+    def count(self) -> int:
+        return live_helpers(self._dht_call, self.run_id)
+
+    def ids(self) -> list[str]:
+        return live_helper_ids(self._dht_call, self.run_id)
+
+
+class NoHelpers(RunHelpers):
+    """A run no helper serves (a transport built without a DHT to read them from)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, "")
+
+    def count(self) -> int:
+        return 0
+
+    def ids(self) -> list[str]:
+        return []

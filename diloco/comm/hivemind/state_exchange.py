@@ -15,12 +15,12 @@ from __future__ import annotations
 import io
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from diloco.comm.base import PeerState, StateCheck, StateExchange, StateRank, StateReader, StateVerdict
+from diloco.comm.hivemind.helper_record import NoHelpers, RunHelpers
 from diloco.comm.hivemind.roster import live_counts, live_peer_ids
 from diloco.comm.hivemind.state_download import SERVED_BY, SOURCES, STATE_BYTES
 from diloco.comm.hivemind.state_offers import Offer, StateOffers, priority, same_offer
@@ -73,8 +73,8 @@ class HivemindStateExchange(StateExchange):
     ``share_state`` / ``load_state_from_peers``); ``offers`` reads the others' offers; ``roster``
     tells who is live and serves state (``roster.py``); ``client_mode``: nobody can dial us, so we
     serve nothing; ``linger_s``: the most a worker stays after its last round for a peer behind.
-    ``wants`` (clients) asks for a state when no peer serves one while ``helpers()`` (how many are
-    live) says a helper can relay it."""
+    ``wants`` (clients) asks for a state when no peer serves one while ``helpers`` (the run's live
+    helpers) says one can relay it."""
 
     def __init__(
         self,
@@ -86,11 +86,11 @@ class HivemindStateExchange(StateExchange):
         client_mode: bool,
         linger_s: float,
         wants: StateWants | None = None,
-        helpers: Callable[[], int] = lambda: 0,
+        helpers: RunHelpers | None = None,
     ):
         self._server, self._offers, self._roster = server, offers, roster
         self.num_workers, self.client_mode, self.linger_s = num_workers, client_mode, linger_s
-        self._wants, self._helpers = wants, helpers
+        self._wants, self._helpers = wants, helpers if helpers is not None else NoHelpers()
         self._offered: Published | None = None  # (round, rank, reader) of the state we offer
 
     @property
@@ -148,7 +148,7 @@ class HivemindStateExchange(StateExchange):
             reading = self._read(round_index, better_than, newer, patient_until=patient_until, refused=refused)
             if reading.others == 0 and relayed is None and self._wants is not None:
                 # nobody but a helper can serve us (clients only): we ask, a client that holds it uploads it there
-                relayed = self._helpers() > 0
+                relayed = self._helpers.count() > 0
             relay = bool(relayed) and reading.others == 0
             if reading.others == 0 and not relay and (not reading.offers or download_failed):
                 return None  # nobody live can serve a state (clients only, alone, or what is offered is stale)
@@ -277,7 +277,7 @@ class HivemindStateExchange(StateExchange):
         if self._wants is None:
             return False
         live = live_counts(self._roster)
-        return live is not None and live[0] == 0 and self._helpers() > 0
+        return live is not None and live[0] == 0 and self._helpers.count() > 0
 
     def _clients_behind(self) -> bool:
         """Whether a live client has not finished the rounds we have: it offers no state, so only its

@@ -43,6 +43,7 @@ from hivemind.utils.streaming import split_for_streaming
 
 from diloco.comm.base import StateRank, StateReader
 from diloco.comm.hivemind.averager import serialize_state
+from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.state_download import streamed_state
 from diloco.comm.hivemind.state_offers import Offer, priority
 
@@ -266,7 +267,7 @@ class StateUploader:
     (``no_server()``: the run is of clients), it reads the run's requests (``wants``) and, where its
     own state (``published()``: round, rank, reader; None before its first round) would serve one
     that no offer serves yet (``offers()``: (round, rank) of each, the helpers' included), uploads
-    it to a live helper (``helpers()``: their peer ids) through the daemon of the peer that ``call``
+    it to a live helper (``helpers.ids()``) through the daemon of the peer that ``call``
     reaches, within ``timeout_s``: each state once, to the next helper if an upload failed."""
 
     def __init__(
@@ -277,7 +278,7 @@ class StateUploader:
         wants: StateWants,
         offers: Callable[[], list[Offer]],
         published: Callable[[], Published | None],
-        helpers: Callable[[], list[str]],
+        helpers: RunHelpers,
         no_server: Callable[[], bool],
         timeout_s: float,
     ):
@@ -311,7 +312,7 @@ class StateUploader:
         self._sent = {sent: at for sent, at in self._sent.items() if now - at < WANTED_TTL_S}
         if priority(*ours) in self._sent:  # the helper's offer may not show yet
             return None
-        helpers = [helper for helper in self._helpers() if (priority(*ours), helper) not in self._failed]
+        helpers = [helper for helper in self._helpers.ids() if (priority(*ours), helper) not in self._failed]
         return (published, helpers[0]) if helpers else None
 
     async def _run(self, stop: threading.Event) -> None:

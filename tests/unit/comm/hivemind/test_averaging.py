@@ -22,6 +22,7 @@ from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.averager import _TrafficCounters
 from diloco.comm.hivemind.averaging import HivemindAveraging
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, round_group_bits
+from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.compression import NoCompression
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,6 +78,20 @@ class _Control:
         self._averager.cancelled += 1
 
 
+class _Helpers(RunHelpers):
+    """The run's live helpers, as given."""
+
+    def __init__(self, ids: list[str]):
+        super().__init__(None, "run")
+        self._ids = ids
+
+    def ids(self) -> list[str]:
+        return list(self._ids)
+
+    def count(self) -> int:
+        return len(self._ids)
+
+
 def _averaging(
     averager,
     *,
@@ -104,10 +119,10 @@ def _averaging(
         flats=averager.buffers * fragments,
         plane=None,
         num_workers=2,
-        group_size=lambda: expected,
+        membership=SimpleNamespace(expected_peers=lambda: expected),
         # False: no state offered yet (a first round): a refusal alone says the group broke
-        published=lambda: published,
-        helpers=lambda: helpers,
+        states=SimpleNamespace(published=(0, None) if published else None),
+        helpers=_Helpers(["helper"] * helpers),
     )
 
 
