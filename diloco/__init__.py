@@ -45,7 +45,10 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       the reduce rule (``reduce.py``);
                       hivemind (``comm/hivemind/``: its peer, **a round is averaged in**
                       ``averaging.py`` and ``group_round.py``, the state exchange, the roster, the
-                      averager, the gloo data plane, the run key), simulated, torchrun; robust
+                      averager and its bit-exact all-reduce, codecs on the wire, screening, traffic
+                      counters and state serving each in a module, the gloo data plane, the run key;
+                      every hivemind method it overrides is listed in ``overrides.py``), simulated,
+                      torchrun; robust
                       aggregation and the scores that exclude a worker; the bound of every wait
 - ``compression/``    codecs on the wire (fp16, int8, int4, top-k) and error feedback
 - ``optional_deps.py`` whether an optional dependency (the ``hf`` extra) is installed; the line

@@ -1,7 +1,7 @@
 """The reduce rule every transport follows: decode each worker's compressed contribution, drop
 the unusable ones, screen the rest by their norms, take the weighted mean, and restore it as the
 codec replies with it. The simulator and torch.distributed apply it to whole vectors; hivemind's
-reducers apply the same rule part by part (``hivemind/averager.py``)."""
+reducers apply the same rule part by part (``hivemind/exact_allreduce.py``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ median is scaled down to it; no weight counts for more than ``comm.max_weight_ra
 median weight of the round (a claim above it is cut to it). The
 decision depends on the declared norms and weights alone, so every reducer that screens the same
 declarations reaches the same decision (hivemind's reducers each see only a slice of a
-contribution, so there the norms travel with the matchmaking; see ``hivemind/averager.py``).
+contribution, so there the norms travel with the matchmaking; see ``hivemind/screening.py``).
 
 By direction (``against_the_others``): a contribution whose cosine to the coordinate-wise median
 of the contributions is below ``comm.min_cosine`` points against the others (a sign flip, a

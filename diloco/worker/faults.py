@@ -179,7 +179,7 @@ class CorruptStateParts(StateExchange):
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
         def corrupted(use):
             read = state(use)
-            if not isinstance(read, bytes) or not read:  # parts are read as bytes (state_download.py)
+            if not isinstance(read, bytes) or not read:  # parts are read as bytes (state_serving.py)
                 return read
             flipped = bytearray(read)
             flipped[len(flipped) // 2] ^= 0xFF

@@ -10,8 +10,17 @@
 - ``state_exchange.py``  the worker's state offered to peers and taken from them after a failed round
 - ``state_offers.py``    the offers as the DHT carries them: (round, rank) packed in one priority
 - ``membership.py``      the worker's roster record and its view of who is live
-- ``averager.py``        hivemind's averager made bit-identical across peers, with byte counts
-                         and the robust screening of declared norms
+- ``averager.py``        hivemind's averager made bit-identical across peers: its process, its group,
+                         a part for a group it is not in refused
+- ``exact_allreduce.py`` the bit-exact all-reduce: a reducer hands out the average itself, not a delta
+- ``exact_reducing.py``  its reducer's side: the senders of our share served their parts' average
+- ``wire.py``            the parts on the wire: codec payloads in hivemind's messages, part sizes
+- ``screening.py``       robust aggregation in the all-reduce: declared norms screened, parts checked
+- ``traffic.py``         bytes on the wire and a round's counts, shared with the worker's process
+- ``state_serving.py``   our state served to the peers that download it, whole or in parts
+- ``state_download.py``  a peer's state downloaded, in parts from several peers at once
+- ``log_filters.py``     hivemind's tracebacks of failures the worker reports itself left out
+- ``overrides.py``       every hivemind method overridden or relied on, as hivemind 1.1.12 has it
 - ``reducer.py``         the reducer of our share: ends without senders; screens each part by direction
 - ``exclusion.py``       each peer's standing across rounds (``comm.exclude_after``), kept in the averager
 - ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean

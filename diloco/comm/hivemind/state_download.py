@@ -4,8 +4,7 @@ offered params other than those the run's workers declared is not asked again in
 
 The peers that offer the best state, the same one, serve it in parts at once
 (``state_swarm.py``): each serves the manifest of its live state and the parts asked of it
-(``rpc_download_state_part``), read under the outer step's lock as the whole state is; a stale
-offer answers nothing. Where no peer serves a manifest (a helper relays a state as bytes), the
+(``state_serving.py``). Where no peer serves a manifest (a helper relays a state as bytes), the
 state comes whole from one peer, as hivemind downloads it (``rpc_download_state``).
 
 Stock hivemind (1.1.12) tries its peers in one fixed order and cannot be told to skip one, so a
@@ -17,25 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import random
-import threading
 import time
-import typing
-import weakref
 from collections.abc import AsyncIterator, Sequence
-from multiprocessing.reduction import ForkingPickler
 
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from diloco.comm.hivemind.state_parts import Manifest, agreed, byte_views, flatten, manifest_of, read_range
+from diloco.comm.hivemind.state_parts import Manifest, agreed
 from diloco.comm.hivemind.state_swarm import SwarmDownload
 
 logger = logging.getLogger(__name__)
@@ -52,7 +46,7 @@ _FOREVER_S = 365 * 86400.0
 
 class StateDownload:
     """A mix-in of the averager (``averager.ExactAverager``): ``load_state_from_peers`` with
-    ``exclude``, in parts from several peers; and the parts of our state served to peers."""
+    ``exclude``, in parts from several peers."""
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, exclude: Sequence[str] = ()):
         """(metadata, state) of the best offer of peers not in ``exclude`` (peer ids as text),
@@ -192,91 +186,10 @@ class StateDownload:
         logger.info("downloaded the state of peer %s in %.3f s", peer, time.monotonic() - started)
         return {**metadata, SERVED_BY: peer.to_base58()}, tensors
 
-    async def rpc_download_state_part(
-        self, request: averaging_pb2.DownloadData, _context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the handler's kind from them
-        """The manifest of the state we offer ({"manifest": true} in the request's metadata, MSGPack),
-        or its parts ``first`` to ``stop`` of the manifest ``digest``, one message each. Nothing
-        where we offer none, or the offer is stale (or of another manifest)."""
-        if not self.allow_state_sharing:
-            return
-        try:
-            asked = MSGPackSerializer.loads(request.metadata)
-        except Exception:  # not a request of ours
-            return
-        if not isinstance(asked, dict):
-            return
-        future = MPFuture()
-        self._part_pipe[0].send((asked, future))
-        answer = await future
-        if isinstance(answer, dict):
-            yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(answer))
-        elif isinstance(answer, tuple):
-            part_bytes, data = answer
-            for i, start in enumerate(range(0, len(data), part_bytes)):
-                part = runtime_pb2.Tensor(buffer=data[start : start + part_bytes])
-                yield averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(asked["first"] + i), tensor_part=part)
-
-    def _serve_parts(self) -> None:
-        """Start answering, in this (the host) process, what ``rpc_download_state_part`` asks in the
-        averager's: call before the averager's process starts."""
-        self._part_pipe = mp.Pipe(duplex=True)
-        self._manifest_cache: tuple[object, Manifest | None] | None = None
-        thread = threading.Thread(target=_answer_parts, args=(self._part_pipe[1], weakref.ref(self)), daemon=True)
-        thread.start()
-
-    def _answer_part_request(self, asked: dict):
-        """What ``rpc_download_state_part`` sends for ``asked``: {"metadata", "manifest"}, (part
-        bytes, the parts' bytes), or None."""
-        shared = self._shared_state
-        if shared is None:
-            return None
-        metadata, read = shared
-        if self._manifest_cache is None or self._manifest_cache[0] is not shared:
-            manifest = read(manifest_of)  # None once stale; a relayed state (bytes) has none
-            self._manifest_cache = (shared, manifest if isinstance(manifest, Manifest) else None)
-        manifest = self._manifest_cache[1]
-        if manifest is None:
-            return None
-        if asked.get("manifest"):
-            return {"metadata": MSGPackSerializer.dumps(metadata), "manifest": manifest.to_wire()}
-        first, stop = asked.get("first"), asked.get("stop")
-        if asked.get("digest") != manifest.digest() or not (isinstance(first, int) and isinstance(stop, int)):
-            return None
-        if not 0 <= first < stop <= manifest.parts:
-            return None
-        start, end = manifest.span(first)[0], manifest.span(stop - 1)[1]
-        data = read(lambda state: read_range(byte_views(flatten(state)[1]), start, end))
-        return (manifest.part_bytes, data) if isinstance(data, bytes) else None
-
 
 def _request(asked: dict) -> averaging_pb2.DownloadData:
     """A request of ``rpc_download_state_part``: hivemind's messages are fixed, so it rides in the metadata."""
     return averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(asked))
-
-
-def _answer_parts(pipe, owner: weakref.ref) -> None:
-    """The host process's thread that answers the part requests of the averager's process, while
-    the averager lives."""
-    while owner() is not None:
-        try:
-            if not pipe.poll(1.0):
-                continue
-            request = pipe.recv_bytes()
-        except (EOFError, OSError):  # the averager's process has ended
-            return
-        try:
-            asked, future = ForkingPickler.loads(request)
-        except Exception as error:  # its asker ended while sending it (as at Ctrl-C): nothing to answer
-            logger.debug("a part request could not be read: %r", error)
-            continue
-        averager = owner()
-        try:
-            future.set_result(averager._answer_part_request(asked) if averager is not None else None)
-        except Exception as error:  # a request we cannot answer: nothing is sent
-            logger.warning("serving parts of our state failed: %r", error)
-            future.set_result(None)
-        del averager
 
 
 async def streamed_state(messages: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[object, list]:

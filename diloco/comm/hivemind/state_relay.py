@@ -42,10 +42,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from diloco.comm.base import StateRank, StateReader
-from diloco.comm.hivemind.averager import serialize_state
 from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.state_download import streamed_state
 from diloco.comm.hivemind.state_offers import Offer, priority
+from diloco.comm.hivemind.state_serving import serialize_state
 
 logger = logging.getLogger(__name__)
 

@@ -209,18 +209,6 @@ def test_average_payloads_drops_a_bad_contribution_and_keeps_the_others(caplog):
     assert "dropped the contribution of worker 3: weight inf" in caplog.text
 
 
-def test_hivemind_parts_must_be_compressed_bytes():
-    from hivemind.compression import serialize_torch_tensor
-
-    from diloco.comm.hivemind.averager import _bytes_part, _decode_part, aligned_part_size_bytes
-
-    codec = codec_of("int4")
-    with pytest.raises(PayloadError, match="float32 tensor, not the bytes"):
-        _decode_part(codec, serialize_torch_tensor(torch.ones(3)), 3)
-    torch.testing.assert_close(_decode_part(codec, _bytes_part(codec.compress(torch.ones(3))), 3), torch.ones(3))
-    assert aligned_part_size_bytes(codec_of("topk", CompressionConfig(topk_chunk=3000))) // 4 % 3000 == 0
-
-
 def test_error_feedback_survives_a_diverged_step():
     feedback = ErrorFeedback(codec_of("int8"), enabled=True)
     feedback.apply([torch.randn(20)])

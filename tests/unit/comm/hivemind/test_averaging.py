@@ -19,10 +19,10 @@ import torch
 
 from diloco.comm.base import CommConfig, HivemindConfig, Outcome
 from diloco.comm.bounds import round_limit_s
-from diloco.comm.hivemind.averager import _TrafficCounters
 from diloco.comm.hivemind.averaging import HivemindAveraging
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, round_group_bits
 from diloco.comm.hivemind.helper_record import RunHelpers
+from diloco.comm.hivemind.traffic import TrafficCounters
 from diloco.compression import NoCompression
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,7 @@ class _LateLeaderAverager:
     first step finds no group and, meanwhile, refuses that group's parts; a retry finds the peer."""
 
     def __init__(self, peer_mean: torch.Tensor):
-        self.traffic, self.exclusions = _TrafficCounters(), SimpleNamespace(excluded_peers=lambda: set())
+        self.traffic, self.exclusions = TrafficCounters(), SimpleNamespace(excluded_peers=lambda: set())
         self.buffers, self.peer_mean = [torch.zeros_like(peer_mean)], peer_mean
         self.group_bits: list[str] = []
         self.targets: list[int] = []  # the group size each attempt started the all-reduce at

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import threading
 import weakref
 
-from diloco.comm.hivemind.state_download import _answer_parts
+from diloco.comm.hivemind.state_serving import _answer_parts
 
 
 class _Unreadable:
