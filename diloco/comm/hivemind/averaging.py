@@ -385,19 +385,9 @@ class HivemindAveraging(Averaging):
             return False
 
     def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
-        """Nobody to talk to, but the result is what the codec makes of it, as always."""
-        codec = self.codec.agreed([{"codec": self.codecs.preference(tensors, peers=1)}])
-        alone = [Contribution("self", [codec.compress(t) for t in tensors], weight)]
-        means, used = average_payloads(codec, alone, [t.numel() for t in tensors], round_index=round_index)
-        if not used:
-            return SyncResult(Outcome.FAILED, 1, weight, error="our own contribution was dropped")
-        for tensor, mean in zip(tensors, means):
-            tensor.copy_(mean.view_as(tensor))
         # alone while workers that vanished without leaving may train on, cut off from us (or we from them)
-        drifted = self.num_workers > 1 and bool(self._roster.missing)
-        return SyncResult(
-            Outcome.CUT_OFF if drifted else Outcome.ALONE, peers=1, total_weight=weight, codec=self.codecs.named(codec)
-        )
+        cut_off = self.num_workers > 1 and bool(self._roster.missing)
+        return average_alone(self.codecs, tensors, weight, round_index=round_index, cut_off=cut_off)
 
     def finish(self) -> None:
         """Our last round may be over while we still send a peer its averaged parts (we reduced them
@@ -448,3 +438,19 @@ def _not_waited_for(lost: int, *, group: int, helpers: int) -> int:
     every other member failed us, or the group is not known: we are then the one that was cut off
     or stalled, and the others may all retry."""
     return 0 if lost >= group + helpers - 1 else lost
+
+
+def average_alone(
+    codecs: CodecChoice, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, cut_off: bool
+) -> SyncResult:
+    """A round with nobody to talk to: the mean is what the codec makes of ours, as always;
+    ``cut_off`` while workers that vanished without leaving may train on."""
+    codec = codecs.codec.agreed([{"codec": codecs.preference(tensors, peers=1)}])
+    alone = [Contribution("self", [codec.compress(t) for t in tensors], weight)]
+    means, used = average_payloads(codec, alone, [t.numel() for t in tensors], round_index=round_index)
+    if not used:
+        return SyncResult(Outcome.FAILED, 1, weight, error="our own contribution was dropped")
+    for tensor, mean in zip(tensors, means):
+        tensor.copy_(mean.view_as(tensor))
+    outcome = Outcome.CUT_OFF if cut_off else Outcome.ALONE
+    return SyncResult(outcome, peers=1, total_weight=weight, codec=codecs.named(codec))
