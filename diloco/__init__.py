@@ -36,7 +36,8 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       behind the run (``core/recovery.py``: **recovery happens here**), when a round
                       ends, the outer step's host copies, evaluation (``evaluation.py``; split among
                       the workers that hold the same params: ``shared_evaluation.py``)
-- ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface
+- ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface;
+                      their settings (``config.py``)
 - ``data/``           what a corpus is read from (``source.py``, a leaf); a corpus of tokens, per-worker shards, the
                       held-out split; Hugging Face datasets; a token cache;
                       the installed packages' Python source as a corpus, and its BPE tokenizer

@@ -1,5 +1,5 @@
 """The schema: ``Config`` composed from each section's dataclass. A section of a layer below the
-config lives beside the code it configures (``ModelConfig`` in models/gpt.py, ``OuterConfig`` in
+config lives beside the code it configures (``ModelConfig`` in models/config.py, ``OuterConfig`` in
 core/outer.py, ...); the sections of the worker, which sits above the config, are here: the run,
 the worker itself, its logging (worker/metrics.py), checkpoints (worker/checkpoint.py) and fault
 injection (worker/faults.py)."""
@@ -14,7 +14,7 @@ from diloco.compression import CompressionConfig
 from diloco.core.inner import InnerConfig
 from diloco.core.outer import OuterConfig
 from diloco.data.source import DataConfig
-from diloco.models.gpt import ModelConfig
+from diloco.models.config import ModelConfig
 
 SITE_SHARDINGS = ("ddp", "fsdp")
 CLIENT_MODES = ("auto", "true", "false")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from diloco.config import ConfigError
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 
 HOST_COPIES = 9.0  # a worker's share of its run's peak PSS over the params' fp32 bytes, on the CPU (8.6 measured)
 # the same with the model on a GPU: global params, momentum, the averager's buffer and its parts in flight
