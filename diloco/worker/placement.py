@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco.comm.base import CommBackend, CommConfig
+from diloco.comm.base import CommBackend
+from diloco.comm.config import CommConfig
 from diloco.config import ConfigError, WorkerConfig
 from diloco.core.evaluation import evaluate, evaluate_cached
 from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend, local_shards, shard_comm, shard_model

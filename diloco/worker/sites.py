@@ -51,7 +51,6 @@ from torch import nn
 from diloco.comm.base import (
     Averaging,
     CommBackend,
-    CommConfig,
     Membership,
     PeerState,
     StateCheck,
@@ -61,6 +60,7 @@ from diloco.comm.base import (
     SyncResult,
     fingerprint_of,
 )
+from diloco.comm.config import CommConfig
 from diloco.config import ConfigError
 
 

@@ -24,12 +24,14 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import Averaging, CommConfig, HivemindConfig, Staged, SyncResult
+from diloco.comm.base import Averaging, Staged, SyncResult
 from diloco.comm.bounds import round_limit_s
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, RosterEntry, live_counts, worker_names
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, CommConfig, HivemindConfig
+from diloco.comm.base import Averaging, CommBackend
+from diloco.comm.config import CommConfig
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.config import ConfigError
 from diloco.worker.placement import ReplicatedSite, ShardedSite, SingleProcess
 from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend
