@@ -9,6 +9,8 @@
                          plane, reachability, the run key; its settings (``settings.py``, ``comm.hivemind``)
 - ``simulator.py``       M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
+- ``sites.py``           a site: several torchrun ranks as one worker, data-parallel inside; its
+                         leader (or, sharded, every rank) syncs across sites over the transport
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
 - ``run_key_env.py``     where the run key comes from (``comm.run_key``, ``$DILOCO_RUN_KEY``)
 - ``scores.py``          each worker's standing across rounds, and who is excluded (``comm.exclude_after``)
