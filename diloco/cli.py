@@ -182,20 +182,10 @@ def _cmd_train(args, *, join: bool = False) -> int:
 
 
 def _cmd_join(args) -> int:
-    from diloco.tools.join import place_in_run, run_config_file
+    from diloco.tools.join import run_join
 
     config_path, overrides = _split_config(args.config, args.overrides)
-    overrides = _peer_overrides(overrides, args.peers)
-    cfg, place = place_in_run(config_path, overrides)
-    args.overrides = [*overrides, *place.overrides]
-    if config_path is not None:
-        args.config = config_path
-        return _cmd_train(args, join=True)
-    # no config file: the run's own, from a live peer, with this volunteer's overrides on top
-    with run_config_file(place.entries, cfg.comm.run_id) as (path, digest):
-        args.config = str(path)
-        print(f"took the run's config from a live peer (sha256 {digest[:12]})", flush=True)
-        return _cmd_train(args, join=True)
+    return run_join(config_path, _peer_overrides(overrides, args.peers), run_dir=args.run_dir)
 
 
 def _peer_overrides(overrides: list[str], peers_option: str, option: str = "--peers") -> list[str]:
@@ -328,17 +318,11 @@ def _cmd_summary(args) -> int:
 
 
 def _cmd_corpus(args) -> int:
-    from diloco.tools.corpus import build_corpus
+    from diloco.tools.corpus import build_corpus, summary_line
 
     if args.vocab <= 257 or args.vocab > 2**31:
         raise UsageError(f"--vocab={args.vocab} must be above 257 (the 256 bytes and <|endoftext|>)")
-    summary = build_corpus(args.out_dir, vocab_size=args.vocab, max_bytes=args.max_bytes)
-    print(
-        f"corpus {summary['out_dir']}: {summary['files']} files, {summary['bytes'] / 1e6:.1f} MB of text, "
-        f"{summary['tokens']} tokens ({summary['dtype']}), vocab {summary['vocab_size']}, "
-        f"in {summary['seconds']:.0f} s; train with data.token_cache={summary['cache']}",
-        flush=True,
-    )
+    print(summary_line(build_corpus(args.out_dir, vocab_size=args.vocab, max_bytes=args.max_bytes)), flush=True)
     return 0
 
 
