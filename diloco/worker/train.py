@@ -30,7 +30,8 @@ from diloco.worker.wrapper import DiLoCo
 
 
 def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
-    """Run one worker to the end (or to ``faults.stop_after_round``); return its end record.
+    """Run one worker to the end; return its end record. Stopped at ``faults.stop_after_round``, it
+    raises ``StopRequested`` instead (``run_worker`` reports it).
 
     ``on_ready(addresses)`` is called once the worker is reachable by peers. A worker whose peers
     are rounds ahead (it joins a live run, or restarts from an old checkpoint) first takes their
