@@ -25,8 +25,8 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
 - ``worker/``         one worker at run time: ``DiLoCo`` around a model and its loop (``wrapper.py``)
                       and the run it trains in (``run.py``, ``init()``); ``train.py``, ``diloco
                       train``'s loop, its first user, read top to bottom; how rounds
-                      sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement and
-                      sites (several GPUs as one worker); joining a live run; checkpoints; records and
+                      sync (blocking, overlapped, data-parallel: ``sync_modes.py``); placement (one
+                      process, a site's replicas or its shards); joining a live run; checkpoints; records and
                       metrics; the watchdog; memory checks; fault injection
 - ``config/``         the typed schema, ``load_config`` (defaults <- YAML <- CLI overrides), the checks
                       across sections, and the reference table (docs/configuration.md)
@@ -36,19 +36,21 @@ it, and import-linter contracts in ``pyproject.toml`` keep it so:
                       behind the run (``core/recovery.py``: **recovery happens here**), when a round
                       ends, the outer step's host copies, evaluation (``evaluation.py``; split among
                       the workers that hold the same params: ``shared_evaluation.py``)
-- ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface
+- ``models/``         a small GPT (``gpt.py``) and Hugging Face causal LMs (``hf.py``) behind one interface;
+                      their settings (``config.py``)
 - ``data/``           what a corpus is read from (``source.py``, a leaf); a corpus of tokens, per-worker shards, the
                       held-out split; Hugging Face datasets; a token cache;
                       the installed packages' Python source as a corpus, and its BPE tokenizer
 - ``comm/``           how pseudo-gradients travel: a transport (``CommBackend``, ``base.py``) is its
                       averaging, state exchange and membership, and a board of held-out losses;
-                      the reduce rule (``reduce.py``);
+                      its settings (``config.py``); the reduce rule (``reduce.py``);
                       hivemind (``comm/hivemind/``: its peer, **a round is averaged in**
                       ``averaging.py`` and ``group_round.py``, the state exchange, the roster, the
                       averager and its bit-exact all-reduce, codecs on the wire, screening, traffic
-                      counters and state serving each in a module, the gloo data plane, the run key;
-                      every hivemind method it overrides is listed in ``overrides.py``), simulated,
-                      torchrun; robust
+                      counters and state serving each in a module, the gloo data plane, the run key,
+                      its settings; every hivemind method it overrides is listed in ``overrides.py``),
+                      simulated, torchrun; a site's transport (``sites.py``: several GPUs as one
+                      worker); robust
                       aggregation and the scores that exclude a worker; the bound of every wait
 - ``compression/``    codecs on the wire (fp16, int8, int4, top-k) and error feedback
 - ``optional_deps.py`` whether an optional dependency (the ``hf`` extra) is installed; the line

@@ -85,11 +85,8 @@ def _add_launchers(commands) -> None:
     )
 
 
-def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diloco", description="DiLoCo training over slow links.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _add_run_commands(commands) -> None:
+    """``diloco train``, ``join`` and ``status``: one worker of a run, or a look at the run."""
     train = commands.add_parser("train", help="run one worker")
     train.add_argument("config", nargs="?", help="YAML config (a diff from the defaults)")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -109,8 +106,9 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="refresh every few seconds until Ctrl-C")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
 
-    _add_launchers(commands)
 
+def _add_tools(commands) -> None:
+    """``diloco helper``, ``bootstrap``, ``config``, ``summary``, ``plot`` and ``corpus``."""
     helper = commands.add_parser(
         "helper", help="reduce parts of every round for a live run's workers (a public peer; contributes nothing)"
     )
@@ -150,6 +148,16 @@ def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     corpus.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary size (default 32768)")
     corpus.add_argument("--max-bytes", type=int, default=0, help="collect at most this much text (default 0 = all)")
 
+
+def _parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diloco", description="DiLoCo training over slow links.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    _add_run_commands(commands)
+    _add_launchers(commands)
+    _add_tools(commands)
+
     from diloco.bench import add_benchmarks
 
     benchmarks = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -165,58 +173,19 @@ def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None,
 
 
 def _cmd_train(args, *, join: bool = False) -> int:
-    from diloco.worker.faults import StopRequested
-    from diloco.worker.metrics import write_summary
-    from diloco.worker.run import worker_config
-    from diloco.worker.train import train
+    from diloco.worker.train import run_worker
 
     config_path, overrides = _split_config(args.config, args.overrides)
     if args.run_dir:
         overrides = [*overrides, f"run.dir={args.run_dir}"]
-    cfg = worker_config(config_path, overrides)  # under torchrun: each rank a worker, unless one site
-
-    def announce(addresses: list[str]) -> None:
-        if addresses:
-            peers = ",".join(f"'{a}'" for a in addresses)
-            print(
-                f"worker {cfg.worker.index} is up; join this run with: comm.hivemind.initial_peers=[{peers}]",
-                flush=True,
-            )
-
-    try:
-        end = train(cfg, on_ready=announce, join=join)
-    except KeyboardInterrupt:  # train() marked the worker as leaving and stopped its peers
-        raise KeyboardInterrupt(
-            f"worker {cfg.worker.index} left the run; the same command again resumes it from its last checkpoint"
-        ) from None
-    except StopRequested as stop:
-        print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
-        write_summary(cfg.run_dir, errors={cfg.worker.index: f"stopped: {stop}"}, unless_running=True)
-        return 3
-    write_summary(cfg.run_dir, unless_running=True)  # the directory's: the last of its workers to end writes it
-    print(
-        f"worker {cfg.worker.index} finished: {end['inner_steps']} steps, {end['rounds']} rounds, "
-        f"val_loss {end['val_loss']:.4f}, params {end['param_sha256'][:16]}",
-        flush=True,
-    )
-    return 0
+    return run_worker(config_path, overrides, join=join)
 
 
 def _cmd_join(args) -> int:
-    from diloco.tools.join import place_in_run, run_config_file
+    from diloco.tools.join import run_join
 
     config_path, overrides = _split_config(args.config, args.overrides)
-    overrides = _peer_overrides(overrides, args.peers)
-    cfg, place = place_in_run(config_path, overrides)
-    args.overrides = [*overrides, *place.overrides]
-    if config_path is not None:
-        args.config = config_path
-        return _cmd_train(args, join=True)
-    # no config file: the run's own, from a live peer, with this volunteer's overrides on top
-    with run_config_file(place.entries, cfg.comm.run_id) as (path, digest):
-        args.config = str(path)
-        print(f"took the run's config from a live peer (sha256 {digest[:12]})", flush=True)
-        return _cmd_train(args, join=True)
+    return run_join(config_path, _peer_overrides(overrides, args.peers), run_dir=args.run_dir)
 
 
 def _peer_overrides(overrides: list[str], peers_option: str, option: str = "--peers") -> list[str]:
@@ -247,30 +216,15 @@ def _cmd_status(args) -> int:
 def _local_run_config(args):
     """``diloco local`` / ``testbed``'s config, checked here (with its data) rather than in M workers:
     (cfg, config path, the overrides every worker gets)."""
-    import torch
-
     from diloco.config import ConfigError
-    from diloco.data.corpus import load_corpus
     from diloco.tools.launcher import launch_config
-    from diloco.worker.memory import check_model_fits
+    from diloco.worker.memory import check_local_run_fits
 
     if args.helpers < 0:
         raise UsageError(f"--helpers={args.helpers} must be at least 0")
     config_path, overrides = _split_config(args.config, args.overrides)
     cfg, overrides = launch_config(config_path, overrides, workers=args.workers, run_dir=args.run_dir)
-    corpus = load_corpus(cfg.data)
-    on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()  # the workers all on one machine
-    device = torch.device("cuda" if on_gpu else "cpu")
-    check_model_fits(
-        cfg.model,
-        vocab_size=corpus.vocab_size,
-        device=device,
-        workers_here=args.workers,
-        batch_size=cfg.inner.batch_size,
-        precision=cfg.worker.precision,
-        global_on_gpu=cfg.outer.global_device == "model",
-        stepping_at_once=1 if cfg.comm.backend == "simulator" else args.workers,  # simulated: they take turns
-    )
+    check_local_run_fits(cfg, workers=args.workers)
     make_folder(cfg.run_dir, "run.dir", ConfigError)  # a place that cannot hold it: refused before any worker starts
     return cfg, config_path, overrides
 
@@ -364,17 +318,11 @@ def _cmd_summary(args) -> int:
 
 
 def _cmd_corpus(args) -> int:
-    from diloco.tools.corpus import build_corpus
+    from diloco.tools.corpus import build_corpus, summary_line
 
     if args.vocab <= 257 or args.vocab > 2**31:
         raise UsageError(f"--vocab={args.vocab} must be above 257 (the 256 bytes and <|endoftext|>)")
-    summary = build_corpus(args.out_dir, vocab_size=args.vocab, max_bytes=args.max_bytes)
-    print(
-        f"corpus {summary['out_dir']}: {summary['files']} files, {summary['bytes'] / 1e6:.1f} MB of text, "
-        f"{summary['tokens']} tokens ({summary['dtype']}), vocab {summary['vocab_size']}, "
-        f"in {summary['seconds']:.0f} s; train with data.token_cache={summary['cache']}",
-        flush=True,
-    )
+    print(summary_line(build_corpus(args.out_dir, vocab_size=args.vocab, max_bytes=args.max_bytes)), flush=True)
     return 0
 
 
@@ -425,23 +373,6 @@ def _is_out_of_gpu_memory(error: Exception) -> bool:
     return torch is not None and isinstance(error, torch.cuda.OutOfMemoryError)
 
 
-def _out_of_gpu_memory() -> str:
-    """The one line for a worker whose GPU ran out of memory (its checkpoints stay on disk)."""
-    import torch
-
-    reached = ""
-    if torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        used = torch.cuda.max_memory_reserved(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        reached = f" (cuda:{device}: this process reached {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
-    return (
-        f"the GPU ran out of memory{reached}: lower inner.batch_size, run fewer workers on this GPU "
-        "(worker.gpu_memory_fraction is each one's share), or choose a smaller model; rerunning the same "
-        "command resumes from the last checkpoint, if the run wrote one"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(
@@ -463,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if not _is_out_of_gpu_memory(error):
             raise
-        print(f"diloco: error: {_out_of_gpu_memory()}", file=sys.stderr)
+        from diloco.worker.memory import out_of_gpu_memory
+
+        print(f"diloco: error: {out_of_gpu_memory()}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as interrupt:
         print("diloco: interrupted" + (f": {interrupt}" if str(interrupt) else ""), file=sys.stderr)

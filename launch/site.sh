@@ -4,7 +4,7 @@
 # site's fast links). SHARDING=ddp: every rank holds the model and rank 0 syncs with the other
 # sites over hivemind; SHARDING=fsdp: the model is sharded over the ranks (FSDP2) and every rank
 # syncs its own shard with the same rank of the other sites, which must have NPROC ranks too
-# (diloco/worker/sites.py). Environment knobs with defaults; extra KEY=VALUE overrides pass through.
+# (diloco/comm/sites.py). Environment knobs with defaults; extra KEY=VALUE overrides pass through.
 #
 #   SITE=0 SITES=2 NPROC=8 PEERS=/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... bash launch/site.sh
 #   SITE=1 SITES=2 NPROC=8 PEERS=... CONFIG=configs/llama-150m.yaml bash launch/site.sh worker.device=cuda

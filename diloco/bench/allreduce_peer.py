@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from diloco.comm.base import CommConfig, HivemindConfig
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.backend import HivemindBackend
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.compression import NoCompression
 
 

@@ -54,7 +54,8 @@ from diloco.core.host_copies import GLOBAL_DEVICES
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep
 from diloco.errors import UsageError
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 
 # peak dense (no sparsity) bf16 tensor-core TFLOP/s from the vendors' data sheets; the first
 # name that occurs in torch.cuda.get_device_name() wins, so the specific ones come first

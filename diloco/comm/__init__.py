@@ -1,14 +1,16 @@
 """Transports for the outer sync. ``build_backend`` picks one from ``comm.backend``.
 
 - ``base.py``            the interfaces: ``Averaging``, ``StateExchange``, ``Membership``, and
-                         ``CommBackend``, a transport as those parts; ``SyncResult``, ``CommConfig`` and
-                         its ``HivemindConfig``
+                         ``CommBackend``, a transport as those parts; ``SyncResult``
+- ``config.py``          ``CommConfig``, the ``comm:`` section (each transport's own settings nested in it)
 - ``reduce.py``          the reduce rule every transport follows (``average_payloads``)
 - ``hivemind/``          P2P over a DHT, the production path: its peer, a round's averaging, the
                          state exchange, the roster, the bit-identical averager, the gloo data
-                         plane, reachability, the run key
+                         plane, reachability, the run key; its settings (``settings.py``, ``comm.hivemind``)
 - ``simulator.py``       M simulated workers in one process, with a link model
 - ``torchdist.py``       torch.distributed all-reduce under torchrun (datacenter runs)
+- ``sites.py``           a site: several torchrun ranks as one worker, data-parallel inside; its
+                         leader (or, sharded, every rank) syncs across sites over the transport
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
 - ``run_key_env.py``     where the run key comes from (``comm.run_key``, ``$DILOCO_RUN_KEY``)
 - ``scores.py``          each worker's standing across rounds, and who is excluded (``comm.exclude_after``)
@@ -24,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig, HivemindConfig, SyncResult
+from diloco.comm.base import CommBackend, SyncResult
+from diloco.comm.config import CommConfig
 from diloco.compression import Codec, NoCompression
 
 BACKENDS = ("hivemind", "simulator", "torchdist")
 DATA_PLANES = ("hivemind", "gloo")  # comm.hivemind.data_plane (hivemind/gloo_plane.py)
 
-__all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "HivemindConfig", "SyncResult", "build_backend"]
+__all__ = ["BACKENDS", "DATA_PLANES", "CommBackend", "CommConfig", "SyncResult", "build_backend"]
 
 
 def build_backend(

@@ -8,8 +8,7 @@ params share; its end (``finish``, ``shutdown``) to the worker that built it. A 
 partial round is a ``SyncResult`` whose ``Outcome`` says so (comm/round_result.py), never an
 exception that kills the worker.
 
-Its settings are ``CommConfig`` (the ``comm:`` section); those only the hivemind transport and the
-tools that start hivemind peers read are ``HivemindConfig``, nested in it (``comm.hivemind``).
+Its settings, ``CommConfig`` (the ``comm:`` section), are in config.py.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,44 +32,6 @@ StateReader = Callable[[Callable[[dict], object]], object]
 StateCheck = Callable[["PeerState"], "StateVerdict"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class HivemindConfig:
-    """``comm.hivemind``: what only the hivemind transport and the tools that start hivemind peers read."""
-
-    initial_peers: list[str] = field(default_factory=list)  # multiaddrs of live peers; [] = start a new run
-    host: str = "127.0.0.1"  # address to listen on (0.0.0.0 to accept peers from other machines)
-    port: int = 0  # TCP port to listen on; 0 = any free port
-    announce_host: str = ""  # address other peers should dial (public IP behind NAT); "" = the listen address
-    client_mode: str = "auto"  # true: dial out only (reduces no part, serves no state); auto: when not dialable
-    use_relay: bool = True  # libp2p circuit relay: reach peers behind NAT through other peers
-    use_auto_relay: bool = False  # behind NAT: look for a relay to become reachable through
-    matchmaking_s: float = 15.0  # a round starts at once when all workers are in; else after this many seconds
-    request_timeout_s: float = 3.0  # one matchmaking request; keep below matchmaking_s (hivemind deadlocks)
-    heartbeat_s: float = 3.0  # how often a worker renews its roster record; 4 missed: not waited for, 8: out of the run
-    startup_timeout_s: float = 60.0  # p2pd start-up; loaded 2-core machines need more than hivemind's 15 s
-    data_plane: str = "hivemind"  # hivemind; gloo: fp32 rounds among dialable peers through a gloo all-reduce
-
-
-@dataclass
-class CommConfig:
-    """``comm``: the transport, the run it joins, the bounds of a round and what a round screens out."""
-
-    backend: str = "hivemind"  # transport: hivemind (P2P over a DHT) / simulator (M workers in one process) / torchdist
-    run_id: str = "diloco"  # name of the run on the DHT; peers of another run id never average together
-    run_key: str = ""  # shared secret: only peers holding it join the run ("" = open; or $DILOCO_RUN_KEY)
-    deadline_s: float = 60.0  # a round gives up on peers that have not arrived after this many seconds
-    bandwidth_mbps: float = 0.0  # link rate each way: the simulator models it; hivemind reduces less if slow; 0 unknown
-    latency_ms: float = 0.0  # the simulator's link model: one-way latency added to each phase of a round
-    trust: str = "trusted"  # who the workers are: trusted / open / keyed (key required); the last two screen more
-    max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
-    clip_to_median: bool = False  # scale every kept contribution above the round's median norm down to it (comm.trust)
-    max_weight_ratio: float = 4.0  # at most this x the round's median weight (more for sites of many ranks); 0 = off
-    min_cosine: float = -1.0  # drop a contribution whose cosine to the others' median is below this; -1 off
-    exclude_after: int = 3  # a worker left out of this many rounds in a row is left out of the later ones; 0 = never
-    readmit_after: int = 20  # an excluded worker is back on probation after this many rounds (x 2 each time); 0 = never
-    hivemind: HivemindConfig = field(default_factory=HivemindConfig)  # the hivemind transport's own settings
 
 
 @dataclass(frozen=True, order=True)

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from diloco.comm.base import Averaging, CommBackend, CommConfig, Outcome, SyncResult
+from diloco.comm.base import Averaging, CommBackend, Outcome, SyncResult
+from diloco.comm.config import CommConfig
 from diloco.comm.reduce import Contribution, Verdicts, average_payloads
 from diloco.comm.robust import ScreeningRules, screen
 from diloco.comm.scores import Scores

@@ -9,7 +9,7 @@
 - ``reference.py``  the reference table of every key (docs/configuration.md), from the schema itself
 
 Each component below the config owns its settings dataclass beside its code (``ModelConfig`` in
-models/gpt.py, ``OuterConfig`` in core/outer.py, ...); the worker's sections (run, worker, logging,
+models/config.py, ``OuterConfig`` in core/outer.py, ...); the worker's sections (run, worker, logging,
 checkpoint, faults) are in schema.py, since the worker sits above the config; ``Config`` composes
 them. ``load_config`` merges, in order: the dataclass defaults, a YAML file (a short diff from the
 defaults), and ``KEY=VALUE`` overrides from the command line, with omegaconf's struct mode on so a

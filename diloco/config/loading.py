@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from diloco.comm import HivemindConfig
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.run_key_env import MASKED_RUN_KEY
 from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults

@@ -1,5 +1,5 @@
 """The schema: ``Config`` composed from each section's dataclass. A section of a layer below the
-config lives beside the code it configures (``ModelConfig`` in models/gpt.py, ``OuterConfig`` in
+config lives beside the code it configures (``ModelConfig`` in models/config.py, ``OuterConfig`` in
 core/outer.py, ...); the sections of the worker, which sits above the config, are here: the run,
 the worker itself, its logging (worker/metrics.py), checkpoints (worker/checkpoint.py) and fault
 injection (worker/faults.py)."""
@@ -14,7 +14,7 @@ from diloco.compression import CompressionConfig
 from diloco.core.inner import InnerConfig
 from diloco.core.outer import OuterConfig
 from diloco.data.source import DataConfig
-from diloco.models.gpt import ModelConfig
+from diloco.models.config import ModelConfig
 
 SITE_SHARDINGS = ("ddp", "fsdp")
 CLIENT_MODES = ("auto", "true", "false")
@@ -36,7 +36,7 @@ class WorkerConfig:
     slots: int = 0  # data shards, so the most workers the run can hold (volunteers join free ones); 0 = count
     threads: int = 0  # torch intra-op threads; 0 = torch's default (launchers set cores / workers)
     device: str = "cpu"  # where inner steps run: cpu / cuda / auto (cuda when available)
-    site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; worker/sites.py)
+    site: bool = False  # under torchrun: all its ranks are this one worker (data-parallel inside; comm/sites.py)
     site_sharding: str = "ddp"  # inside a site: ddp (rank 0 syncs for all) / fsdp (FSDP2; each rank syncs its shard)
     precision: str = "fp32"  # the inner step's forward: fp32 / bf16 (autocast; params and optimizer stay fp32)
     compile: bool = False  # torch.compile the model (in place: checkpoints keep their keys); pays off on a GPU

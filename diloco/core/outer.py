@@ -15,7 +15,7 @@ averaged sparse update, with 0 a plain step.
 
 Where the global copy lives (``outer.global_device``): in host memory (``cpu``, the default:
 pinned when the model is on a GPU, so copies to and from it are queued without blocking; see
-transfer.py), or beside the model (``model``: the pseudo-gradient and the outer step run on the
+host_copies.py), or beside the model (``model``: the pseudo-gradient and the outer step run on the
 GPU; only the pseudo-gradient and its average cross to the host, for the transport).
 
 ``outer.sync_every=0`` is the data-parallel baseline instead: ``GradientAveraging`` averages the

@@ -1,4 +1,5 @@
-"""The model config, and a small GPT (nanoGPT-like) for tests and demos.
+"""A small GPT (nanoGPT-like) for tests and demos, and ``build_model``, which builds the model
+``model.*`` names (``ModelConfig``, ``config.py``).
 
 The GPT: pre-norm transformer blocks, learned positions, and an output head tied to the token
 embedding. The defaults are the "baby" model, about 0.8M parameters, small enough to train on a
@@ -8,7 +9,8 @@ tokens, or the tokenizer's (``Corpus.vocab_size``).
 
 Usage::
 
-    from diloco.models.gpt import ModelConfig, build_model
+    from diloco.models.config import ModelConfig
+    from diloco.models.gpt import build_model
 
     model = build_model(ModelConfig(n_layer=2), vocab_size=corpus.vocab_size)
     logits, loss = model(x, targets=y)  # x, y: int64 [batch, time]
@@ -18,32 +20,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from diloco.data.source import BYTE_VOCAB_SIZE
+from diloco.models.config import MODEL_KINDS, ModelConfig
 from diloco.models.hf import build_hf_model, validate_hf_model_config
 
 logger = logging.getLogger(__name__)
-
-
-MODEL_KINDS = ("gpt", "hf")
-
-
-@dataclass
-class ModelConfig:
-    kind: str = "gpt"  # gpt: the small built-in GPT (model.n_*) / hf: a Hugging Face causal LM (model.hf_config)
-    hf_config: str = ""  # kind=hf: a preset (llama-tiny, llama-150m, llama-1b) or a local config.json / its folder
-    hf_weights: str = ""  # kind=hf: a local folder of pretrained weights (save_pretrained); "" = random init
-    n_layer: int = 4  # gpt: number of transformer blocks
-    n_head: int = 4  # gpt: attention heads per block; must divide n_embd
-    n_embd: int = 128  # gpt: width of the residual stream
-    block_size: int = 64  # tokens per training sequence (and, for gpt, the longest context)
-    dropout: float = 0.0  # gpt: dropout probability in attention, MLP and embeddings; 0 disables it
-    bias: bool = True  # gpt: whether Linear and LayerNorm layers carry a bias
 
 
 def validate_model_config(cfg: ModelConfig) -> None:

@@ -18,17 +18,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from diloco.errors import ConfigError
+from diloco.models.config import ModelConfig
 from diloco.optional_deps import import_hf
-
-if TYPE_CHECKING:
-    from diloco.models.gpt import ModelConfig
 
 logger = logging.getLogger(__name__)
 

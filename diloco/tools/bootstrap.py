@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from diloco.comm.base import HivemindConfig
 from diloco.comm.hivemind import reachability
 from diloco.comm.hivemind.peer import bounded_dht_call, start_dht, visible_addresses
+from diloco.comm.hivemind.settings import HivemindConfig
 
 logger = logging.getLogger(__name__)
 

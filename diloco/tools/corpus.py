@@ -67,3 +67,12 @@ def build_corpus(out_dir: str, *, vocab_size: int = 32768, max_bytes: int = 0) -
         "seconds": time.monotonic() - started,
         "cache": cfg.token_cache,
     }
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """``diloco corpus``'s last line: what ``build_corpus`` made, and how to train on it."""
+    return (
+        f"corpus {summary['out_dir']}: {summary['files']} files, {summary['bytes'] / 1e6:.1f} MB of text, "
+        f"{summary['tokens']} tokens ({summary['dtype']}), vocab {summary['vocab_size']}, "
+        f"in {summary['seconds']:.0f} s; train with data.token_cache={summary['cache']}"
+    )

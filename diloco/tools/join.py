@@ -20,6 +20,7 @@ from diloco.comm.hivemind.roster import free_slot, nobody_answered
 from diloco.config import Config, load_config
 from diloco.errors import UsageError
 from diloco.worker.joining import JoinError, config_digest, config_from_run
+from diloco.worker.train import run_worker
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,19 @@ def choose_slot(cfg: Config) -> Place:
             f"(a run takes volunteers up to its worker.slots)"
         )
     return Place(slot, planned, slots, entries)
+
+
+def run_join(config_path: str | None, overrides: list[str], *, run_dir: str | None = None) -> int:
+    """``diloco join``: a worker in a free slot of the live run whose peers ``overrides`` name, with
+    ``config_path`` or, without one, the run's own config from a live peer (the volunteer's
+    ``overrides`` on top); ``run_dir``: ``--run-dir``. Its exit code."""
+    cfg, place = place_in_run(config_path, overrides)
+    overrides = [*overrides, *place.overrides, *([f"run.dir={run_dir}"] if run_dir else [])]
+    if config_path is not None:
+        return run_worker(config_path, overrides, join=True)
+    with run_config_file(place.entries, cfg.comm.run_id) as (path, digest):
+        print(f"took the run's config from a live peer (sha256 {digest[:12]})", flush=True)
+        return run_worker(str(path), overrides, join=True)
 
 
 def place_in_run(config_path: str | None, overrides: list[str]) -> tuple[Config, Place]:

@@ -17,7 +17,8 @@ import sys
 import time
 from typing import TextIO
 
-from diloco.comm.base import CommConfig, CommError
+from diloco.comm.base import CommError
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.roster import HEARTBEAT_S, RosterEntry, nobody_answered, worker_names
 from diloco.worker.metrics import format_duration
 

@@ -9,7 +9,7 @@ what a worker keeps and records.
 - ``build.py``       a worker set up around a model (outer step, codec, resumed state, transport, records)
 - ``sync_modes.py``  how its rounds sync: blocking, overlapped or data-parallel, one interface
 - ``placement.py``   where a worker's model lives: one process, a site's replicas, or a site's shards
-- ``sites.py``       several torchrun ranks as one worker: data-parallel inside, rank 0 syncs across sites
+                     (FSDP2); a site's transport is comm/sites.py
 - ``joining.py``     a newcomer or a restarted worker takes a live peer's state before its first round
 - ``checkpoint.py``  atomic save / load of everything a worker needs to resume, written off the loop
 - ``resume.py``      which state a restarted worker resumes from (its own, or another worker's when its own is damaged)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from diloco.config import ConfigError
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.config import Config, ConfigError
+from diloco.data.corpus import load_corpus
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 
 HOST_COPIES = 9.0  # a worker's share of its run's peak PSS over the params' fp32 bytes, on the CPU (8.6 measured)
 # the same with the model on a GPU: global params, momentum, the averager's buffer and its parts in flight
@@ -135,3 +137,36 @@ def _check_gpu(need: float, *, what: str, device: torch.device, workers_here: in
 
 def _gb(count: float) -> str:
     return f"{count / 2**30:.1f} GiB"
+
+
+def check_local_run_fits(cfg: Config, *, workers: int) -> None:
+    """``diloco local`` / ``testbed``: refuse, before any worker starts, ``workers`` workers of
+    ``cfg`` that cannot fit this machine together (on its GPU when they would train there; the
+    corpus is read for its vocabulary)."""
+    corpus = load_corpus(cfg.data)
+    on_gpu = cfg.worker.device != "cpu" and torch.cuda.is_available()  # the workers all on one machine
+    check_model_fits(
+        cfg.model,
+        vocab_size=corpus.vocab_size,
+        device=torch.device("cuda" if on_gpu else "cpu"),
+        workers_here=workers,
+        batch_size=cfg.inner.batch_size,
+        precision=cfg.worker.precision,
+        global_on_gpu=cfg.outer.global_device == "model",
+        stepping_at_once=1 if cfg.comm.backend == "simulator" else workers,  # simulated: they take turns
+    )
+
+
+def out_of_gpu_memory() -> str:
+    """The one line for a worker whose GPU ran out of memory (its checkpoints stay on disk)."""
+    reached = ""
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        used = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        reached = f" (cuda:{device}: this process reached {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+    return (
+        f"the GPU ran out of memory{reached}: lower inner.batch_size, run fewer workers on this GPU "
+        "(worker.gpu_memory_fraction is each one's share), or choose a smaller model; rerunning the same "
+        "command resumes from the last checkpoint, if the run wrote one"
+    )

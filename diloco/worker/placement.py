@@ -3,10 +3,11 @@
 ``placement_for`` picks one of three from ``worker.site`` and ``worker.site_sharding``:
 
 - ``SingleProcess`` (the default): one process holds the whole model and talks to the run;
-- ``ReplicatedSite``: the ranks of a site (site.py) each hold the whole model, average their
+- ``ReplicatedSite``: the ranks of a site (comm/sites.py) each hold the whole model, average their
   gradients inside every inner step, and only the leader talks to the run (``SiteBackend``);
 - ``ShardedSite``: each rank holds a shard of the model (FSDP2) and syncs it with the same shard
-  of the other sites, over a transport of its own (``ShardedSiteBackend``).
+  of the other sites, over a transport of its own (``sharded_site_transport``); the model is
+  sharded here (``shard_model``).
 
 ``train()`` asks its placement at each point where they differ, never which one it has: where
 to write records, whether joining or resuming is supported, how to place the model (and what
@@ -22,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco.comm.base import CommBackend, CommConfig
+from diloco.comm.base import CommBackend
+from diloco.comm.config import CommConfig
+from diloco.comm.sites import Site, SiteBackend, shard_comm, sharded_site_transport
 from diloco.config import ConfigError, WorkerConfig
 from diloco.core.evaluation import evaluate, evaluate_cached
-from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend, local_shards, shard_comm, shard_model
 
 Batch = Sequence[torch.Tensor]
 OpenTransport = Callable[[CommConfig], CommBackend]
@@ -93,7 +95,8 @@ class _SiteRank(Placement):
         return run_dir if self.leader else run_dir / f"rank-{self.site.rank}"
 
     def my_slice(self, batch: Batch) -> Batch:
-        return self.site.my_slice(batch)
+        rows = batch[0].shape[0] // self.site.size
+        return [t[self.site.rank * rows : (self.site.rank + 1) * rows] for t in batch]
 
 
 class ReplicatedSite(_SiteRank):
@@ -124,7 +127,7 @@ class ShardedSite(_SiteRank):
 
     def connect(self, comm: CommConfig, open_transport: OpenTransport) -> CommBackend:
         # every rank syncs its own shard, with the same shard of the other sites
-        return ShardedSiteBackend(self.site, open_transport(shard_comm(comm, self.site)))
+        return sharded_site_transport(self.site, open_transport(shard_comm(comm, self.site)))
 
     def checkpoint_state(self, state: dict) -> dict:
         return local_shards(state)  # each rank saves its own shards, as plain tensors
@@ -132,6 +135,41 @@ class ShardedSite(_SiteRank):
     def evaluate(self, model: nn.Module, held_out: list, params_key: tuple[str, str] | None) -> float:
         # the ranks evaluate together (FSDP gathers the params inside forward): never from a cache
         return evaluate(model, held_out)
+
+
+def shard_model(model: nn.Module, site: Site) -> list[torch.Tensor]:
+    """Shard ``model`` over the site's ranks with FSDP2 (``fully_shard``): every block of each
+    ``nn.ModuleList`` (a transformer's layers) is a unit of its own, gathered just before its
+    forward and freed after it, and the root holds the rest (embeddings, the tied head, the
+    final norm); each is moved to the site's device as it is sharded, so a model built in host
+    memory never has to fit on the device whole. Returns this rank's shards of the params
+    (views: writing into one writes the param), leaving out the empty ones (a param with fewer
+    rows than the site has ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(site.device.type, (site.size,))
+    blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    for block in reversed(blocks):  # inner blocks before the blocks that hold them
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with torch.no_grad():  # views without autograd history, for the outer step to read and write
+        shards = [param.to_local() for param in model.parameters()]
+    return [shard for shard in shards if shard.numel()]
+
+
+def local_shards(state):
+    """``state`` (nested dicts, lists and tensors) with each DTensor replaced by this rank's shard
+    of it: what a rank of a sharded site checkpoints (its model and inner optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {key: local_shards(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [local_shards(value) for value in state]
+    return state
 
 
 def placement_for(cfg: WorkerConfig, device: torch.device, *, site_timeout_s: float) -> Placement:

@@ -11,7 +11,8 @@ rounds plug into the same loop (sync_modes.py). After each round it evaluates on
 held-out batches every worker shares (the workers that hold the same params split them where the
 transport offers it: core/shared_evaluation.py), logs a round record (with the hash of the global params,
 which every worker must agree on) and checkpoints. Rerunning the same command resumes from the
-newest checkpoint.
+newest checkpoint. ``run_worker`` is the command itself: the config, the run, and the lines it
+prints on the way (the address to join by, how it ended) and its exit code.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import torch
 from diloco.config import Config
 from diloco.core.evaluation import batch_losses
 from diloco.core.inner import inner_step, lr_at
+from diloco.worker.faults import StopRequested
 from diloco.worker.lm_task import LanguageModelTask, build_task
-from diloco.worker.run import Run
+from diloco.worker.metrics import write_summary
+from diloco.worker.run import Run, worker_config
 from diloco.worker.wrapper import DiLoCo
 
 
 def train(cfg: Config, *, on_ready=None, join: bool = False) -> dict:
-    """Run one worker to the end (or to ``faults.stop_after_round``); return its end record.
+    """Run one worker to the end; return its end record. Stopped at ``faults.stop_after_round``, it
+    raises ``StopRequested`` instead (``run_worker`` reports it).
 
     ``on_ready(addresses)`` is called once the worker is reachable by peers. A worker whose peers
     are rounds ahead (it joins a live run, or restarts from an old checkpoint) first takes their
@@ -78,3 +82,35 @@ def _inner_step(dl: DiLoCo, task: LanguageModelTask, cfg: Config) -> tuple[torch
         precision=cfg.worker.precision,
     )
     return loss, lr
+
+
+def run_worker(config_path: str | None, overrides: list[str], *, join: bool = False) -> int:
+    """``diloco train`` (``join``: ``diloco join``, once placed): one worker of ``config_path`` with
+    ``overrides`` from start to end; its exit code (3: stopped by ``faults.stop_after_round``)."""
+    cfg = worker_config(config_path, overrides)  # under torchrun: each rank a worker, unless one site
+
+    def announce(addresses: list[str]) -> None:
+        if addresses:
+            peers = ",".join(f"'{a}'" for a in addresses)
+            print(
+                f"worker {cfg.worker.index} is up; join this run with: comm.hivemind.initial_peers=[{peers}]",
+                flush=True,
+            )
+
+    try:
+        end = train(cfg, on_ready=announce, join=join)
+    except KeyboardInterrupt:  # train() marked the worker as leaving and stopped its peers
+        raise KeyboardInterrupt(
+            f"worker {cfg.worker.index} left the run; the same command again resumes it from its last checkpoint"
+        ) from None
+    except StopRequested as stop:
+        print(f"worker {cfg.worker.index} stopped: {stop}", flush=True)
+        write_summary(cfg.run_dir, errors={cfg.worker.index: f"stopped: {stop}"}, unless_running=True)
+        return 3
+    write_summary(cfg.run_dir, unless_running=True)  # the directory's: the last of its workers to end writes it
+    print(
+        f"worker {cfg.worker.index} finished: {end['inner_steps']} steps, {end['rounds']} rounds, "
+        f"val_loss {end['val_loss']:.4f}, params {end['param_sha256'][:16]}",
+        flush=True,
+    )
+    return 0

@@ -12,7 +12,8 @@ import queue
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig, HivemindConfig
+from diloco.comm.config import CommConfig
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.compression import CompressionConfig, build_codec
 from diloco.tools import warm_start
 from tests.conftest import TINY, read_records

@@ -14,8 +14,9 @@ import signal
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig, HivemindConfig
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.gloo_plane import ring_bytes
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.tools import warm_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from diloco.models.gpt import GPT, ModelConfig
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import GPT
 from diloco.worker.checkpoint import save_checkpoint
 from tests.conftest import TINY
 from tests.records import write_session

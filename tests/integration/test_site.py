@@ -1,4 +1,4 @@
-"""A site: several torchrun ranks acting as one worker (diloco/worker/sites.py). Two sites of two ranks
+"""A site: several torchrun ranks acting as one worker (diloco/comm/sites.py). Two sites of two ranks
 each (gloo inside, hivemind across, real processes) hold identical global params on all four
 ranks after every round, equal to two single-rank workers with the same global batch; sharded
 with FSDP2, rank r of each site holds the same shard, and the shards gathered equal those params."""

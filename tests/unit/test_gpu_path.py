@@ -15,7 +15,8 @@ from diloco.config import ConfigError, load_config
 from diloco.core.digest import tensors_digest
 from diloco.core.inner import InnerConfig, autocast, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 from diloco.worker.checkpoint import load_latest_checkpoint, save_checkpoint
 from diloco.worker.faults import StopRequested
 

@@ -19,7 +19,8 @@ from diloco.cli import main
 from diloco.config import ConfigError, load_config
 from diloco.data.corpus import DataError, ShardSampler, load_corpus, shard_bounds
 from diloco.data.source import DataConfig
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 from diloco.models.hf import HF_PRESETS
 from diloco.optional_deps import is_installed
 from diloco.tools.launcher import simulate

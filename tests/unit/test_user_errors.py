@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from diloco.cli import main
-from diloco.models.gpt import GPT, ModelConfig
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import GPT
 from diloco.worker.checkpoint import save_checkpoint
 from tests.conftest import TINY
 

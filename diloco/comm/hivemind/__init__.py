@@ -1,6 +1,7 @@
 """The hivemind transport: peers on a DHT, averaging in groups found by matchmaking.
 
 - ``backend.py``         ``HivemindBackend``: a worker's transport, composed of the parts below
+- ``settings.py``        ``HivemindConfig``, its settings (``comm.hivemind``): imports nothing of hivemind
 - ``peer.py``            its DHT peer: start-up, reachability and client mode, bounded DHT calls;
                          the short-lived peers ``diloco status`` and ``diloco join`` read the roster with
 - ``averaging.py``       a round's averaging: one averager per fragment, the retry among survivors,

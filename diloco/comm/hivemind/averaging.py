@@ -24,14 +24,16 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import Averaging, CommConfig, HivemindConfig, Outcome, Staged, SyncResult
+from diloco.comm.base import Averaging, Outcome, Staged, SyncResult
 from diloco.comm.bounds import round_limit_s
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
 from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster, RosterEntry, live_counts, worker_names
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from diloco.comm.base import CommBackend, CommConfig
+from diloco.comm.base import CommBackend
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging, start_averager, start_plane
 from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.loss_board import DHTLossBoard

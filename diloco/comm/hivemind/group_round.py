@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diloco.comm.base import CommConfig, Outcome, SyncResult
+from diloco.comm.base import Outcome, SyncResult
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind import gloo_plane
 from diloco.comm.hivemind.helper_record import contributors
 from diloco.comm.link_meter import CodecChoice

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from diloco.comm.base import CommConfig, CommError
+from diloco.comm.base import CommError
 from diloco.comm.bounds import round_limit_s
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.averaging import start_averager, wait_for_replies
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, await_result, left_behind_since, round_group_bits
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers

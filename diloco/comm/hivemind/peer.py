@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from diloco.comm.base import CommConfig, CommError, HivemindConfig
+from diloco.comm.base import CommError
 from diloco.comm.bounds import control_limit_s
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind import reachability
 from diloco.comm.hivemind.roster import Roster, RosterEntry
 from diloco.comm.hivemind.run_key import RunKeyValidator
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.run_key_env import resolve_run_key
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from diloco.core.inner import InnerConfig, build_inner_optimizer, lr_at
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr():

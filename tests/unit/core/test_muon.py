@@ -12,7 +12,8 @@ from torch import nn
 from diloco.config import ConfigError, load_config
 from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.muon import MuonWithAdamW, hidden_matrices
-from diloco.models.gpt import GPT, ModelConfig
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import GPT
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 MUON = InnerConfig(optimizer="muon", lr=3e-3, muon_lr_scale=2.0)

@@ -15,7 +15,8 @@ from diloco.core.inner import InnerConfig, build_inner_optimizer, inner_step
 from diloco.core.outer import OuterConfig, OuterStep, build_outer_optimizer
 from diloco.core.recovery import Recovery, RoundOutcome
 from diloco.data.corpus import ShardSampler
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

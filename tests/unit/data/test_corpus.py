@@ -14,7 +14,8 @@ from diloco.data.corpus import (
     val_batches,
 )
 from diloco.data.source import DataConfig
-from diloco.models.gpt import ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import build_model
 
 BLOCK = 8
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from diloco.data.source import BYTE_VOCAB_SIZE
-from diloco.models.gpt import GPT, ModelConfig, build_model
+from diloco.models.config import ModelConfig
+from diloco.models.gpt import GPT, build_model
 
 TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

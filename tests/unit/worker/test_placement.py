@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.comm.base import Averaging, CommBackend, CommConfig, HivemindConfig
+from diloco.comm.base import Averaging, CommBackend
+from diloco.comm.config import CommConfig
+from diloco.comm.hivemind.settings import HivemindConfig
+from diloco.comm.sites import ShardedSiteAveraging, ShardedSiteStates, Site, SiteAveraging, SiteBackend
 from diloco.config import ConfigError
 from diloco.worker.placement import ReplicatedSite, ShardedSite, SingleProcess
-from diloco.worker.sites import ShardedSiteBackend, Site, SiteBackend
 
 CPU = torch.device("cpu")
 
@@ -47,7 +49,7 @@ def test_one_process_opens_its_own_transport_and_has_no_site_hook():
 def test_of_a_replicated_site_only_the_leader_opens_a_transport(rank):
     placement, (opened, open_transport) = ReplicatedSite(Site(rank, 2, CPU)), _opened()
     backend = placement.connect(CommConfig(run_id="r"), open_transport)
-    assert isinstance(backend, SiteBackend) and not isinstance(backend, ShardedSiteBackend)
+    assert isinstance(backend, SiteBackend) and isinstance(backend.averaging, SiteAveraging)
     assert [c.run_id for c in opened] == (["r"] if rank == 0 else [])
     assert (backend.transport is None) == (rank != 0)
     assert placement.run_dir(Path("run")) == (Path("run") if rank == 0 else Path("run/rank-1"))
@@ -59,7 +61,7 @@ def test_of_a_replicated_site_only_the_leader_opens_a_transport(rank):
 def test_every_rank_of_a_sharded_site_opens_its_shards_transport_and_refuses_join_and_resume():
     placement, (opened, open_transport) = ShardedSite(Site(1, 2, CPU)), _opened()
     backend = placement.connect(CommConfig(run_id="r", hivemind=HivemindConfig(port=4000)), open_transport)
-    assert isinstance(backend, ShardedSiteBackend)
+    assert isinstance(backend.averaging, ShardedSiteAveraging) and isinstance(backend.states, ShardedSiteStates)
     assert [(c.run_id, c.hivemind.port) for c in opened] == [("r_shard1of2", 4001)]
     assert placement.site_gradient_hook(torch.nn.Linear(2, 2)) is None  # FSDP reduce-scatters in backward
     with pytest.raises(ConfigError, match="cannot join a live run"):

@@ -17,11 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diloco.comm.base import CommConfig, HivemindConfig, Outcome
+from diloco.comm.base import Outcome
 from diloco.comm.bounds import round_limit_s
+from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, round_group_bits
 from diloco.comm.hivemind.helper_record import RunHelpers
+from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.traffic import TrafficCounters
 from diloco.compression import NoCompression
 

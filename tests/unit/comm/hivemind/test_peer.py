@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from diloco.comm.base import HivemindConfig
 from diloco.comm.hivemind import reachability
 from diloco.comm.hivemind.peer import Peer, PortInUse
+from diloco.comm.hivemind.settings import HivemindConfig
 
 RUN = ["/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWRun"]
 JOINER = {"host": "0.0.0.0", "initial_peers": RUN}

@@ -4,7 +4,7 @@ stand-in; tests/integration/test_site.py runs real torchrun sites)."""
 from __future__ import annotations
 
 from diloco.comm.base import PeerState, StateRank
-from diloco.worker.sites import ShardedSiteStates
+from diloco.comm.sites import ShardedSiteStates
 
 
 class _Site:

@@ -1,4 +1,5 @@
-"""A site: several local ranks (one torchrun group, e.g. the GPUs of one node) acting as one worker.
+"""A site's transport: several local ranks (one torchrun group, e.g. the GPUs of one node) acting as
+one worker of the run, and the site's own group (``Site``) they share answers and tensors over.
 
     torchrun --nproc-per-node 8 -m diloco.cli train CONFIG worker.site=true worker.index=I ...
     SITE=I NPROC=8 bash launch/site.sh CONFIG ...                   # the same, with defaults
@@ -15,18 +16,18 @@ held there is ``worker.site_sharding``:
   it averages the pseudo-gradient over the run's transport (hivemind) and broadcasts what the
   transport returned (the averaged tensors, the result, any state downloaded from a peer) to
   the other ranks, which then take the very same outer step.
-- ``fsdp``: the model is sharded with FSDP2 (``fully_shard``, ``shard_model``), so each rank holds
-  1/ranks of every param (and of the inner optimizer's state), gathers a block's params just
-  before using them and reduce-scatters the gradients in backward; gradient clipping takes the
-  norm over all the shards. Each rank's outer step holds the global copy of its own shards only,
-  and every rank averages its shard's pseudo-gradient with the ranks that hold the same shard in
-  the other sites, over a transport of its own (``ShardedSiteBackend``, under the run id
-  ``<comm.run_id>_shard<r>of<ranks>``): all the site's links carry traffic at once. Every site
-  must then have the same number of ranks (sites of other sizes never meet). The ranks agree
-  on each answer (a round is ok only when every shard's was), so that they take the same
-  decisions. Not supported with fsdp: resuming from a checkpoint, ``diloco join``, and the
-  run's roster under ``comm.run_id`` (``diloco status`` sees each shard's roster, under its own
-  run id, instead).
+- ``fsdp``: the model is sharded with FSDP2 (``fully_shard``, ``shard_model`` in
+  worker/placement.py), so each rank holds 1/ranks of every param (and of the inner optimizer's
+  state), gathers a block's params just before using them and reduce-scatters the gradients in
+  backward; gradient clipping takes the norm over all the shards. Each rank's outer step holds
+  the global copy of its own shards only, and every rank averages its shard's pseudo-gradient
+  with the ranks that hold the same shard in the other sites, over a transport of its own
+  (``sharded_site_transport``, under the run id ``<comm.run_id>_shard<r>of<ranks>``): all the
+  site's links carry traffic at once. Every site must then have the same number of ranks (sites
+  of other sizes never meet). The ranks agree on each answer (a round is ok only when every
+  shard's was), so that they take the same decisions. Not supported with fsdp: resuming from a
+  checkpoint, ``diloco join``, and the run's roster under ``comm.run_id`` (``diloco status``
+  sees each shard's roster, under its own run id, instead).
 
 Either way, traffic is reduced inside the site first and only then sent across sites, never
 the reverse; the site counts as one worker of the run.
@@ -51,7 +52,6 @@ from torch import nn
 from diloco.comm.base import (
     Averaging,
     CommBackend,
-    CommConfig,
     Membership,
     PeerState,
     StateCheck,
@@ -61,8 +61,9 @@ from diloco.comm.base import (
     SyncResult,
     fingerprint_of,
 )
+from diloco.comm.config import CommConfig
 from diloco.comm.round_result import agreed_outcome
-from diloco.config import ConfigError
+from diloco.errors import ConfigError
 
 
 class Site:
@@ -88,11 +89,6 @@ class Site:
     @property
     def leader(self) -> bool:
         return self.rank == 0
-
-    def my_slice(self, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's rows of a batch drawn for the whole site."""
-        rows = batch[0].shape[0] // self.size
-        return [t[self.rank * rows : (self.rank + 1) * rows] for t in batch]
 
     def gradient_averaging(self, model: nn.Module) -> Callable[[], None]:
         """A hook for ``inner_step``: average the gradients over the site's ranks (one flat all-reduce)."""
@@ -135,41 +131,6 @@ class Site:
             dist.destroy_process_group()
 
 
-def shard_model(model: nn.Module, site: Site) -> list[torch.Tensor]:
-    """Shard ``model`` over the site's ranks with FSDP2 (``fully_shard``): every block of each
-    ``nn.ModuleList`` (a transformer's layers) is a unit of its own, gathered just before its
-    forward and freed after it, and the root holds the rest (embeddings, the tied head, the
-    final norm); each is moved to the site's device as it is sharded, so a model built in host
-    memory never has to fit on the device whole. Returns this rank's shards of the params
-    (views: writing into one writes the param), leaving out the empty ones (a param with fewer
-    rows than the site has ranks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(site.device.type, (site.size,))
-    blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
-    for block in reversed(blocks):  # inner blocks before the blocks that hold them
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    with torch.no_grad():  # views without autograd history, for the outer step to read and write
-        shards = [param.to_local() for param in model.parameters()]
-    return [shard for shard in shards if shard.numel()]
-
-
-def local_shards(state):
-    """``state`` (nested dicts, lists and tensors) with each DTensor replaced by this rank's shard
-    of it: what a rank of a sharded site checkpoints (its model and inner optimizer state)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
-        return state.to_local()
-    if isinstance(state, dict):
-        return {key: local_shards(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [local_shards(value) for value in state]
-    return state
-
-
 def shard_comm(cfg: CommConfig, site: Site) -> CommConfig:
     """The transport settings of this rank's shard: a run id of its own (so that only the ranks
     holding the same shard in other sites group together; the site's size is in it, so sites of
@@ -200,14 +161,14 @@ class SiteAveraging(Averaging):
 
 
 class SiteStates(StateExchange):
-    """The leader offers and fetches states over ``inner`` and shares what it found with the site."""
+    """The leader offers and fetches states over ``own`` (its transport's; on the other ranks, which
+    have none, the do-nothing ``StateExchange``) and shares what it found with the site."""
 
-    def __init__(self, site: Site, inner: StateExchange | None):
-        self.site, self.inner = site, inner
+    def __init__(self, site: Site, own: StateExchange):
+        self.site, self.own = site, own
 
     def publish_state(self, round_index: int, rank: StateRank, state: StateReader) -> None:
-        if self.inner is not None:
-            self.inner.publish_state(round_index, rank, state)
+        self.own.publish_state(round_index, rank, state)
 
     def fetch_state(
         self,
@@ -220,60 +181,57 @@ class SiteStates(StateExchange):
     ) -> PeerState | None:
         found = None
         if self.site.leader:
-            found = self.inner.fetch_state(
+            found = self.own.fetch_state(
                 round_index, better_than=better_than, timeout_s=timeout_s, newer=newer, check=check
             )
         return self.site.share(found)
 
     def sole_state_source(self) -> bool:
-        return self.site.share(self.inner.sole_state_source() if self.site.leader else None)
+        return self.site.share(self.own.sole_state_source() if self.site.leader else None)
 
 
 class SiteMembership(Membership):
-    """Every rank with a transport reports over ``inner``; what the run looks like is the leader's
-    answer, shared with the site."""
+    """What the run looks like (how many workers to expect, who is live) is the leader's answer,
+    shared with the site; what a rank tells the run goes over ``own``, its transport's membership
+    (the do-nothing ``Membership`` on a rank without a transport)."""
 
-    def __init__(self, site: Site, inner: Membership | None):
-        self.site, self.inner = site, inner
+    def __init__(self, site: Site, own: Membership):
+        self.site, self.own = site, own
 
     def expected_peers(self) -> int | None:
-        return self.site.share(self.inner.expected_peers() if self.site.leader else None)
-
-    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
-        if self.inner is not None:
-            self.inner.report_progress(round_index, step, stats)
-
-    def report_phase(self, phase: str, since: float) -> None:
-        if self.inner is not None:
-            self.inner.report_phase(phase, since)
-
-    def announce_run(self, identity: dict) -> None:
-        if self.inner is not None:
-            self.inner.announce_run(identity)
+        return self.site.share(self.own.expected_peers() if self.site.leader else None)
 
     def live_workers(self) -> dict:
-        return self.site.share(self.inner.live_workers() if self.site.leader else None)
+        return self.site.share(self.own.live_workers() if self.site.leader else None)
+
+    def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
+        self.own.report_progress(round_index, step, stats)
+
+    def report_phase(self, phase: str, since: float) -> None:
+        self.own.report_phase(phase, since)
+
+    def announce_run(self, identity: dict) -> None:
+        self.own.announce_run(identity)
 
     def leave(self) -> None:
-        if self.inner is not None:
-            self.inner.leave()
+        self.own.leave()
 
     @property
     def addresses(self) -> list[str]:
-        return self.inner.addresses if self.inner is not None else []
+        return self.own.addresses
 
 
 class SiteBackend(CommBackend):
     """The run's transport as seen by every rank of a site: the leader uses ``transport`` (the
     other ranks have none) and shares each answer with the site, so every rank takes the same
-    decisions at the same points."""
+    decisions at the same points. Its end ends the transport and the site's group."""
 
     def __init__(self, site: Site, transport: CommBackend | None):
         self.site, self.transport = site, transport
         super().__init__(
             SiteAveraging(site, transport.averaging if transport is not None else None),
-            states=SiteStates(site, transport.states if transport is not None else None),
-            membership=SiteMembership(site, transport.membership if transport is not None else None),
+            states=SiteStates(site, transport.states if transport is not None else StateExchange()),
+            membership=SiteMembership(site, transport.membership if transport is not None else Membership()),
         )
 
     def finish(self) -> None:
@@ -284,6 +242,16 @@ class SiteBackend(CommBackend):
         if self.transport is not None:
             self.transport.shutdown()
         self.site.close()
+
+
+def sharded_site_transport(site: Site, transport: CommBackend) -> CommBackend:
+    """A sharded site's transports (``worker.site_sharding=fsdp``): every rank has its own
+    (``shard_comm``) and averages and exchanges states over it (``ShardedSiteAveraging``,
+    ``ShardedSiteStates``); the roster's answers (who is alive) are the leader's shard's, as on
+    any site, and its end is a site's."""
+    return SiteBackend(site, transport).with_parts(
+        averaging=ShardedSiteAveraging(site, transport.averaging), states=ShardedSiteStates(site, transport.states)
+    )
 
 
 class ShardedSiteAveraging(Averaging):
@@ -350,18 +318,3 @@ class ShardedSiteStates(StateExchange):
             return rank
         digest = hashlib.sha256(repr(fingerprints).encode()).digest()
         return replace(rank, fingerprint=fingerprint_of(digest))
-
-
-class ShardedSiteBackend(SiteBackend):
-    """A sharded site's transports (``worker.site_sharding=fsdp``): every rank has its own
-    (``shard_comm``) and averages and exchanges states over it (``ShardedSiteAveraging``,
-    ``ShardedSiteStates``). The roster's answers (who is alive) are the leader's shard's."""
-
-    def __init__(self, site: Site, transport: CommBackend):
-        self.site, self.transport = site, transport
-        CommBackend.__init__(
-            self,
-            ShardedSiteAveraging(site, transport.averaging),
-            states=ShardedSiteStates(site, transport.states),
-            membership=SiteMembership(site, transport.membership),
-        )
