@@ -61,6 +61,7 @@ from diloco.comm.base import (
     SyncResult,
     fingerprint_of,
 )
+from diloco.comm.members import LiveWorker
 from diloco.config import ConfigError
 
 
@@ -250,7 +251,11 @@ class SiteMembership(Membership):
         if self.inner is not None:
             self.inner.announce_run(identity)
 
-    def live_workers(self) -> dict:
+    def declare_params(self, rounds_done: int, digest: str, *, peers: int) -> None:
+        if self.inner is not None:
+            self.inner.declare_params(rounds_done, digest, peers=peers)
+
+    def live_workers(self) -> dict[int, LiveWorker]:
         return self.site.share(self.inner.live_workers() if self.site.leader else None)
 
     def leave(self) -> None:

@@ -29,7 +29,8 @@ from diloco.comm.bounds import round_limit_s
 from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, RosterEntry, live_counts, worker_names
+from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.link_meter import CodecChoice
 from diloco.comm.reduce import Contribution, average_payloads
@@ -416,13 +417,13 @@ def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:
 def _done_with(entry: RosterEntry, fragment: int, round_index: int) -> bool:
     """Whether a worker's record says it is done with round ``round_index``'s average of ``fragment``
     (averaged, failed or given up); a record that does not say: not."""
-    return fragment < len(entry.averaged) and entry.averaged[fragment] > round_index
+    return fragment < len(entry.protocol.averaged) and entry.protocol.averaged[fragment] > round_index
 
 
 def _postponed_before(entry: RosterEntry, fragment: int, round_index: int) -> bool:
     """Whether a worker's record says the last round of ``fragment`` it postponed came before round
     ``round_index``; a record that does not say: not."""
-    return fragment < len(entry.postponed) and entry.postponed[fragment] <= round_index
+    return fragment < len(entry.protocol.postponed) and entry.protocol.postponed[fragment] <= round_index
 
 
 def _past(entry: RosterEntry, round_index: int) -> bool:
