@@ -3,6 +3,7 @@
 - ``base.py``            the interfaces: ``Averaging``, ``StateExchange``, ``Membership``, and
                          ``CommBackend``, a transport as those parts; ``SyncResult``, ``CommConfig`` and
                          its ``HivemindConfig``
+- ``members.py``         who is live, as a transport's membership shows it to the worker (``LiveWorker``)
 - ``reduce.py``          the reduce rule every transport follows (``average_payloads``)
 - ``hivemind/``          P2P over a DHT, the production path: its peer, a round's averaging, the
                          state exchange, the roster, the bit-identical averager, the gloo data
