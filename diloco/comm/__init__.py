@@ -2,7 +2,9 @@
 
 - ``base.py``            the interfaces: ``Averaging``, ``StateExchange``, ``Membership``, and
                          ``CommBackend``, a transport as those parts; ``SyncResult``
+- ``round_result.py``    what a round produced: its ``Outcome`` and the ``SyncResult`` carrying it
 - ``config.py``          ``CommConfig``, the ``comm:`` section (each transport's own settings nested in it)
+- ``members.py``         who is live, as a transport's membership shows it to the worker (``LiveWorker``)
 - ``reduce.py``          the reduce rule every transport follows (``average_payloads``)
 - ``hivemind/``          P2P over a DHT, the production path: its peer, a round's averaging, the
                          state exchange, the roster, the bit-identical averager, the gloo data

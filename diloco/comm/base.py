@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.comm.members import LiveWorker
 from diloco.comm.round_result import Outcome as Outcome  # what a round produced: importers take it from here too
 from diloco.comm.round_result import SyncResult as SyncResult
 from diloco.errors import CommError as CommError  # raised here; importers take it from here too
@@ -189,8 +190,15 @@ class Membership:
         """The settings every worker of the run must share (``joining.run_identity``), published so
         that a newcomer can check its own before it downloads anything. Optional."""
 
-    def live_workers(self) -> dict:
-        """The live workers' roster entries by index (transports that track who is alive)."""
+    def declare_params(self, rounds_done: int, digest: str, *, peers: int) -> None:  # noqa: B027 - optional
+        """Tell the run at once the digest of the params after round ``rounds_done``, which every worker
+        of one model holds alike (blocking rounds), and the workers that round counted (``peers``):
+        a worker checking a state of that round reads the two together (``declared_params``,
+        core/recovery.py), also after the run's last round; a group compares digests to tell a split
+        run met again, ``diloco status`` shows one. Optional."""
+
+    def live_workers(self) -> dict[int, LiveWorker]:
+        """The live workers by index (transports that track who is alive)."""
         return {}
 
     def declared_params(self) -> dict[int, Declared]:

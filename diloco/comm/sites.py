@@ -62,6 +62,7 @@ from diloco.comm.base import (
     fingerprint_of,
 )
 from diloco.comm.config import CommConfig
+from diloco.comm.members import LiveWorker
 from diloco.comm.round_result import agreed_outcome
 from diloco.errors import ConfigError
 
@@ -201,7 +202,10 @@ class SiteMembership(Membership):
     def expected_peers(self) -> int | None:
         return self.site.share(self.own.expected_peers() if self.site.leader else None)
 
-    def live_workers(self) -> dict:
+    def declare_params(self, rounds_done: int, digest: str, *, peers: int) -> None:
+        self.own.declare_params(rounds_done, digest, peers=peers)
+
+    def live_workers(self) -> dict[int, LiveWorker]:
         return self.site.share(self.own.live_workers() if self.site.leader else None)
 
     def report_progress(self, round_index: int, step: int, stats: dict | None = None) -> None:

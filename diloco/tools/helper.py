@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from diloco.comm.hivemind.peer import first_entries, roster_reader
-from diloco.comm.hivemind.roster import nobody_answered
+from diloco.comm.members import nobody_answered
 from diloco.compression import build_codec
 from diloco.config import Config, load_config
 from diloco.errors import UsageError
@@ -41,7 +41,7 @@ def _announced(cfg: Config, *, wait_s: float, config: bool) -> dict:
     with roster_reader(cfg.comm) as read:
         while True:
             entries = {i: e for i, e in first_entries(read, deadline - time.monotonic()).items() if not e.leaving}
-            if any(e.layout and (e.run.get("config") or not config) for e in entries.values()):
+            if any(e.protocol.layout and (e.run.get("config") or not config) for e in entries.values()):
                 return entries
             if time.monotonic() > deadline:
                 if not entries:
@@ -55,7 +55,7 @@ def run_helper(config_path: str | None, overrides: list[str], *, wait_s: float) 
     from diloco.comm.hivemind.helper import Helper
 
     cfg, entries = helper_config(config_path, overrides, wait_s=wait_s)
-    layouts = {entry.layout for entry in entries.values() if entry.layout}
+    layouts = {entry.protocol.layout for entry in entries.values() if entry.protocol.layout}
     if not layouts:
         raise UsageError(f"the live workers of run {cfg.comm.run_id!r} do not say what they average (an older version)")
     if len(layouts) > 1:

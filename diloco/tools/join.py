@@ -16,7 +16,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from diloco.comm.hivemind.peer import probe_roster
-from diloco.comm.hivemind.roster import free_slot, nobody_answered
+from diloco.comm.hivemind.roster import free_slot
+from diloco.comm.members import nobody_answered
 from diloco.config import Config, load_config
 from diloco.errors import UsageError
 from diloco.worker.joining import JoinError, config_digest, config_from_run

@@ -19,7 +19,9 @@ from typing import TextIO
 
 from diloco.comm.base import CommError
 from diloco.comm.config import CommConfig
-from diloco.comm.hivemind.roster import HEARTBEAT_S, RosterEntry, nobody_answered, worker_names
+from diloco.comm.hivemind.roster import HEARTBEAT_S, worker_names
+from diloco.comm.hivemind.roster_records import RosterEntry
+from diloco.comm.members import nobody_answered
 from diloco.worker.metrics import format_duration
 
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: only ever written to a terminal
@@ -31,7 +33,7 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
     if not entries:
         return f"run {run_id!r}: no live workers"
     newest = max(e.round for e in entries.values())
-    newest_stats = [e.stats for e in entries.values() if e.round == newest]
+    newest_stats = [e.shows.stats for e in entries.values() if e.round == newest]
     losses = [stats["val_loss"] for stats in newest_stats if stats.get("val_loss") is not None]
     header = f"run {run_id!r}: {len(live)} live worker{'s' * (len(live) != 1)}, round {newest}"
     if losses:
@@ -41,7 +43,7 @@ def format_status(run_id: str, entries: dict[int, RosterEntry], now: float) -> s
         f"{'worker':>6} {'round':>6} {'step':>7} {'tokens/s':>9} {'loss':>8} {'val_loss':>9}  {'phase':<26} last seen",
     ]
     for index, entry in sorted(entries.items()):
-        stats = entry.stats
+        stats = entry.shows.stats
         seen = f"{max(0.0, now - entry.written_at):.0f} s ago" if entry.written_at else "-"
         lines.append(
             f"{index:>6} {entry.round:>6} {entry.step:>7} {_number(stats.get('tokens_per_s'), '.0f'):>9}"
@@ -66,9 +68,8 @@ def _split_lines(entries: dict[int, RosterEntry], live: dict[int, RosterEntry]) 
         )
     models: dict[int, dict[str, list[int]]] = {}  # round -> params digest after it -> workers
     for index, entry in sorted(live.items()):
-        digest, after = entry.stats.get("params"), entry.stats.get("params_round")
-        if isinstance(digest, str) and isinstance(after, int):
-            models.setdefault(after, {}).setdefault(digest, []).append(index)
+        if (declared := entry.params) is not None:
+            models.setdefault(declared.rounds_done, {}).setdefault(declared.digest, []).append(index)
     split = [(r, held) for r, held in sorted(models.items()) if len(held) > 1]
     if split:
         round_index, held = split[-1]
@@ -82,7 +83,7 @@ def _excluded_lines(live: dict[int, RosterEntry]) -> list[str]:
     """The workers the live workers exclude from their means (``comm.exclude_after``), and by how many."""
     by: dict[int, int] = {}
     for entry in live.values():
-        excluded = entry.stats.get("excluded")
+        excluded = entry.shows.stats.get("excluded")
         for index in excluded if isinstance(excluded, list) else ():
             if isinstance(index, int):
                 by[index] = by.get(index, 0) + 1
@@ -94,11 +95,10 @@ def _excluded_lines(live: dict[int, RosterEntry]) -> list[str]:
 
 def _phase(entry: RosterEntry, now: float) -> str:
     """What the worker is doing and for how long: ``matchmaking for 12 s``."""
-    if not entry.phase:
+    phase, since = entry.shows.phase, entry.shows.phase_since
+    if not phase:
         return "-"
-    return (
-        f"{entry.phase} for {format_duration(max(0.0, now - entry.phase_since))}" if entry.phase_since else entry.phase
-    )
+    return f"{phase} for {format_duration(max(0.0, now - since))}" if since else phase
 
 
 def _number(value, spec: str) -> str:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from diloco.comm.base import CommError, Membership
-from diloco.comm.hivemind.roster import nobody_answered
+from diloco.comm.members import LiveWorker, nobody_answered
 from diloco.config import Config, ConfigError, to_dict
 from diloco.core.recovery import Recovery
 
@@ -96,12 +96,12 @@ def published_run(cfg: Config, *, model: str = "") -> dict:
     return {**identity, "config": tree, "config_sha256": config_digest(tree)}
 
 
-def config_from_run(entries: dict, run_id: str) -> dict:
+def config_from_run(entries: dict[int, LiveWorker], run_id: str) -> dict:
     """The shared config the live workers publish, each copy checked against its digest and all
     of them the same; ``JoinError`` (one line) when none publishes one or they differ."""
     found = {}
     for entry in entries.values():
-        run = getattr(entry, "run", None) or {}
+        run = entry.run
         tree, digest = run.get("config"), run.get("config_sha256")
         if isinstance(tree, dict) and digest == config_digest(tree):
             found[digest] = tree
@@ -118,13 +118,13 @@ def config_from_run(entries: dict, run_id: str) -> dict:
     return next(iter(found.values()))
 
 
-def check_same_run(cfg: Config, others: dict, *, model: str = "") -> None:
+def check_same_run(cfg: Config, others: dict[int, LiveWorker], *, model: str = "") -> None:
     """Raise ``ConfigError`` (one line) when a live worker runs the run with other shared settings
     than ``cfg``: each key that differs, with both values; or with another model (``model``: this
     worker's ``model_digest``)."""
     mine = run_identity(cfg)
     for entry in others.values():
-        theirs = getattr(entry, "run", None) or {}
+        theirs = entry.run
         if model and theirs.get(MODEL_KEY, model) != model:
             raise ConfigError(
                 f"this worker's model differs from that of run {cfg.comm.run_id!r} (its params' names or shapes): "

@@ -212,15 +212,6 @@ class WorkerLog:
         )
         self.restart_window()
 
-    def declare_params(self, round_number: int, param_hash: str, *, peers: int) -> None:
-        """Tell the run, with the next heartbeat, the digest of the params after round ``round_number``,
-        which every worker of one model holds alike (blocking rounds): a group compares them to tell
-        a split run met again (comm/hivemind/group_round.py), ``diloco status`` to show one. With
-        it the workers that round counted (``peers``): a worker checking a state of that round
-        reads the two together (core/recovery.py), also after the run's last round, when no later
-        record follows."""
-        self.live = {**self.live, "params": param_hash[:16], "params_round": round_number, "peers": peers}
-
     def end(
         self, step: int, rounds: int, totals: Totals, *, val_loss: float | None, param_hash: str, param_count: int = 0
     ) -> dict:

@@ -238,8 +238,7 @@ class DiLoCo:
         declared = worker.sync.declares_params and worker.placement.ranks == 1  # a site's ranks hold shards
         if declared:
             # a peer may be checking a state of this round
-            worker.log.declare_params(self.round, self.params_digest, peers=end.result.peers)
-            worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
+            worker.backend.membership.declare_params(self.round, self.params_digest, peers=end.result.peers)
         evaluated = None  # held-out batches this worker evaluated (where it counts them)
         if self.held_out.given:
             with worker.watchdog.phase("evaluating"):

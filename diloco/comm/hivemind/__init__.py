@@ -27,6 +27,7 @@
 - ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
 - ``gloo_plane.py``      a bulk data plane beside it: fp32 rounds through a gloo all-reduce
 - ``roster.py``          who is in the run now (heartbeats on the DHT) and the group size a round waits for
+- ``roster_records.py``  a roster record's parts: membership, telemetry, round-protocol state, params declared
 - ``redial.py``          the run's peers found again after the network between them healed (a split run)
 - ``reachability.py``    whether a joining worker can be dialled (else it joins as a client)
 - ``run_key.py``         the run key: HMAC-signed DHT records and a keyed schema hash

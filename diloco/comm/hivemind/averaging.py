@@ -32,7 +32,8 @@ from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_si
 from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, RosterEntry, live_counts, worker_names
+from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
@@ -419,13 +420,13 @@ def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:
 def _done_with(entry: RosterEntry, fragment: int, round_index: int) -> bool:
     """Whether a worker's record says it is done with round ``round_index``'s average of ``fragment``
     (averaged, failed or given up); a record that does not say: not."""
-    return fragment < len(entry.averaged) and entry.averaged[fragment] > round_index
+    return fragment < len(entry.protocol.averaged) and entry.protocol.averaged[fragment] > round_index
 
 
 def _postponed_before(entry: RosterEntry, fragment: int, round_index: int) -> bool:
     """Whether a worker's record says the last round of ``fragment`` it postponed came before round
     ``round_index``; a record that does not say: not."""
-    return fragment < len(entry.postponed) and entry.postponed[fragment] <= round_index
+    return fragment < len(entry.protocol.postponed) and entry.protocol.postponed[fragment] <= round_index
 
 
 def _past(entry: RosterEntry, round_index: int) -> bool:

@@ -35,7 +35,8 @@ from diloco.comm.hivemind.group_round import LEFT_BEHIND, await_result, left_beh
 from diloco.comm.hivemind.helper_record import HELPER, HelperRecord, contributors, live_helpers
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, RosterEntry
+from diloco.comm.hivemind.roster import Roster
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.state_offers import priority
 from diloco.comm.hivemind.state_relay import RelayedStates, UploadServer
 from diloco.compression import Codec
@@ -130,14 +131,14 @@ class Helper:
                 continue
             live_at = time.monotonic()
             self._withdraw_stale(entries.values())
-            looking = [entry for entry in entries.values() if entry.phase == "matchmaking" and entry.round not in done]
+            looking = [e for e in entries.values() if e.protocol.stage == "matchmaking" and e.round not in done]
             if not looking:
                 continue
             # the round most workers look for (the latest of those), whatever a late one does
             counts = collections.Counter(entry.round for entry in looking)
             round_index = max(counts, key=lambda r: (counts[r], r))
             done = {r for r in done if r > round_index - _REMEMBERED} | {round_index}
-            announced = max(entry.group for entry in looking if entry.round == round_index)
+            announced = max(entry.protocol.group for entry in looking if entry.round == round_index)
             report(self._reduce(round_index, announced=announced))
         return "stopped"
 

@@ -1,6 +1,6 @@
 """A hivemind worker's part in the run's membership: its roster record (``roster.py``) and what it
-reads of the others' (who is live, the group size a round expects), and the addresses a newcomer
-joins through."""
+reads of the others' (who is live, the group size a round expects, the params they declared), and
+the addresses a newcomer joins through."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import logging
 
 from diloco.comm.base import Declared, Membership
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, RosterEntry, peer_of
+from diloco.comm.hivemind.roster import Roster, peer_of
+from diloco.comm.hivemind.roster_records import RosterEntry
+from diloco.comm.members import LiveWorker
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +38,29 @@ class HivemindMembership(Membership):
     def announce_run(self, identity: dict) -> None:
         self.roster.run = dict(identity)
 
-    def live_workers(self) -> dict[int, RosterEntry]:
+    def declare_params(self, rounds_done: int, digest: str, *, peers: int) -> None:
+        self.roster.declare_params(rounds_done, digest, peers=peers)
+
+    def live_workers(self) -> dict[int, LiveWorker]:
+        return {i: LiveWorker(e.index, e.round, e.step, e.leaving, e.run) for i, e in self._entries().items()}
+
+    def declared_params(self) -> dict[int, Declared]:
+        found = {}
+        for index, entry in self._entries().items():
+            if index == self.roster.worker_index:  # what we hold is not evidence of what the run holds
+                continue
+            if (declared := entry.params) is not None:  # the record's declaration, never its telemetry
+                peer = peer_of(entry.addresses)
+                found[index] = Declared(declared.rounds_done, declared.digest, entry.round, peer, declared.peers)
+        return found
+
+    def _entries(self) -> dict[int, RosterEntry]:
+        """The live workers' records; none when the DHT did not answer in time."""
         try:
             return self.roster.entries()
         except TimeoutError as error:
             logger.warning("reading the run's roster: %s", error)
             return {}
-
-    def declared_params(self) -> dict[int, Declared]:
-        found = {}
-        for index, entry in self.live_workers().items():
-            if index == self.roster.worker_index:  # what we hold is not evidence of what the run holds
-                continue
-            digest, rounds_done = entry.stats.get("params"), entry.stats.get("params_round")
-            if isinstance(digest, str) and digest and isinstance(rounds_done, int):
-                peers = entry.stats.get("peers")
-                peers = peers if type(peers) is int else 0  # not said, or not a count (a bool is no count)
-                found[index] = Declared(rounds_done, digest, entry.round, peer_of(entry.addresses), peers)
-        return found
 
     def leave(self) -> None:
         self.roster.leave()

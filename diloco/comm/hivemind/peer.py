@@ -22,7 +22,8 @@ from diloco.comm.base import CommError
 from diloco.comm.bounds import control_limit_s
 from diloco.comm.config import CommConfig
 from diloco.comm.hivemind import reachability
-from diloco.comm.hivemind.roster import Roster, RosterEntry
+from diloco.comm.hivemind.roster import RosterReader
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.run_key import RunKeyValidator
 from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.run_key_env import resolve_run_key
@@ -120,7 +121,7 @@ def roster_reader(cfg: CommConfig):
     dht = start_dht(dataclasses.replace(cfg.hivemind, port=0), run_key=cfg.run_key, client_mode=True)
     try:
         dht_call = bounded_dht_call(dht, threading.Lock(), timeout_s=control_limit_s(cfg.hivemind.request_timeout_s))
-        yield Roster(dht_call, run_id=cfg.run_id, worker_index=-1, planned=0).entries
+        yield RosterReader(dht_call, run_id=cfg.run_id, worker_index=-1, planned=0).entries
     finally:
         dht.shutdown()
 

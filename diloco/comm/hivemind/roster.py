@@ -1,8 +1,10 @@
 """Who is in a run right now: each worker's heartbeat on the DHT, and the group size a round expects.
 
 Every worker keeps a record under ``<run_id>.roster`` (subkey: its worker index) fresh from a
-background thread: its round, inner step, whether it is leaving, when it was written, and a few
-figures for ``diloco status`` (loss, tokens/s, the last validation loss). A record lives
+background thread (``Roster``): its round, inner step, whether it is leaving, when it was written,
+and records of their own (``roster_records.py``): a few figures for ``diloco status`` (loss,
+tokens/s, the last validation loss), its round-protocol state and the digest of its params after
+its last round. Every worker reads the others' (``RosterReader``). A record lives
 ``TTL_HEARTBEATS`` heartbeats unless refreshed (``comm.hivemind.heartbeat_s``: 3 s, so 12 s), so a
 worker that crashed or lost its link drops out of the roster by itself; one that leaves cleanly
 says so at once.
@@ -19,7 +21,16 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+from diloco.comm.hivemind.roster_records import (
+    ParamsDeclaration,
+    RosterEntry,
+    RoundCounts,
+    RoundState,
+    Telemetry,
+    decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,41 +38,15 @@ HEARTBEAT_S = 3.0  # how often a worker refreshes its record (comm.hivemind.hear
 TTL_HEARTBEATS = 4  # a record not refreshed for this many heartbeats is gone: the worker crashed or lost its link
 
 
-@dataclass(frozen=True)
-class RosterEntry:
-    index: int  # worker index (its data shard)
-    round: int  # rounds completed
-    step: int  # inner steps done
-    leaving: bool = False
-    written_at: float = 0.0  # DHT time of the record (hivemind.get_dht_time)
-    stats: dict = field(default_factory=dict)  # what the worker last reported: loss, tokens_per_s, val_loss
-    serves_state: bool = True  # False for a peer in client mode: it can fetch a state, never serve one
-    phase: str = ""  # what it is doing (watchdog.py): training, matchmaking, averaging, ...; "" = not said
-    phase_since: float = 0.0  # when that began (time.time() of the worker's clock)
-    planned: int = 0  # the run's worker.count, as this worker runs it (0 = not said)
-    slots: int = 0  # the run's data shards: the most workers it can hold (0 = not said)
-    run: dict = field(default_factory=dict)  # the settings every worker must share (joining.run_identity)
-    addresses: tuple[str, ...] = ()  # where its peer is dialled (none for a client): redial.py
-    peer: str = ""  # its peer's id, clients' too ("" from a worker that did not say)
-    layout: tuple = ()  # the shapes it averages, one list per fragment: what a helper reduces (helper.py)
-    group: int = 0  # the group its round in progress waits for, helpers included (0 = not said)
-    # per fragment, the rounds whose average it is done with (averaged, failed or given up): it
-    # looks for no group of those any more (() = not said)
-    averaged: tuple[int, ...] = ()
-    # per fragment, the last round it postponed (nobody could reduce it for it), plus one (0 = none;
-    # () = not said): a client that found no group tells apart others that postponed the round too
-    # from others that averaged it without it
-    postponed: tuple[int, ...] = ()
-
-
 class PartialRead(RuntimeError):
     """A roster read that cannot be trusted to show who is live."""
 
 
-class Roster:
-    """This worker's heartbeat and its view of the others. ``dht_call(fn)`` runs ``fn(dht)``, a DHT
-    request made with ``return_future=True``, and waits a bounded time for its answer
-    (``peer.bounded_dht_call``)."""
+class RosterReader:
+    """A view of the run's roster records: who is live, who was seen and who left, as of the last
+    read. ``dht_call(fn)`` runs ``fn(dht)``, a DHT request made with ``return_future=True``, and
+    waits a bounded time for its answer (``peer.bounded_dht_call``). ``worker_index``: this
+    worker's (-1: a reader that is no worker, as ``diloco status``'s)."""
 
     def __init__(
         self,
@@ -70,32 +55,11 @@ class Roster:
         run_id: str,
         worker_index: int,
         planned: int,
-        slots: int = 0,
-        heartbeat_s: float = HEARTBEAT_S,
-        serves_state: bool = True,
-        addresses: Sequence[str] = (),
-        peer_id: str = "",
-        layout: Sequence[Sequence[Sequence[int]]] = (),
-        chores=(),
+        ttl_s: float = TTL_HEARTBEATS * HEARTBEAT_S,
         clock=None,
     ):
         self._dht_call, self.key = dht_call, f"{run_id}.roster"
-        self.worker_index, self.planned = worker_index, planned
-        self.heartbeat_s, self.ttl_s = heartbeat_s, TTL_HEARTBEATS * heartbeat_s
-        self.slots = slots or planned
-        self.serves_state = serves_state
-        self.chores = list(chores)  # also called once a heartbeat, on the heartbeat's thread
-        self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
-        self._phase: tuple[str, float] = ("", 0.0)
-        self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
-        self.run: dict = {}  # the settings every worker of the run must share, once announced
-        self.addresses = list(addresses)  # where our peer is dialled, announced for redial.py (none for a client)
-        self.peer_id = peer_id  # our peer's id, announced so that others can name the worker of a peer id
-        self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
-        self.group = 0  # the group the round in progress waits for, announced for helpers
-        self._averaged: list[int] = []  # per fragment, the rounds whose average we are done with
-        self._postponed: list[int] = []  # per fragment, the last round we postponed, plus one
-        self._averaged_lock = threading.Lock()
+        self.worker_index, self.planned, self.ttl_s = worker_index, planned, ttl_s
         self._addresses: dict[int, tuple[str, ...]] = {}  # where each worker seen was last announced
         self._peers: dict[int, str] = {}  # each worker's peer id, as last announced
         self._live: set[int] = set()  # the live workers at the last read
@@ -104,136 +68,6 @@ class Roster:
         self._servers_seen: set[int] = set()  # workers seen serving their state (not in client mode)
         self._clock = clock or time.monotonic
         self._last_seen: dict[int, float] = {}  # when each other worker's record was last read, by our clock
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # set: publish now, not at the next heartbeat
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._publish()
-        self._thread = threading.Thread(target=self._beat, name="diloco-roster", daemon=True)
-        self._thread.start()
-
-    def progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
-        """Rounds completed, inner steps done and (when given) the worker's latest figures, sent with
-        the next heartbeat; the digest of the params after a round (stats ``params_round``) is sent
-        at once: a worker checking a state it downloaded waits for the others' records to show it.
-        ``stats`` is read, never changed: hand over a new dict for new figures."""
-        self._round, self._step = round_index, step
-        if stats is not None:
-            declared = stats.get("params_round") != self._stats.get("params_round")
-            self._stats = stats
-            if declared:
-                self._wake.set()
-
-    def finished_averaging(self, fragment: int, round_index: int) -> None:
-        """This worker is done with round ``round_index``'s average of ``fragment`` (averaged, failed
-        or given up), sent with the next heartbeat: a worker that came late to that round, still
-        looking for its group, stops waiting for us (``HivemindAveraging``)."""
-        with self._averaged_lock:  # fragments end their averages on threads of their own
-            _count_up(self._averaged, fragment, round_index)
-        self._wake.set()  # at once: a worker that came late stops waiting for us a heartbeat sooner
-
-    def postponed_averaging(self, fragment: int, round_index: int) -> None:
-        """This worker postponed round ``round_index``'s average of ``fragment`` (no group with a
-        helper, in a run of clients). Called before ``finished_averaging``, which announces both."""
-        with self._averaged_lock:
-            _count_up(self._postponed, fragment, round_index)
-
-    def _averaged_counts(self) -> tuple[list[int], list[int]]:
-        """The per-fragment counts of rounds done with (averaged, failed or given up) and postponed."""
-        with self._averaged_lock:
-            done = list(self._averaged)
-            return done, list(self._postponed) + [0] * (len(done) - len(self._postponed))
-
-    @property
-    def model(self) -> str:
-        """The digest of the worker's params after its last round, as it last reported (stats
-        ``params``); empty before its first round."""
-        return str(self._stats.get("params", ""))
-
-    @property
-    def rounds_done(self) -> int:
-        """The rounds this worker has completed, as it last reported (``progress``)."""
-        return self._round
-
-    def phase(self, name: str, since: float) -> None:
-        """What the worker is doing and since when, sent with the next heartbeat."""
-        self._phase = (name, since)
-
-    def stage(self, stage: str | None) -> None:
-        """Where a round in progress stands (matchmaking, averaging), or None when none is: it names
-        the worker's phase while the worker is in a round. A round that starts looking for its
-        group is told at once (helpers join the group when they read it: ``helper.py``)."""
-        woken, self._stage = stage == "matchmaking" and self._stage != stage, stage
-        if woken:
-            self._wake.set()
-
-    def leave(self) -> None:
-        """Tell the others at once that this worker is gone, so that no round waits for it."""
-        self._leaving = True
-        self._stop.set()
-        self._wake.set()
-        self._publish()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.heartbeat_s * 2)
-
-    def _beat(self) -> None:
-        chores_due = time.monotonic() + self.heartbeat_s
-        while True:
-            self._wake.wait(max(0.0, chores_due - time.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            self._publish()
-            if time.monotonic() < chores_due:  # an extra record, between heartbeats: the chores keep their pace
-                continue
-            chores_due = time.monotonic() + self.heartbeat_s
-            for chore in self.chores:
-                try:
-                    chore()
-                except Exception:  # a chore of the heartbeat's must not stop it
-                    logger.debug("heartbeat chore failed", exc_info=True)
-
-    def _publish(self) -> None:
-        from hivemind.utils import get_dht_time
-
-        now = get_dht_time()
-        phase, since = self._phase
-        averaged, postponed = self._averaged_counts()
-        if phase == "averaging" and self._stage is not None:
-            phase = self._stage
-        value = {
-            "phase": phase,
-            "since": since,
-            "round": self._round,
-            "step": self._step,
-            "leaving": self._leaving,
-            "at": now,
-            "stats": self._stats,
-            "serves": self.serves_state,
-            "planned": self.planned,
-            "slots": self.slots,
-            "run": self.run,
-            "addrs": self.addresses,
-            "peer": self.peer_id,
-            "layout": self.layout,
-            "group": self.group,
-            "averaged": averaged,
-            "postponed": postponed,
-        }
-        expiration = now + self.ttl_s
-        try:
-            self._dht_call(
-                lambda dht: dht.store(
-                    self.key, subkey=self.worker_index, value=value, expiration_time=expiration, return_future=True
-                )
-            )
-        except Exception:  # a missed heartbeat is not an error; the next one may go through
-            logger.debug("roster heartbeat failed", exc_info=True)
 
     def own_entries(self) -> dict[int, RosterEntry]:
         """``entries()``, checked to hold this worker's own record; ``PartialRead`` when it does not."""
@@ -250,27 +84,7 @@ class Roster:
             for subkey, item in found.value.items():
                 value = getattr(item, "value", None)
                 if isinstance(subkey, int) and isinstance(value, dict):
-                    stats = value.get("stats")
-                    entries[subkey] = RosterEntry(
-                        subkey,
-                        int(value.get("round", 0)),
-                        int(value.get("step", 0)),
-                        bool(value.get("leaving")),
-                        float(value.get("at", 0.0)),
-                        stats if isinstance(stats, dict) else {},
-                        bool(value.get("serves", True)),
-                        str(value.get("phase", "")),
-                        float(value.get("since", 0.0)),
-                        int(value.get("planned", 0)),
-                        int(value.get("slots", 0)),
-                        value.get("run") if isinstance(value.get("run"), dict) else {},
-                        tuple(str(a) for a in value.get("addrs", ()) if isinstance(a, str)),
-                        str(value.get("peer", "")),
-                        _layout(value.get("layout")),
-                        int(value.get("group", 0) or 0),
-                        _counts(value.get("averaged")),
-                        _counts(value.get("postponed")),
-                    )
+                    entries[subkey] = decode(subkey, value)
         return entries
 
     def expected(self) -> int:
@@ -349,25 +163,168 @@ class Roster:
         return live, leaving
 
 
-def _layout(value) -> tuple:
-    """A record's ``layout`` as tuples of shapes; ``()`` for anything else (a worker of another version)."""
-    try:
-        return tuple(tuple(tuple(int(n) for n in shape) for shape in fragment) for fragment in value)
-    except (TypeError, ValueError):
-        return ()
+class Roster(RosterReader):
+    """This worker's heartbeat (its record, refreshed from a thread of its own), and its view of the
+    others (``RosterReader``)."""
 
+    def __init__(
+        self,
+        dht_call,
+        *,
+        run_id: str,
+        worker_index: int,
+        planned: int,
+        slots: int = 0,
+        heartbeat_s: float = HEARTBEAT_S,
+        serves_state: bool = True,
+        addresses: Sequence[str] = (),
+        peer_id: str = "",
+        layout: Sequence[Sequence[Sequence[int]]] = (),
+        chores=(),
+        clock=None,
+    ):
+        ttl_s = TTL_HEARTBEATS * heartbeat_s
+        super().__init__(dht_call, run_id=run_id, worker_index=worker_index, planned=planned, ttl_s=ttl_s, clock=clock)
+        self.heartbeat_s = heartbeat_s
+        self.slots = slots or planned
+        self.serves_state = serves_state
+        self.chores = list(chores)  # also called once a heartbeat, on the heartbeat's thread
+        self._round, self._step, self._leaving, self._stats = 0, 0, False, {}
+        self._params: ParamsDeclaration | None = None  # the digest after our last round, once declared
+        self._phase: tuple[str, float] = ("", 0.0)
+        self._stage: str | None = None  # a round's stage, from the transport: matchmaking or averaging
+        self.run: dict = {}  # the settings every worker of the run must share, once announced
+        self.addresses = list(addresses)  # where our peer is dialled, announced for redial.py (none for a client)
+        self.peer_id = peer_id  # our peer's id, announced so that others can name the worker of a peer id
+        self.layout = [[list(shape) for shape in fragment] for fragment in layout]  # announced for helpers
+        self.group = 0  # the group the round in progress waits for, announced for helpers
+        self._counts = RoundCounts()  # per fragment, the rounds we are done with and the last we postponed
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # set: publish now, not at the next heartbeat
+        self._thread: threading.Thread | None = None
 
-def _count_up(counts: list[int], fragment: int, round_index: int) -> None:
-    """``counts[fragment]`` (one count per fragment, 0 where none yet) raised to past ``round_index``."""
-    counts.extend([0] * (fragment + 1 - len(counts)))
-    counts[fragment] = max(counts[fragment], round_index + 1)
+    def start(self) -> None:
+        self._publish()
+        self._thread = threading.Thread(target=self._beat, name="diloco-roster", daemon=True)
+        self._thread.start()
 
+    def progress(self, round_index: int, step: int, stats: dict | None = None) -> None:
+        """Rounds completed, inner steps done and (when given) the worker's latest figures for
+        ``diloco status``, sent with the next heartbeat. ``stats`` is read, never changed: hand over
+        a new dict for new figures."""
+        self._round, self._step = round_index, step
+        if stats is not None:
+            self._stats = stats
 
-def _counts(value) -> tuple[int, ...]:
-    """A record's per-fragment counts (``()`` when it holds none, or not counts: a peer of another version)."""
-    if not isinstance(value, (list, tuple)) or not all(type(count) is int for count in value):
-        return ()
-    return tuple(value)
+    def declare_params(self, rounds_done: int, digest: str, *, peers: int) -> None:
+        """The digest of the params after round ``rounds_done`` and the workers that round counted,
+        sent at once: a worker checking a state it downloaded waits for the others' records to show it."""
+        self._params = ParamsDeclaration(rounds_done, digest[:16], peers)
+        self._wake.set()
+
+    def finished_averaging(self, fragment: int, round_index: int) -> None:
+        """This worker is done with round ``round_index``'s average of ``fragment`` (averaged, failed
+        or given up), sent with the next heartbeat: a worker that came late to that round, still
+        looking for its group, stops waiting for us (``HivemindAveraging``)."""
+        self._counts.done(fragment, round_index)
+        self._wake.set()  # at once: a worker that came late stops waiting for us a heartbeat sooner
+
+    def postponed_averaging(self, fragment: int, round_index: int) -> None:
+        """This worker postponed round ``round_index``'s average of ``fragment`` (no group with a
+        helper, in a run of clients). Called before ``finished_averaging``, which announces both."""
+        self._counts.postponed(fragment, round_index)
+
+    @property
+    def model(self) -> str:
+        """The digest of the worker's params after its last round, as it last declared it
+        (``declare_params``); empty before its first round."""
+        return self._params.digest if self._params is not None else ""
+
+    @property
+    def rounds_done(self) -> int:
+        """The rounds this worker has completed, as it last reported (``progress``)."""
+        return self._round
+
+    def phase(self, name: str, since: float) -> None:
+        """What the worker is doing and since when, sent with the next heartbeat."""
+        self._phase = (name, since)
+
+    def stage(self, stage: str | None) -> None:
+        """Where a round in progress stands (matchmaking, averaging), or None when none is: it names
+        the worker's phase while the worker is in a round. A round that starts looking for its
+        group is told at once (helpers join the group when they read it: ``helper.py``)."""
+        woken, self._stage = stage == "matchmaking" and self._stage != stage, stage
+        if woken:
+            self._wake.set()
+
+    def leave(self) -> None:
+        """Tell the others at once that this worker is gone, so that no round waits for it."""
+        self._leaving = True
+        self._stop.set()
+        self._wake.set()
+        self._publish()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat_s * 2)
+
+    def _beat(self) -> None:
+        chores_due = time.monotonic() + self.heartbeat_s
+        while True:
+            self._wake.wait(max(0.0, chores_due - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self._publish()
+            if time.monotonic() < chores_due:  # an extra record, between heartbeats: the chores keep their pace
+                continue
+            chores_due = time.monotonic() + self.heartbeat_s
+            for chore in self.chores:
+                try:
+                    chore()
+                except Exception:  # a chore of the heartbeat's must not stop it
+                    logger.debug("heartbeat chore failed", exc_info=True)
+
+    def _publish(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        now = get_dht_time()
+        value = encode(self._record(now))
+        expiration = now + self.ttl_s
+        try:
+            self._dht_call(
+                lambda dht: dht.store(
+                    self.key, subkey=self.worker_index, value=value, expiration_time=expiration, return_future=True
+                )
+            )
+        except Exception:  # a missed heartbeat is not an error; the next one may go through
+            logger.debug("roster heartbeat failed", exc_info=True)
+
+    def _record(self, now: float) -> RosterEntry:
+        """This worker's record as of ``now`` (DHT time). While the worker averages, its round's stage
+        (from the transport) names its phase."""
+        phase, since = self._phase
+        averaged, postponed = self._counts.counts()
+        stage = self._stage if phase == "averaging" and self._stage is not None else ""
+        layout = tuple(tuple(tuple(shape) for shape in fragment) for fragment in self.layout)
+        return RosterEntry(
+            self.worker_index,
+            self._round,
+            self._step,
+            self._leaving,
+            self.run,
+            written_at=now,
+            serves_state=self.serves_state,
+            planned=self.planned,
+            slots=self.slots,
+            addresses=tuple(self.addresses),
+            peer=self.peer_id,
+            shows=Telemetry(self._stats, stage or phase, since),
+            protocol=RoundState(layout, self.group, averaged, postponed, stage),
+            params=self._params,
+        )
 
 
 def peer_of(addresses) -> str:
@@ -381,17 +338,6 @@ def peer_of(addresses) -> str:
 def worker_names(indices) -> str:
     """``worker 2`` or ``workers 2, 3``, in order."""
     return f"worker{'s' * (len(indices) != 1)} {', '.join(map(str, sorted(indices)))}"
-
-
-def nobody_answered(run_id: str, peers: list[str], timeout_s: float | None = None) -> str:
-    """Why no roster was found: the one-line error of ``diloco join``, ``diloco status`` and a joining worker."""
-    within = f" within {timeout_s:g} s" if timeout_s is not None else ""
-    through = ", ".join(peers) or "comm.hivemind.initial_peers"
-    return (
-        f"no live worker of run {run_id!r} answered through {through}{within}: "
-        f"check the address, that the run is still going, its run id (comm.run_id) and its key "
-        f"(comm.run_key or $DILOCO_RUN_KEY)"
-    )
 
 
 def free_slot(entries: dict[int, RosterEntry], slots: int) -> int | None:

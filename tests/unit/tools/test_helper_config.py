@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.comm.hivemind.roster import RosterEntry
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.config import ConfigError, load_config, save_config
 from diloco.tools import helper
 from diloco.worker.joining import run_identity

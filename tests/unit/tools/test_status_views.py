@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 
-from diloco.comm.hivemind.roster import RosterEntry
+from diloco.comm.hivemind.roster_records import ParamsDeclaration, RosterEntry, Telemetry
 from diloco.tools.launcher import _Progress, _watch
 from diloco.tools.status import format_status
 
@@ -18,11 +18,9 @@ def test_status_table_names_the_runs_round_and_loss_and_marks_leaving_workers():
             5,
             100,
             written_at=98.0,
-            stats={"loss": 2.0, "tokens_per_s": 900.0, "val_loss": 2.1},
-            phase="matchmaking",
-            phase_since=25.0,
+            shows=Telemetry({"loss": 2.0, "tokens_per_s": 900.0, "val_loss": 2.1}, "matchmaking", 25.0),
         ),
-        2: RosterEntry(2, 4, 90, leaving=True, written_at=90.0, stats={"val_loss": 2.3}),
+        2: RosterEntry(2, 4, 90, leaving=True, written_at=90.0, shows=Telemetry({"val_loss": 2.3})),
     }
     text = format_status("r", entries, now=100.0)
     assert text.splitlines()[0] == "run 'r': 1 live worker, round 5, val_loss 2.1000"
@@ -34,7 +32,7 @@ def test_status_table_names_the_runs_round_and_loss_and_marks_leaving_workers():
 
 def test_status_names_the_planned_workers_it_cannot_see_and_the_models_of_a_split_run():
     def entry(index: int, params: str) -> RosterEntry:
-        return RosterEntry(index, 7, 140, written_at=99.0, stats={"params": params, "params_round": 7}, planned=5)
+        return RosterEntry(index, 7, 140, written_at=99.0, params=ParamsDeclaration(7, params), planned=5)
 
     text = format_status("r", {0: entry(0, "aa" * 8), 1: entry(1, "aa" * 8), 3: entry(3, "bb" * 8)}, now=100.0)
     assert "not in the roster: workers 2, 4 of the 5 planned" in text
@@ -43,13 +41,13 @@ def test_status_names_the_planned_workers_it_cannot_see_and_the_models_of_a_spli
     assert "split" not in whole and "not in the roster" not in whole
     # a worker that has started its next round still declares the params after the last one
     ahead = {i: entry(i, "aa" * 8) for i in range(5)}
-    ahead[4] = RosterEntry(4, 8, 141, written_at=99.0, stats={"params": "cc" * 8, "params_round": 8}, planned=5)
+    ahead[4] = RosterEntry(4, 8, 141, written_at=99.0, params=ParamsDeclaration(8, "cc" * 8), planned=5)
     assert "split" not in format_status("r", ahead, now=100.0)
 
 
 def test_status_names_the_workers_the_live_ones_exclude_and_by_how_many():
     def entry(index: int, excluded: list) -> RosterEntry:
-        return RosterEntry(index, 3, 60, written_at=99.0, stats={"excluded": excluded} if excluded else {})
+        return RosterEntry(index, 3, 60, written_at=99.0, shows=Telemetry({"excluded": excluded} if excluded else {}))
 
     text = format_status("r", {0: entry(0, [3]), 1: entry(1, [3]), 2: entry(2, []), 3: entry(3, [3])}, now=100.0)
     assert text.splitlines()[-1] == "excluded from the run's means: worker 3 (by 3 of the 4 live workers)"

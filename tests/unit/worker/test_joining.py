@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.comm.base import Membership, PeerState, StateExchange, StateRank
-from diloco.comm.hivemind.roster import RosterEntry
+from diloco.comm.members import LiveWorker
 from diloco.config import ConfigError, load_config
 from diloco.core.recovery import Recovery
 from diloco.worker.joining import catch_up_with_run, model_digest, run_identity
@@ -24,7 +24,7 @@ class _Transport(StateExchange, Membership):
     """Live peers at ``round`` (rounds completed) and ``step``, serving the state after ``served``."""
 
     def __init__(self, *, round: int, step: int, served: int) -> None:
-        self.others = {i: RosterEntry(index=i, round=round, step=step) for i in (0, 1)}
+        self.others = {i: LiveWorker(index=i, round=round, step=step) for i in (0, 1)}
         self.served = served
         self.progress = []
 
@@ -62,7 +62,7 @@ def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_bef
     cfg = load_config(None, ["worker.count=3", "worker.index=2", "model.n_embd=64"])
     backend, outer = _Transport(round=5, step=110, served=4), _Outer()
     run = run_identity(load_config(None, ["model.n_embd=128"]))
-    backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
+    backend.others = {i: LiveWorker(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError) as error:
         catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True)
     assert str(error.value) == (
@@ -84,7 +84,7 @@ def test_a_worker_whose_own_model_differs_from_the_runs_is_stopped_in_one_line_b
     cfg = load_config(None, ["worker.count=3", "worker.index=2"])
     backend, outer = _Transport(round=5, step=110, served=4), _Outer()
     run = published_run(cfg, model=digest(8))
-    backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
+    backend.others = {i: LiveWorker(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError, match="this worker's model differs from that of run 'diloco'.*same model"):
         catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True, model=digest(16))
     assert outer.loaded is None  # nothing was downloaded
@@ -94,7 +94,7 @@ def test_a_worker_that_would_screen_by_other_rules_than_the_run_is_stopped_in_on
     cfg = load_config(None, ["worker.count=3", "worker.index=2"])  # comm.trust=trusted
     backend, outer = _Transport(round=5, step=110, served=4), _Outer()
     run = run_identity(load_config(None, ["comm.trust=open"]))
-    backend.others = {i: RosterEntry(index=i, round=5, step=110, run=run) for i in (0, 1)}
+    backend.others = {i: LiveWorker(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError, match="comm.trust='trusted' here, 'open' in the run"):
         catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True)
 
@@ -113,7 +113,7 @@ def test_the_published_config_leaves_out_each_machines_own_keys_and_is_taken_bac
         for part in sections:
             section = section[part]
         assert name not in section, key
-    entries = {i: RosterEntry(index=i, round=1, step=5, run=run) for i in (0, 1)}
+    entries = {i: LiveWorker(index=i, round=1, step=5, run=run) for i in (0, 1)}
     taken = config_from_run(entries, "r")
     assert taken == run["config"] and taken["model"]["n_embd"] == 64 and "secret" not in str(taken)
     path = tmp_path / "run-config.yaml"  # what diloco join writes, then loads with the volunteer's overrides
@@ -134,8 +134,8 @@ def test_a_config_that_does_not_match_its_digest_or_two_different_ones_are_refus
     tampered = {**run, "config": {**run["config"], "seed": 7}}
     other = published_run(load_config(None, ["seed=7"]))
     with pytest.raises(JoinError, match="no live worker of run 'r' publishes its config: join with the run's"):
-        config_from_run({0: RosterEntry(index=0, round=1, step=5, run=tampered)}, "r")
+        config_from_run({0: LiveWorker(index=0, round=1, step=5, run=tampered)}, "r")
     with pytest.raises(JoinError, match="publish 2 different configs"):
-        config_from_run({i: RosterEntry(index=i, round=1, step=5, run=r) for i, r in enumerate((run, other))}, "r")
+        config_from_run({i: LiveWorker(index=i, round=1, step=5, run=r) for i, r in enumerate((run, other))}, "r")
     with pytest.raises(JoinError, match="publishes its config"):
-        config_from_run({0: RosterEntry(index=0, round=1, step=5)}, "r")
+        config_from_run({0: LiveWorker(index=0, round=1, step=5)}, "r")

@@ -23,6 +23,7 @@ from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, round_group_bits
 from diloco.comm.hivemind.helper_record import RunHelpers
+from diloco.comm.hivemind.roster_records import RoundState
 from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.traffic import TrafficCounters
 from diloco.compression import NoCompression
@@ -189,16 +190,16 @@ def _client_averaging(
     client starts looking for a group, ``done_after`` from then on, and once it looks, the
     ``averaged`` and ``postponed`` counts given. Ours shows 6. Also the (fragment, round) we postponed."""
     averager = _LateLeaderAverager(torch.ones(4))
-    other = SimpleNamespace(round=done_before, leaving=False, serves_state=False, averaged=(), postponed=())
+    other = SimpleNamespace(round=done_before, leaving=False, serves_state=False, protocol=RoundState())
 
     def no_group(**kwargs):
-        other.round, other.averaged, other.postponed = done_after, averaged, postponed
+        other.round, other.protocol = done_after, RoundState(averaged=averaged, postponed=postponed)
         return _Control(averager, [None])  # no group until the round's limit
 
     averager.step = no_group
     own_entries = lambda: {  # noqa: E731
         0: other,
-        1: SimpleNamespace(round=6, leaving=False, serves_state=False, averaged=(), postponed=()),
+        1: SimpleNamespace(round=6, leaving=False, serves_state=False, protocol=RoundState()),
     }
     ours = []
     averaging = _averaging(
@@ -266,9 +267,11 @@ def test_a_worker_late_to_a_rounds_average_stops_looking_once_every_other_is_don
 ):
     averager = _LateLeaderAverager(torch.ones(4))
     averager.step = lambda **kwargs: _Control(averager, [None])  # no group until the round's limit
-    records = {i: SimpleNamespace(round=0, leaving=False, averaged=a) for i, a in zip((0, 2), averaged)}
-    records[1] = SimpleNamespace(round=0, leaving=False, averaged=(3,))  # ours
-    records[3] = SimpleNamespace(round=0, leaving=True, averaged=())  # leaving: not waited for
+    records = {
+        i: SimpleNamespace(round=0, leaving=False, protocol=RoundState(averaged=a)) for i, a in zip((0, 2), averaged)
+    }
+    records[1] = SimpleNamespace(round=0, leaving=False, protocol=RoundState(averaged=(3,)))  # ours
+    records[3] = SimpleNamespace(round=0, leaving=True, protocol=RoundState())  # leaving: not waited for
     announced = []
     averaging = _averaging(
         averager,

@@ -18,7 +18,7 @@ from diloco.comm.config import CommConfig
 from diloco.comm.hivemind import group_round
 from diloco.comm.hivemind.averager import ask_within, held_within
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, GroupRound
-from diloco.comm.hivemind.roster import RosterEntry
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.link_meter import CodecChoice

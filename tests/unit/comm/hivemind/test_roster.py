@@ -189,11 +189,13 @@ def test_workers_cut_off_are_missing_with_the_addresses_they_announced_until_the
     assert me.missing == set()
 
 
-def test_a_roster_reports_the_digest_of_the_params_after_the_last_round():
+def test_a_roster_reports_the_digest_of_the_params_it_declared_after_the_last_round_and_not_its_telemetry():
     me = _roster(_FakeDHT(), 0, planned=2)
     assert me.model == ""  # before the first round: nothing to compare
-    me.progress(1, 20, {"val_loss": 3.0, "params": "abc123"})
-    assert me.model == "abc123"
+    me.progress(1, 20, {"val_loss": 3.0, "params": "abc123"})  # figures for diloco status declare nothing
+    assert me.model == ""
+    me.declare_params(1, "def456" * 4, peers=2)
+    assert me.model == "def456" * 2 + "def4"  # the first 16 hex digits
 
 
 def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_and_a_bad_layout_reads_as_none():
@@ -203,9 +205,9 @@ def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_an
     roster.group = 4
     roster._publish()
     entry = _roster(dht, 1, 1).entries()[0]
-    assert entry.layout == (((4, 2), (3,)),) and entry.group == 4
-    dht.records[0]["layout"] = [["not", "a shape"]]
-    assert _roster(dht, 1, 1).entries()[0].layout == ()
+    assert entry.protocol.layout == (((4, 2), (3,)),) and entry.protocol.group == 4
+    dht.records[0]["protocol"]["layout"] = [["not", "a shape"]]
+    assert _roster(dht, 1, 1).entries()[0].protocol.layout == ()
 
 
 def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_with_and_the_last_it_postponed():
@@ -214,16 +216,16 @@ def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_wit
     for fragment, round_index in [(1, 4), (0, 2), (1, 3)]:  # a round done earlier never lowers the count
         roster.finished_averaging(fragment, round_index)
     roster._publish()
-    entry = _roster(dht, 1, 1).entries()[0]
-    assert entry.averaged == (3, 5) and entry.postponed == (0, 0)  # said: none postponed, not "not said"
+    state = _roster(dht, 1, 1).entries()[0].protocol
+    assert state.averaged == (3, 5) and state.postponed == (0, 0)  # said: none postponed, not "not said"
     roster.postponed_averaging(1, 3)
     roster._publish()
-    entry = _roster(dht, 1, 1).entries()[0]
-    assert entry.averaged == (3, 5) and entry.postponed == (0, 4)  # one count per fragment each
+    state = _roster(dht, 1, 1).entries()[0].protocol
+    assert state.averaged == (3, 5) and state.postponed == (0, 4)  # one count per fragment each
     for bad in (["3"], 7, [True]):  # not counts: a peer of another version says nothing
-        dht.records[0]["averaged"] = dht.records[0]["postponed"] = bad
-        entry = _roster(dht, 1, 1).entries()[0]
-        assert entry.averaged == () and entry.postponed == ()
+        dht.records[0]["protocol"]["averaged"] = dht.records[0]["protocol"]["postponed"] = bad
+        state = _roster(dht, 1, 1).entries()[0].protocol
+        assert state.averaged == () and state.postponed == ()
 
 
 def test_the_end_of_an_average_is_announced_at_once():
@@ -231,7 +233,7 @@ def test_the_end_of_an_average_is_announced_at_once():
 
     class _Watched(_FakeDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
-            if value["averaged"]:
+            if value["protocol"]["averaged"]:
                 announced.set()
             return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
 
@@ -251,7 +253,7 @@ def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
 
     class _Watched(_FakeDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
-            if value["phase"] == "matchmaking":
+            if value["protocol"]["stage"] == "matchmaking" and value["shows"]["phase"] == "matchmaking":
                 announced.set()
             return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
 
@@ -273,7 +275,7 @@ def test_the_digest_after_a_round_is_announced_at_once_and_a_step_waits_for_the_
     class _Watched(_FakeDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
             steps.append(value["step"])
-            if value["stats"].get("params_round") == 3:
+            if value.get("params", {}).get("round") == 3:
                 announced.set()
             return super().store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
 
@@ -281,7 +283,8 @@ def test_the_digest_after_a_round_is_announced_at_once_and_a_step_waits_for_the_
     roster.start()
     try:
         roster.progress(2, 41, {"loss": 1.0})  # a step: sent with the next heartbeat, a minute away
-        roster.progress(3, 60, {"loss": 1.0, "params": "ab", "params_round": 3})  # a round's digest: at once
+        roster.progress(3, 60, {"loss": 1.0})
+        roster.declare_params(3, "ab", peers=2)  # a round's digest: at once
         assert announced.wait(10), "the digest waited for the next heartbeat"
         assert 41 not in steps  # the step alone woke nobody
     finally:

@@ -14,7 +14,8 @@ from hivemind.p2p import PeerID
 
 from diloco.comm.base import StateRank
 from diloco.comm.hivemind import state_exchange
-from diloco.comm.hivemind.roster import PartialRead, RosterEntry, live_counts
+from diloco.comm.hivemind.roster import PartialRead, live_counts
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers, offer_of, priority
 

@@ -16,7 +16,7 @@ from diloco.comm.base import StateRank, StateVerdict
 from diloco.comm.hivemind import state_exchange
 from diloco.comm.hivemind.helper import everyone_past
 from diloco.comm.hivemind.helper_record import RunHelpers
-from diloco.comm.hivemind.roster import RosterEntry
+from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_relay import (
     RelayedStates,
