@@ -8,6 +8,8 @@
                          the outer step alone when nobody else is left
 - ``group_round.py``     one attempt in a group: matchmaking, the all-reduce, screening, the result
                          (and whether the group held two models: a split run met again)
+- ``others.py``          the other workers as the roster's records tell them (gone, done with a round,
+                         ahead); a client's round postponed, or failed, when no group formed
 - ``state_exchange.py``  the worker's state offered to peers and taken from them after a failed round
 - ``state_offers.py``    the offers as the DHT carries them: (round, rank) packed in one priority
 - ``membership.py``      the worker's roster record and its view of who is live

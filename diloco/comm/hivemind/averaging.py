@@ -9,7 +9,7 @@ looking for that round's group at once. Rounds wait up to
 workers minus those seen gone, plus those that joined) and start at once when it is full. A round
 whose group broke (a peer crashed inside the all-reduce) is tried once more among the survivors,
 under a key of its own, while its deadline lasts; it starts as soon as the survivors are all
-there. One attempt is ``group_round.py``.
+there. One attempt is ``group_round.py``; a client's round that found no group, ``others.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,9 +31,9 @@ from diloco.comm.hivemind.gloo_plane import DataPlane, plane_host
 from diloco.comm.hivemind.group_round import Attempt, GroupRound, left_behind_since
 from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.membership import HivemindMembership
+from diloco.comm.hivemind.others import ClientRounds, OtherWorkers
 from diloco.comm.hivemind.peer import Peer
-from diloco.comm.hivemind.roster import Roster, live_counts, worker_names
-from diloco.comm.hivemind.roster_records import RosterEntry
+from diloco.comm.hivemind.roster import Roster, worker_names
 from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
@@ -137,20 +137,19 @@ class HivemindAveraging(Averaging):
         self._busy = [threading.Lock() for _ in self.averagers]  # held while a fragment's average runs
         self._membership, self._states, self._run_helpers = membership, states, helpers
         self.codecs = CodecChoice(codec)
+        self._others = OtherWorkers(roster)
+        self._client_rounds = ClientRounds(roster, self._others, helpers, peer)
         self.group_round = GroupRound(
             cfg,
             codecs=self.codecs,
             own_id=peer.peer_id,
             plane=plane,
-            stage=roster.stage,
-            others_averaged=offers.averaged_in_a_group,
-            others_gone=self._others_gone,
+            roster=roster,
+            offers=offers,
+            others=self._others,
             control_s=peer.control_s,
-            others_done=self._others_done,
-            model=lambda: roster.model,
         )
         self._was_alone = False
-        self._said_unreachable_run = False
         self._missing: tuple[int, ...] = ()  # the workers the roster missed at the last round
 
     @contextlib.contextmanager
@@ -207,93 +206,12 @@ class HivemindAveraging(Averaging):
     def _average(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
     ) -> SyncResult:
-        behind = f"the run is past round {round_index + 1} without us"
-        if (
-            self._peer.client_mode
-            and self._run_is_ahead(round_index)
-            and self._clients_only()
-            and self._run_helpers.count()
-        ):
-            # a client a round behind the others (it joined, or came back, as a round ended): no
-            # group of this round will form; the round fails at once, and its recovery takes their
-            # state through a helper with the whole deadline left (postponed, it would look for
-            # each round's group a round behind theirs for good)
-            return SyncResult(Outcome.FAILED, 1, weight, error=behind)
+        if (behind := self._client_rounds.behind(round_index, weight)) is not None:
+            return behind
         result = self._average_in_group(
             tensors, weight, round_index=round_index, deadline_s=deadline_s, fragment=fragment
         )
-        if result.averaged or result.group or not self._peer.client_mode or not self._clients_only():
-            return result
-        helpers = self._run_helpers.count()
-        if helpers and self._others_went_on(fragment, round_index):  # while we looked for a group
-            return dataclasses.replace(result, error=behind)
-        # a client, no group, and no worker that could reduce: the clients in the same place (a
-        # helper, if any, is gone or late, or its group formed without us) all postpone alike;
-        # without a helper nobody can have averaged, a client a round behind included
-        if not self._said_unreachable_run and not helpers:
-            self._said_unreachable_run = True
-            logger.warning(
-                "no worker of the run that can be dialled is live: clients alone cannot average; "
-                "forward a port and set comm.hivemind.announce_host, or start one worker on a public address, "
-                "or a helper (diloco helper) there"
-            )
-        if helpers:  # the helper is gone or late: the others find no group either
-            error = "no group with a helper found: the round is postponed"
-        else:
-            error = "no worker or helper that can be dialled is live: the round is postponed"
-        self._roster.postponed_averaging(fragment, round_index)
-        return dataclasses.replace(result, outcome=Outcome.POSTPONED, error=error)
-
-    def _records(self) -> tuple[dict[int, RosterEntry], list[RosterEntry]] | None:
-        """One read of the roster: every live worker's record by index (ours included), and the
-        other workers' that are not leaving; None when the DHT did not answer, or found part of them."""
-        try:
-            entries = self._roster.own_entries()
-        except Exception:
-            logger.debug("roster read failed", exc_info=True)
-            return None
-        return entries, [e for i, e in entries.items() if i != self._roster.worker_index and not e.leaving]
-
-    def _any_other(self, holds: Callable[[RosterEntry], bool]) -> bool:
-        """Whether, in one roster read, ``holds`` for the record of another live worker that is not leaving."""
-        read = self._records()
-        return read is not None and any(holds(entry) for entry in read[1])
-
-    def _run_is_ahead(self, round_index: int) -> bool:
-        """Whether a live worker's record shows a round after round ``round_index`` completed (``_past``)."""
-        return self._any_other(lambda entry: _past(entry, round_index))
-
-    def _others_done(self, fragment: int, round_index: int) -> bool:
-        """Whether every other live worker's record says it is done with round ``round_index``'s
-        average of ``fragment``: no group of that round will form any more."""
-        read = self._records()
-        if read is None:
-            return False
-        entries, others = read
-        if self._roster.live - set(entries):  # a read that missed a live worker's record: it may be looking
-            return False
-        return bool(others) and all(_done_with(e, fragment, round_index) for e in others)
-
-    def _others_went_on(self, fragment: int, round_index: int) -> bool:
-        """Whether a live worker's record shows a later round done, or says it is done with round
-        ``round_index``'s average of ``fragment`` without having postponed it (it averaged, or its
-        round failed: either way it took an outer step that a postponed round would not), so that
-        postponing ours would leave our params apart from its (at the run's last round for good).
-        A record that does not say: not known."""
-        return self._any_other(
-            lambda entry: (
-                _past(entry, round_index)
-                or (_done_with(entry, fragment, round_index) and _postponed_before(entry, fragment, round_index))
-            )
-        )
-
-    def _clients_only(self) -> bool:
-        """Whether no live worker serves its state, nor has any since we started: a run of clients."""
-        return self._serving_others() == 0 and self._roster.no_server_seen()
-
-    def _serving_others(self) -> int | None:
-        live = live_counts(self._roster)
-        return None if live is None else live[0]
+        return self._client_rounds.left_out(result, fragment=fragment, round_index=round_index)
 
     def _average_in_group(
         self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int, deadline_s: float, fragment: int
@@ -368,7 +286,7 @@ class HivemindAveraging(Averaging):
     def _alone(self) -> bool:
         """Whether no other worker is left to average with: a run planned for one, or one whose other
         workers all left or stopped their heartbeats for good (the roster). Logs when that changes."""
-        alone = self.num_workers <= 1 or self._others_gone()
+        alone = self.num_workers <= 1 or self._others.others_gone()
         if alone != self._was_alone and self.num_workers > 1:
             if alone:
                 logger.warning(
@@ -379,13 +297,6 @@ class HivemindAveraging(Averaging):
                 logger.warning("another worker is in the run again: rounds average in groups again")
         self._was_alone = alone
         return alone
-
-    def _others_gone(self) -> bool:
-        try:
-            return self._roster.others_gone()
-        except Exception:  # the DHT did not tell (no answer, part of the records, a dead daemon)
-            logger.debug("roster read failed", exc_info=True)
-            return False
 
     def _average_alone(self, tensors: Sequence[torch.Tensor], weight: float, *, round_index: int) -> SyncResult:
         # alone while workers that vanished without leaving may train on, cut off from us (or we from them)
@@ -415,24 +326,6 @@ def wait_for_replies(averagers: Sequence, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(a.traffic.serving() for a in averagers) and time.monotonic() < deadline:
         time.sleep(0.05)  # the averager's process closes its streams; bounded by the deadline
-
-
-def _done_with(entry: RosterEntry, fragment: int, round_index: int) -> bool:
-    """Whether a worker's record says it is done with round ``round_index``'s average of ``fragment``
-    (averaged, failed or given up); a record that does not say: not."""
-    return fragment < len(entry.protocol.averaged) and entry.protocol.averaged[fragment] > round_index
-
-
-def _postponed_before(entry: RosterEntry, fragment: int, round_index: int) -> bool:
-    """Whether a worker's record says the last round of ``fragment`` it postponed came before round
-    ``round_index``; a record that does not say: not."""
-    return fragment < len(entry.protocol.postponed) and entry.protocol.postponed[fragment] <= round_index
-
-
-def _past(entry: RosterEntry, round_index: int) -> bool:
-    """Whether a worker's record shows a round after round ``round_index`` completed (a record
-    counts the rounds completed; one at this round may have postponed it as we would)."""
-    return entry.round > round_index + 1
 
 
 def _not_waited_for(lost: int, *, group: int, helpers: int) -> int:

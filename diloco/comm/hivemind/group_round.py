@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -110,11 +111,41 @@ class Attempt:
         return max(2, self.expected + self.helpers - self.lost)
 
 
+class RoundRoster(Protocol):
+    """The roster as a round sees it (``roster.Roster``): ``stage(name)`` tells what the round is
+    doing; ``model`` is the digest of our params after our last round ("" before the first)."""
+
+    @property
+    def model(self) -> str: ...
+
+    def stage(self, stage: str | None) -> None: ...
+
+
+class RoundOffers(Protocol):
+    """The peers' state offers as a round reads them (``state_offers.StateOffers``)."""
+
+    def averaged_in_a_group(self, round_index: int) -> bool:
+        """Whether a peer offers its state after round ``round_index``, averaged in a group."""
+        ...
+
+
+class Others(Protocol):
+    """The run's other workers as a round still matchmaking asks about them (``others.OtherWorkers``)."""
+
+    def others_gone(self) -> bool:
+        """Whether no other worker is left in the run."""
+        ...
+
+    def others_done(self, fragment: int, round_index: int) -> bool:
+        """Whether every other live worker is done with round ``round_index``'s average of ``fragment``."""
+        ...
+
+
 class GroupRound:
     """Runs attempts on one worker's averagers. ``own_id``: our peer's id; ``plane``: the gloo data
-    plane or None; ``stage(name)`` tells the roster what the round is doing; ``others_averaged(round)``,
-    ``others_done(fragment, round)`` and ``others_gone()`` tell a worker still matchmaking that
-    waiting is pointless."""
+    plane or None; ``roster`` is told what the round is doing and declares our params' digest;
+    ``offers`` (a peer's state averaged in a group this round) and ``others`` (gone, or done with
+    this round) tell a worker still matchmaking that waiting is pointless."""
 
     def __init__(
         self,
@@ -123,17 +154,14 @@ class GroupRound:
         codecs: CodecChoice,
         own_id,
         plane,
-        stage: Callable[[str | None], None],
-        others_averaged: Callable[[int], bool],
-        others_gone: Callable[[], bool],
+        roster: RoundRoster,
+        offers: RoundOffers,
+        others: Others,
         control_s: float,
-        others_done: Callable[[int, int], bool] = lambda fragment, round_index: False,
-        model: Callable[[], str] = lambda: "",
     ):
         self.cfg, self.codecs, self.codec = cfg, codecs, codecs.codec
-        self._model = model
-        self._own_id, self._plane, self._stage = own_id, plane, stage
-        self._others_averaged, self._others_gone, self._others_done = others_averaged, others_gone, others_done
+        self._own_id, self._plane, self._roster = own_id, plane, roster
+        self._offers, self._others = offers, others
         self._control_s = control_s
 
     def run(
@@ -150,7 +178,7 @@ class GroupRound:
         preference = self.codecs.preference(tensors, peers=max(2, at.expected))
         if preference is not None:
             declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
-        if model := self._model():
+        if model := self._roster.model:
             declared["model"] = model  # the digest of our params: a group that holds two is a split met again
         transfer_before = averager.traffic.transfer_s()
         try:
@@ -161,7 +189,7 @@ class GroupRound:
             failure = "" if gathered is not None else "no group found before the deadline"
             gathered = contributors(gathered or {})
         finally:
-            self._stage(None)
+            self._roster.stage(None)
         sent, recv, failed, drops = averager.traffic.read()
         sent, recv, failed_values = sent - sent_before, recv - recv_before, failed - failed_before
         transfer_s = averager.traffic.transfer_s() - transfer_before
@@ -240,15 +268,15 @@ class GroupRound:
         it stops waiting whatever hivemind is doing."""
 
         def pointless() -> str:
-            if self._others_averaged(round_index):
+            if self._offers.averaged_in_a_group(round_index):
                 return "the others averaged this round without us"
             if left_behind():
                 return LEFT_BEHIND
-            if self._others_done(fragment, round_index):
+            if self._others.others_done(fragment, round_index):
                 return "every other live worker is done with this round's average: it went on without us"
-            return "no other worker of the run is live" if self._others_gone() else ""
+            return "no other worker of the run is live" if self._others.others_gone() else ""
 
-        return await_result(control, limit=limit, pointless=pointless, stage=self._stage)
+        return await_result(control, limit=limit, pointless=pointless, stage=self._roster.stage)
 
     def _result(
         self, averager, tensors, weight: float, gathered: dict, screening: Screening, codec, traffic
@@ -296,7 +324,7 @@ class GroupRound:
         total_weight = sum(weights[peer] for peer in kept)
         moved = gloo_plane.ring_bytes(flat.numel(), len(gathered))
         factor = weights[own] * kept[own] if own in kept else 0.0
-        self._stage("averaging")
+        self._roster.stage("averaging")
         try:
             if factor == 0.0:
                 flat.zero_()  # not mul_: our dropped vector may hold NaN
@@ -314,7 +342,7 @@ class GroupRound:
             error = f"data plane: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             return SyncResult(Outcome.FAILED, 1, weights[own], moved, moved, error=error, group=len(gathered))
         finally:
-            self._stage(None)
+            self._roster.stage(None)
         for mean, tensor in zip(flat.split([t.numel() for t in tensors]), tensors):
             if not same_memory(mean.view_as(tensor), tensor):
                 tensor.copy_(mean.view_as(tensor))

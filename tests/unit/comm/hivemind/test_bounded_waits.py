@@ -42,16 +42,17 @@ class _StuckControl:
         self.cancelled = True
 
 
-def _group_round(*, others_gone=lambda: False) -> GroupRound:
-    """One worker's attempts at a round, with nothing else in the run."""
+def _group_round(*, others_gone: bool = False) -> GroupRound:
+    """One worker's attempts at a round, with nothing else in the run (``others_gone``: not even
+    the other workers it had)."""
     return GroupRound(
         CommConfig(deadline_s=1.0, hivemind=HivemindConfig(request_timeout_s=0.2)),
         codecs=CodecChoice(NoCompression()),
         own_id="us",
         plane=None,
-        stage=lambda stage: None,
-        others_averaged=lambda round_index: False,
-        others_gone=others_gone,
+        roster=SimpleNamespace(model="", stage=lambda stage: None),
+        offers=SimpleNamespace(averaged_in_a_group=lambda round_index: False),
+        others=SimpleNamespace(others_gone=lambda: others_gone, others_done=lambda fragment, round_index: False),
         control_s=0.2,
     )
 
@@ -70,7 +71,7 @@ def test_a_round_stops_looking_for_a_group_once_every_other_worker_has_left(monk
     monkeypatch.setattr(group_round, "_POLL_S", 0.1)  # looks at the others every 0.1 s, not every second
     control = _StuckControl(began_allreduce=False)
     with pytest.raises(TimeoutError, match="no other worker of the run is live"):
-        _group_round(others_gone=lambda: True).await_step(control, 0, limit=time.monotonic() + 30, fragment=0)
+        _group_round(others_gone=True).await_step(control, 0, limit=time.monotonic() + 30, fragment=0)
     assert control.cancelled
 
 
