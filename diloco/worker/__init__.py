@@ -1,8 +1,9 @@
 """One worker at run time: DiLoCo around a model and its loop, ``diloco train``'s own loop, and
 what a worker keeps and records.
 
-- ``wrapper.py``     ``diloco.DiLoCo``: around a model, its inner optimizer and any loop; at each
-                     round's end the average, the outer step, the record, the checkpoint
+- ``wrapper.py``     ``diloco.DiLoCo``: around a model, its inner optimizer and any loop
+- ``round_end.py``   its steps and rounds; at each round's end the average, the outer step, the
+                     evaluation, the record, the checkpoint; at the run's end the end record
 - ``run.py``         ``diloco.init()``: the run a process trains in (its config, its placement)
 - ``train.py``       ``diloco train``'s worker: its loop inside ``DiLoCo``, top to bottom
 - ``lm_task.py``     what ``diloco train`` trains: its corpus shard, its GPT or HF model, its optimizer

@@ -12,11 +12,12 @@ A hook on the inner optimizer's ``step`` counts inner steps (``hook=False``: the
 workers and takes the outer step (how rounds sync: sync_modes.py; the outer step: core/outer.py;
 after a failed or partial round: core/recovery.py), evaluates (``evaluate``, or ``batch_losses``:
 the workers holding the same params then split the held-out batches, core/shared_evaluation.py),
-writes its round record and checkpoints. Entering resumes from the worker's newest checkpoint (the model, the inner
-optimizer, ``state``'s objects and ours) and catches up with a live run rounds ahead; leaving ends
-the worker's run as ``diloco train`` ends one: a round left part-done is averaged with the others,
-then it waits for late peers and writes its end record (``dl.result``). An error inside the loop
-(or Ctrl-C) leaves at once: the worker tells the run it left, and its newest checkpoint stays.
+writes its round record and checkpoints (round_end.py). Entering resumes from the worker's
+newest checkpoint (the model, the inner optimizer, ``state``'s objects and ours) and catches up
+with a live run rounds ahead; leaving ends the worker's run as ``diloco train`` ends one: a round
+left part-done is averaged with the others, then it waits for late peers and writes its end record
+(``dl.result``). An error inside the loop (or Ctrl-C) leaves at once: the worker tells the run it
+left, and its newest checkpoint stays.
 
 ``diloco train`` is this wrapper's first user (train.py).
 """
@@ -24,7 +25,6 @@ then it waits for late peers and writes its end record (``dl.result``). An error
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,17 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from diloco.core.digest import tensors_digest
 from diloco.errors import UsageError
 from diloco.lifetime import sigterm_as_interrupt
 from diloco.worker.build import OWN_PARTS, Worker, build_worker
-from diloco.worker.faults import check_stop, slow_down
+from diloco.worker.faults import slow_down
 from diloco.worker.held_out import HeldOutLoss
 from diloco.worker.resume import Resume
+from diloco.worker.round_end import RoundEnds
 from diloco.worker.run import Run
-
-logger = logging.getLogger(__name__)
-
 
 # what a step record holds of its own: no figure of the loop's may take these names
 RECORD_FIELDS = ("event", "step", "round", "tokens_per_s", "time_s")
@@ -83,19 +80,14 @@ class DiLoCo:
         self.state = _checked_state(state or {})
         self.samples_per_step = samples_per_step or run.config.inner.batch_size
         self.tokens_per_step = tokens_per_step or self.samples_per_step
-        self.inner_steps = 0  # inner steps this worker has taken over the run (a resumed one: from its checkpoint)
-        self.round = 0  # rounds ended
-        self.params_digest: str | None = None  # the synced params' digest after the latest round
-        self.val_loss: float | None = None  # the held-out loss after the latest round
+        self._rounds = RoundEnds(run, self.held_out, samples_per_step=self.samples_per_step)
         self.result: dict | None = None  # the end record, once the context is left normally
         self._worker: Worker | None = None
         self._entered = False
-        self._samples_this_round = 0
         self._step_started = 0.0
         self._shapes: list[tuple[int, ...]] = []
         self._hooks: list = []
         self._sigterm = contextlib.ExitStack()  # SIGTERM as Ctrl-C inside the block
-        self._checkpointed = 0  # the round of the latest checkpoint this worker wrote, or started from
 
     # ---- the context -----------------------------------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -122,8 +114,7 @@ class DiLoCo:
         try:
             if self.on_ready is not None:
                 self.on_ready(worker.backend.membership.addresses)
-            self.inner_steps, self.round = worker.begin()  # resumed, or caught up with a run rounds ahead
-            self._checkpointed = self.round  # what it started from is on disk, or is not this worker's to write
+            self._rounds.begin_at(*worker.begin())  # resumed, or caught up with a run rounds ahead
             if self.hook:
                 self._hooks = self._register_hooks()
         except BaseException:
@@ -152,6 +143,26 @@ class DiLoCo:
         return False
 
     # ---- what the loop reads ---------------------------------------------------------------
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps this worker has taken over the run (a resumed one: from its checkpoint)."""
+        return self._rounds.inner_steps
+
+    @property
+    def round(self) -> int:
+        """Rounds ended."""
+        return self._rounds.round
+
+    @property
+    def params_digest(self) -> str | None:
+        """The synced params' digest after the latest round."""
+        return self._rounds.params_digest
+
+    @property
+    def val_loss(self) -> float | None:
+        """The held-out loss after the latest round."""
+        return self._rounds.val_loss
+
     @property
     def running(self) -> bool:
         """Whether the worker has inner steps left (``inner.steps``; with ``outer.round_s``, rounds)."""
@@ -201,8 +212,7 @@ class DiLoCo:
             )
         slow_down(cfg.faults, cfg.worker.index)  # faults.step_delay_s: as on a slower machine
         step_s = time.perf_counter() - self._step_started
-        self.inner_steps += 1
-        self._samples_this_round += self.samples_per_step
+        self._rounds.count_step()
         worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
         worker.sync.after_inner_step(self.inner_steps, step_s)  # overlapped: syncs start and land
         due = self.inner_steps % cfg.logging.log_every == 0 if record is None else record
@@ -225,84 +235,16 @@ class DiLoCo:
 
     # ---- rounds ----------------------------------------------------------------------------
     def _end_round(self, worker: Worker, *, last: bool = False) -> None:
-        """Average, take the outer step, evaluate, record and checkpoint (``last``: the worker's last round)."""
-        cfg = self.run.config
+        """The round's end (round_end.py), once the model's params are checked."""
         self._check_params()
-        worker.wait_for_checkpoint("round")  # the last checkpoint's global params and momentum are written
-        end = worker.sync.end_round(self.inner_steps, self.round, weight=self._samples_this_round)
-        self.inner_steps, self.round, self._samples_this_round = end.step, end.round_index + 1, 0
-        worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
-        worker.clock.start_round()
-        with worker.watchdog.phase("hashing"):
-            self.params_digest = tensors_digest(worker.sync.synced_params)
-        declared = worker.sync.declares_params and worker.placement.ranks == 1  # a site's ranks hold shards
-        if declared:
-            # a peer may be checking a state of this round
-            worker.backend.membership.declare_params(self.round, self.params_digest, peers=end.result.peers)
-        evaluated = None  # held-out batches this worker evaluated (where it counts them)
-        if self.held_out.given:
-            with worker.watchdog.phase("evaluating"):
-                self.val_loss, evaluated = self.held_out.after_round(
-                    worker.backend,
-                    end.result,
-                    declared=declared,
-                    worker=self.run.worker_index,
-                    round_done=self.round,
-                    digest=self.params_digest,
-                )
-        worker.log.round(
-            self.round,
-            self.inner_steps,
-            end.result,
-            comm_s=end.comm_s,
-            recovered=end.recovered,
-            val_loss=self.val_loss,
-            param_hash=self.params_digest,
-            phases_s=worker.watchdog.take_spent(),  # the previous round's checkpoint is in it
-            eval_batches=evaluated,
-        )
-        every = cfg.checkpoint.every_rounds
-        # (one that waited for the last one's cost is taken at the next round that finds it worth it)
-        due = every and (self.round % every == 0 or self.round - self._checkpointed >= every)
-        due = due and worker.checkpoints.worth_taking(cfg.checkpoint.max_share)
-        if every and (last or due or not worker.clock.running(self.inner_steps, self.round)):
-            worker.save_checkpoint(self.inner_steps, self.round)
-            self._checkpointed = self.round
-        check_stop(cfg.faults, cfg.worker.index, self.round)
+        self._rounds.end_round(worker, last=last)
 
     def _finish(self, worker: Worker) -> dict:
-        """The loop is over: a round left part-done is averaged with the others; then the worker
-        waits for late peers (``backend.finish``), its last checkpoint is written and its end
-        record returned."""
-        if self._samples_this_round:  # the loop stopped before inner.steps
-            if worker.sync.model_is_synced:
-                self._end_round(worker, last=True)
-            else:
-                logger.warning(
-                    "worker %d left at step %d, before inner.steps=%d: its overlapped averages in flight are dropped",
-                    self.run.worker_index,
-                    self.inner_steps,
-                    self.run.config.inner.steps,
-                )
-        if self.run.config.checkpoint.every_rounds and self._checkpointed < self.round:  # stopped at a round's end
-            worker.save_checkpoint(self.inner_steps, self.round)
-        worker.watchdog.enter("finishing")
-        worker.backend.finish()
-        with worker.watchdog.phase("checkpointing", then="finishing"):
-            worker.checkpoints.close()  # the last checkpoint, written while the others finished, is on disk
-        # the last round ran at the last step, on these very params: its evaluation is the final one
-        # (a run resumed after its end has no round left, so it evaluates here)
-        if self.val_loss is None and self.held_out.given:
-            self.val_loss, _ = self.held_out.whole()
-        synced = worker.sync.synced_params
-        return worker.log.end(
-            self.inner_steps,
-            self.round,
-            worker.totals,
-            val_loss=self.val_loss,
-            param_hash=tensors_digest(synced),
-            param_count=sum(p.numel() for p in synced),
-        )
+        """The loop is over: a round left part-done is averaged with the others where the model
+        holds the synced params; then the worker's run ends (round_end.py)."""
+        if self._rounds.samples_this_round and worker.sync.model_is_synced:  # stopped before inner.steps
+            self._end_round(worker, last=True)
+        return self._rounds.finish(worker)
 
     # ---- checks and hooks ------------------------------------------------------------------
     def _active(self, what: str) -> Worker:
