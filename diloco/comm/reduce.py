@@ -62,6 +62,19 @@ def average_payloads(
     (their sum runs in arrival order, so they agree with the simulator to rounding, not bit for bit).
     """
     verdicts = verdicts if verdicts is not None else Verdicts()
+    decoded, used = _decoded(codec, contributions, numels, verdicts, round_index)
+    decoded, used = _screened(decoded, used, rules, verdicts, round_index)
+    if not used:
+        return [], []
+    means = _means(codec, decoded, used, numels, round_index)
+    return (means, used) if means is not None else ([], [])
+
+
+def _decoded(
+    codec: Codec, contributions: Sequence[Contribution], numels: Sequence[int], verdicts: Verdicts, round_index: int
+) -> tuple[list[list[torch.Tensor]], list[Contribution]]:
+    """Each contribution's tensors decoded, and the contributions decoded; one with an invalid
+    payload or weight is left out (``verdicts`` told)."""
     decoded, used = [], []
     for contribution in contributions:
         try:
@@ -73,6 +86,18 @@ def average_payloads(
             used.append(contribution)
         except PayloadError as error:
             _left_out(verdicts, round_index, contribution, str(error))
+    return decoded, used
+
+
+def _screened(
+    decoded: list[list[torch.Tensor]],
+    used: list[Contribution],
+    rules: ScreeningRules,
+    verdicts: Verdicts,
+    round_index: int,
+) -> tuple[list[list[torch.Tensor]], list[Contribution]]:
+    """The decoded contributions kept by the screening of norms and weights (scaled and weighted as
+    it says) and then of direction; those left out and those clipped told to ``verdicts``."""
     screening = screen(
         {i: norm_of(values) for i, values in enumerate(decoded)}, rules, {i: c.weight for i, c in enumerate(used)}
     )
@@ -90,8 +115,19 @@ def average_payloads(
         _left_out(verdicts, round_index, used[i], reason)
     decoded = [values for i, values in enumerate(decoded) if i not in against]
     used = [c for i, c in enumerate(used) if i not in against]
-    if not used:
-        return [], []
+    return decoded, used
+
+
+def _means(
+    codec: Codec,
+    decoded: list[list[torch.Tensor]],
+    used: list[Contribution],
+    numels: Sequence[int],
+    round_index: int,
+) -> list[torch.Tensor] | None:
+    """The weighted means of ``used``'s ``decoded`` tensors, as ``codec`` restores them from the
+    compressed mean (a codec that gathers: its gathered mean, checked to be finite); None when a
+    mean is unusable."""
     total = sum(c.weight for c in used)
     means = []
     for k in range(len(numels)):
@@ -106,8 +142,8 @@ def average_payloads(
             means.append(codec.reply_codec.roundtrip(mean))
         except PayloadError as error:  # finite inputs can still overflow
             logger.warning("round %d: the average is unusable: %s", round_index + 1, error)
-            return [], []
-    return means, used
+            return None
+    return means
 
 
 def _left_out(verdicts: Verdicts, round_index: int, contribution: Contribution, reason: str) -> None:

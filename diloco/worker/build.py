@@ -192,14 +192,8 @@ def build_worker(
     # its params' names and shapes, which every worker's must match (a site's ranks hold shards)
     model_id = model_digest(model_shapes(model)) if placement.ranks == 1 else ""
 
-    # resume: rerunning the same command continues from the newest valid checkpoint
-    checkpoints = run_dir / "checkpoints"
-    resume = _resume(cfg, placement, trained, checkpoints)
-    state = resume.state
-    step, round_index = (state["step"], state["round"]) if state else (0, 0)
-    totals = Totals(**state["totals"]) if state else Totals()
-    if cfg.worker.index == 0:  # after the resume check: a mismatched config must not replace the run's
-        save_config(cfg, run_dir / "config.yaml")
+    resume = _resumed(cfg, placement, trained, run_dir)
+    step, round_index, totals = _start_of(resume.state)
 
     # a site's ranks connect through the site
     backend = placement.connect(cfg.comm, _transport_opener(cfg, trained, placement.device))
@@ -210,17 +204,13 @@ def build_worker(
         backend.membership.announce_run(published_run(cfg, model=model_id))
         log = _worker_log(cfg, placement, run_dir, tokens_per_step=tokens_per_step, wall_s_before=totals.wall_s)
         undo.callback(log.close)
-        watchdog = Watchdog(
-            phase_bounds(cfg.comm.deadline_s, cfg.comm.hivemind.matchmaking_s),
-            stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
-            on_phase=backend.membership.report_phase,
-        )
+        watchdog = _watchdog(cfg, run_dir, backend)
         undo.callback(watchdog.stop)
         accounting = Accounting(totals, log)
         sync = _sync_mode(
             cfg, trained, backend, accounting, watchdog, samples_per_step=samples_per_step, join=join, model_id=model_id
         )
-        sync.load_state_dict(state.get("overlap") if state is not None else None)
+        sync.load_state_dict(resume.state.get("overlap") if resume.state is not None else None)
         worker = Worker(
             cfg=cfg,
             placement=placement,
@@ -231,7 +221,7 @@ def build_worker(
             clock=_round_clock(cfg),
             sync=sync,
             average_gradients=placement.site_gradient_hook(model) or sync.average_gradients,
-            checkpoints=CheckpointWriter(checkpoints, cfg.worker.index, keep=cfg.checkpoint.keep),
+            checkpoints=CheckpointWriter(run_dir / "checkpoints", cfg.worker.index, keep=cfg.checkpoint.keep),
             start_step=step,
             start_round=round_index,
             totals=totals,
@@ -253,6 +243,32 @@ def _around(
     error_feedback = ErrorFeedback(codec, enabled=cfg.compression.error_feedback, decay=cfg.compression.error_decay)
     outer = OuterStep(synced_params, cfg.outer, error_feedback=error_feedback)
     return Trained(model, inner_optimizer, error_feedback, outer, extra)
+
+
+def _resumed(cfg: Config, placement: Placement, trained: Trained, run_dir: Path) -> Resume:
+    """What the worker resumes from: rerunning the same command continues from the newest valid
+    checkpoint in ``run_dir`` (``_resume``). Worker 0 then saves the run's config (after the resume
+    check: a mismatched config must not replace the run's)."""
+    resume = _resume(cfg, placement, trained, run_dir / "checkpoints")
+    if cfg.worker.index == 0:
+        save_config(cfg, run_dir / "config.yaml")
+    return resume
+
+
+def _start_of(state: dict | None) -> tuple[int, int, Totals]:
+    """The step, round and totals the worker starts from: those of the resumed ``state``, or none yet."""
+    step, round_index = (state["step"], state["round"]) if state else (0, 0)
+    return step, round_index, Totals(**state["totals"]) if state else Totals()
+
+
+def _watchdog(cfg: Config, run_dir: Path, backend: CommBackend) -> Watchdog:
+    """The worker's watchdog: its phases bounded by the run's deadlines, each told to the run
+    (``diloco status``), thread stacks written in ``run_dir`` when a phase passes its bound."""
+    return Watchdog(
+        phase_bounds(cfg.comm.deadline_s, cfg.comm.hivemind.matchmaking_s),
+        stacks_path=run_dir / f"stacks-worker-{cfg.worker.index}.txt",
+        on_phase=backend.membership.report_phase,
+    )
 
 
 def _resume(cfg: Config, placement: Placement, trained: Trained, checkpoints: Path) -> Resume:

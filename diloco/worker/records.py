@@ -181,22 +181,7 @@ class WorkerLog:
             record["phases_s"] = {name: round(seconds, 4) for name, seconds in phases_s.items()}
         if eval_batches is not None:  # the held-out batches this worker evaluated itself (shared: its share)
             record["eval_batches"] = eval_batches
-        if result.error:
-            record["error"] = result.error
-        if result.codec:  # compression.name=adaptive: the codec the round's peers agreed on
-            record["codec"] = result.codec
-        if result.averaged and result.peers < result.expected:  # fewer than the live workers the round waited for
-            record["expected"] = result.expected
-        if result.missing:  # workers gone without leaving: crashed, or cut off (a split run)
-            record["missing"] = list(result.missing)
-        if result.sides:  # the group held several models (a split run met again): workers of each, ours first
-            record["sides"] = list(result.sides)
-        if result.excluded:  # workers left out of every mean now (comm.exclude_after)
-            record["excluded"] = list(result.excluded)
-        if (
-            result.outcome is Outcome.POSTPONED
-        ):  # nobody could reduce: no outer step; the steps count toward the next round
-            record["postponed"] = True
+        record.update(_outcome_fields(result))
         self._emit(record, step)
         self.live = {**self.live, "val_loss": None if val_loss is None else round(val_loss, 4), "peers": result.peers}
         self.live["excluded"] = list(result.excluded)  # for diloco status (empty again once none is)
@@ -263,3 +248,23 @@ def peak_gpu_bytes() -> int:
 def totals_state(totals: Totals, log: WorkerLog) -> dict:
     """Totals as saved in a checkpoint (with the wall time so far)."""
     return {**asdict(totals), "wall_s": log.elapsed_s()}
+
+
+def _outcome_fields(result: SyncResult) -> dict:
+    """What a round record says of ``result`` beyond its figures, where there is something to say."""
+    fields: dict = {}
+    if result.error:
+        fields["error"] = result.error
+    if result.codec:  # compression.name=adaptive: the codec the round's peers agreed on
+        fields["codec"] = result.codec
+    if result.averaged and result.peers < result.expected:  # fewer than the live workers the round waited for
+        fields["expected"] = result.expected
+    if result.missing:  # workers gone without leaving: crashed, or cut off (a split run)
+        fields["missing"] = list(result.missing)
+    if result.sides:  # the group held several models (a split run met again): workers of each, ours first
+        fields["sides"] = list(result.sides)
+    if result.excluded:  # workers left out of every mean now (comm.exclude_after)
+        fields["excluded"] = list(result.excluded)
+    if result.outcome is Outcome.POSTPONED:  # nobody could reduce: no outer step; the steps count toward the next round
+        fields["postponed"] = True
+    return fields
