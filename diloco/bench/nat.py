@@ -64,6 +64,44 @@ def arms_of(nat_counts: list[int], helper_counts: list[int], workers: int) -> li
     return [(n, h) for n in nat_counts for h in helper_counts if n < workers or h > 0]
 
 
+def _launch(
+    cfg,
+    overrides: list[str],
+    run_dir: Path,
+    *,
+    workers: int,
+    helpers: int,
+    nat: list[int],
+    rate: float,
+    helper_rate: float | None,
+) -> int:
+    """The run of ``cfg`` launched in a fresh testbed, workers ``nat`` behind NAT, the helpers' links
+    of ``helper_rate`` (default ``rate``), the launcher's output in ``run_dir``; its exit code."""
+    from diloco.tools.launcher import run_local
+    from diloco.tools.testbed import Testbed
+
+    with (
+        Testbed(workers + helpers, up_mbit=rate, down_mbit=rate, nat=nat) as testbed,
+        open(run_dir / "launcher.log", "w") as log,
+        contextlib.redirect_stdout(log),
+    ):
+        helper_mbit = rate if helper_rate is None else helper_rate
+        for helper in range(workers, workers + helpers):
+            testbed.set_rate(helper, up_mbit=helper_mbit, down_mbit=helper_mbit)
+        # each peer declares its link's rate: hivemind sizes the parts each reduces by it
+        declared = [f"comm.bandwidth_mbps={rate:g}"] if helper_rate is not None else []
+        helper_declared = (f"comm.bandwidth_mbps={helper_rate:g}",) if helper_rate is not None else ()
+        return run_local(
+            cfg,
+            None,
+            [*overrides, *declared],
+            workers=workers,
+            helpers=helpers,
+            helper_overrides=helper_declared,
+            testbed=testbed,
+        )
+
+
 def run_arm(
     behind_nat: int,
     *,
@@ -77,8 +115,6 @@ def run_arm(
     """One run of ``workers`` with the last ``behind_nat`` workers behind NAT and ``helpers``
     helpers beside them, on links of ``helper_rate`` (default ``rate``); the row of the table."""
     from diloco.config import load_config
-    from diloco.tools.launcher import run_local
-    from diloco.tools.testbed import Testbed
 
     arm = f"{behind_nat}-of-{workers}" + (f"-h{helpers}" if helpers else "")
     run_dir = out / f"nat-{arm}"
@@ -86,26 +122,9 @@ def run_arm(
     cfg = load_config(None, [*overrides, f"worker.count={workers}"])
     run_dir.mkdir(parents=True, exist_ok=True)
     nat = list(range(workers - behind_nat, workers))
-    with (
-        Testbed(workers + helpers, up_mbit=rate, down_mbit=rate, nat=nat) as testbed,
-        open(run_dir / "launcher.log", "w") as log,
-        contextlib.redirect_stdout(log),
-    ):
-        helper_mbit = rate if helper_rate is None else helper_rate
-        for helper in range(workers, workers + helpers):
-            testbed.set_rate(helper, up_mbit=helper_mbit, down_mbit=helper_mbit)
-        # each peer declares its link's rate: hivemind sizes the parts each reduces by it
-        declared = [f"comm.bandwidth_mbps={rate:g}"] if helper_rate is not None else []
-        helper_declared = (f"comm.bandwidth_mbps={helper_rate:g}",) if helper_rate is not None else ()
-        code = run_local(
-            cfg,
-            None,
-            [*overrides, *declared],
-            workers=workers,
-            helpers=helpers,
-            helper_overrides=helper_declared,
-            testbed=testbed,
-        )
+    code = _launch(
+        cfg, overrides, run_dir, workers=workers, helpers=helpers, nat=nat, rate=rate, helper_rate=helper_rate
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [
         [json.loads(line) for line in (run_dir / f"worker-{w}.jsonl").read_text().splitlines()] for w in range(workers)

@@ -89,6 +89,30 @@ def _codecs_used(run_dir: Path) -> list[str]:
     return [r["codec"] for r in records if r.get("event") == "round" and r.get("codec")]
 
 
+def _train_in_testbed(
+    cfg, overrides: list[str], run_dir: Path, *, rate: float, steps: int, drop_to: float | None
+) -> int:
+    """The run of ``cfg`` launched in a fresh testbed of ``rate`` Mbit/s links (slowed to ``drop_to``
+    halfway through its rounds, if given), the launcher's output in ``run_dir``; its exit code."""
+    from diloco.tools.launcher import run_local
+    from diloco.tools.testbed import Testbed
+
+    with (
+        Testbed(WORKERS, up_mbit=rate, down_mbit=rate) as testbed,
+        open(run_dir / "launcher.log", "w") as log,
+        contextlib.redirect_stdout(log),
+    ):
+        stop = threading.Event()
+        if drop_to is not None:
+            records, halfway = run_dir / "worker-0.jsonl", max(1, steps // SYNC_EVERY // 2)
+            args = (testbed, records, halfway, drop_to, stop)
+            threading.Thread(target=_drop_rate_after, args=args, daemon=True).start()
+        try:
+            return run_local(cfg, None, overrides, workers=WORKERS, testbed=testbed)
+        finally:
+            stop.set()
+
+
 def run_training(
     data: str,
     steps: int,
@@ -103,8 +127,6 @@ def run_training(
     """One 4-worker run in a fresh testbed; returns the row of the table. With ``drop_to`` the
     links slow from ``rate`` to it halfway through the run's rounds."""
     from diloco.config import load_config
-    from diloco.tools.launcher import run_local
-    from diloco.tools.testbed import Testbed
 
     link = _link_name(rate, drop_to)
     run_dir = out / f"train-{link}mbit-{codec}-{overlap}"
@@ -113,20 +135,7 @@ def run_training(
     run_dir.mkdir(parents=True, exist_ok=True)
     summary, code = finished_summary(cfg), 0  # a rerun into the same --out reuses finished runs
     if summary is None:
-        with (
-            Testbed(WORKERS, up_mbit=rate, down_mbit=rate) as testbed,
-            open(run_dir / "launcher.log", "w") as log,
-            contextlib.redirect_stdout(log),
-        ):
-            stop = threading.Event()
-            if drop_to is not None:
-                records, halfway = run_dir / "worker-0.jsonl", max(1, steps // SYNC_EVERY // 2)
-                args = (testbed, records, halfway, drop_to, stop)
-                threading.Thread(target=_drop_rate_after, args=args, daemon=True).start()
-            try:
-                code = run_local(cfg, None, overrides, workers=WORKERS, testbed=testbed)
-            finally:
-                stop.set()
+        code = _train_in_testbed(cfg, overrides, run_dir, rate=rate, steps=steps, drop_to=drop_to)
         summary = json.loads((run_dir / "summary.json").read_text())
     rounds = max(1, summary["rounds"])
     compute_per_round = summary["compute_s"] / rounds
@@ -252,6 +261,62 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _save(results: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+
+
+def _training_part(
+    data: str | None,
+    steps: int,
+    rates: list[float],
+    drops: list[tuple[float, float]],
+    codecs: list[str],
+    overlaps: list[str],
+    adaptive: list[str],
+    out: Path,
+    results: dict,
+) -> None:
+    """The training runs, one per link, codec and overlap, each row into ``results`` (saved after
+    each); then the plot and the table."""
+    from diloco.compression import ADAPTIVE
+
+    data_path = default_data(data)
+    print(f"training: {WORKERS} workers, H={SYNC_EVERY}, {steps} inner steps, data {data_path or 'embedded'}")
+    links = [(rate, None) for rate in rates] + list(drops)
+    for rate, drop_to in links:
+        for codec in codecs:
+            for overlap in overlaps:
+                row = run_training(data_path, steps, rate, codec, overlap, out, drop_to=drop_to, adaptive=adaptive)
+                results["training"].append(row)
+                _with_loss_ratios(results["training"])
+                _save(results, out)
+                used = f", codecs {','.join(row['codecs_used'])}" if codec == ADAPTIVE else ""
+                print(
+                    f"  {row['link']} {codec} {overlap}: utilization {row['compute_utilization']:.3f} "
+                    f"(bound {row['bound']:.3f}), val {row['final_val_loss']:.4f}{used}",
+                    flush=True,
+                )
+    _plot(results["training"], out / "utilization.png")
+    print(_training_table(results["training"]))
+    for row in results["training"]:
+        if row["codecs_used"]:
+            used = ", ".join(row["codecs_used"])
+            print(f"{row['link']} {row['codec']} {row['overlap']}: the rounds' codecs {used}")
+
+
+def _allreduce_part(
+    peers: list[int], allreduce_rate: float, payload_mb: float, rounds: int, out: Path, results: dict
+) -> None:
+    """The all-reduce runs, one per group size, each row into ``results`` (saved after each); then the table."""
+    print(f"all-reduce: {payload_mb:g} MB fp32 at {allreduce_rate:g} Mbit/s, {rounds} rounds (first is warm-up)")
+    for count in peers:
+        row = run_allreduce(count, allreduce_rate, payload_mb, rounds, out)
+        results["allreduce"].append(row)
+        _save(results, out)
+        print(f"  {count} peers: efficiency {row['efficiency']:.3f}", flush=True)
+    print(_allreduce_table(results["allreduce"]))
+
+
 def run_utilization_benchmark(
     *,
     data: str | None,
@@ -291,40 +356,10 @@ def run_utilization_benchmark(
     if adaptive_codecs:
         adaptive.append(f"compression.adaptive_codecs=[{','.join(adaptive_codecs)}]")
 
-    def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
-
     if "training" in parts:
-        data_path = default_data(data)
-        print(f"training: {WORKERS} workers, H={SYNC_EVERY}, {steps} inner steps, data {data_path or 'embedded'}")
-        links = [(rate, None) for rate in rates] + list(drops)
-        for rate, drop_to in links:
-            for codec in codecs:
-                for overlap in overlaps:
-                    row = run_training(data_path, steps, rate, codec, overlap, out, drop_to=drop_to, adaptive=adaptive)
-                    results["training"].append(row)
-                    _with_loss_ratios(results["training"])
-                    save()
-                    used = f", codecs {','.join(row['codecs_used'])}" if codec == ADAPTIVE else ""
-                    print(
-                        f"  {row['link']} {codec} {overlap}: utilization {row['compute_utilization']:.3f} "
-                        f"(bound {row['bound']:.3f}), val {row['final_val_loss']:.4f}{used}",
-                        flush=True,
-                    )
-        _plot(results["training"], out / "utilization.png")
-        print(_training_table(results["training"]))
-        for row in results["training"]:
-            if row["codecs_used"]:
-                used = ", ".join(row["codecs_used"])
-                print(f"{row['link']} {row['codec']} {row['overlap']}: the rounds' codecs {used}")
+        _training_part(data, steps, rates, drops, codecs, overlaps, adaptive, out, results)
     if "allreduce" in parts:
-        print(f"all-reduce: {payload_mb:g} MB fp32 at {allreduce_rate:g} Mbit/s, {rounds} rounds (first is warm-up)")
-        for count in peers:
-            row = run_allreduce(count, allreduce_rate, payload_mb, rounds, out)
-            results["allreduce"].append(row)
-            save()
-            print(f"  {count} peers: efficiency {row['efficiency']:.3f}", flush=True)
-        print(_allreduce_table(results["allreduce"]))
+        _allreduce_part(peers, allreduce_rate, payload_mb, rounds, out, results)
     print(f"wrote {out / 'results.json'}" + (f" and {out / 'utilization.png'}" if "training" in parts else ""))
     return 0
 

@@ -204,10 +204,7 @@ def run_local(
         print(f"bootstrap peer: {peers[0]}")
         where = f"each in its network namespace, links {testbed.describe()}" if testbed else "on loopback"
         print(f"run directory:  {run_dir}   ({workers} workers {where}, {threads} threads each)")
-        log_paths = [run_dir / f"worker-{i}.log" for i in range(workers)]
-        log_offsets = [path.stat().st_size if path.exists() else 0 for path in log_paths]  # earlier runs'
-        for i in range(workers):
-            mark_start(run_dir, i)  # this launch's records follow; a worker that writes none failed
+        log_paths, log_offsets = _launch_marked(run_dir, workers)
         progress = _Progress(run_dir, workers)
         for i in range(workers):
             log = log_paths[i].open("ab")
@@ -215,11 +212,8 @@ def run_local(
             place = worker_overrides(overrides, i, workers, run_dir, peers, threads)
             command, env = worker_process(config_path, place, script)
             children.append(start_child(command, log, testbed=testbed, slot=i, env=env))
-        for i in range(workers, workers + helpers):
-            log = (run_dir / f"helper-{i - workers}.log").open("ab")
-            logs.append(log)
-            command = _helper_command(config_path, [*overrides, *helper_overrides], peers)
-            helper_children.append(start_child(command, log, testbed=testbed, slot=i))
+        command = _helper_command(config_path, [*overrides, *helper_overrides], peers)
+        _start_helpers(command, run_dir, range(workers, workers + helpers), testbed, logs=logs, into=helper_children)
         _watch(progress, cfg.inner.steps, lambda: [_state(child) for child in children])
         helper_codes = [helper.poll() for helper in helper_children]  # None: still serving, as it should
     except KeyboardInterrupt:
@@ -232,7 +226,35 @@ def run_local(
         for log in logs:
             log.close()
         stop_all([bootstrap])
+    return _ended(cfg, children, helper_codes, log_paths, log_offsets)
 
+
+def _launch_marked(run_dir: Path, workers: int) -> tuple[list[Path], list[int]]:
+    """Each worker's log, and where this launch's lines start in it (earlier runs' come before);
+    each worker's records marked where this launch's follow (a worker that writes none failed)."""
+    log_paths = [run_dir / f"worker-{i}.log" for i in range(workers)]
+    log_offsets = [path.stat().st_size if path.exists() else 0 for path in log_paths]  # earlier runs'
+    for i in range(workers):
+        mark_start(run_dir, i)  # this launch's records follow; a worker that writes none failed
+    return log_paths, log_offsets
+
+
+def _start_helpers(
+    command: list[str], run_dir: Path, slots: range, testbed: Testbed | None, *, logs: list, into: list[Child]
+) -> None:
+    """A helper started with ``command`` in each of ``slots`` (after the workers'), each logging to
+    its own file; its log goes into ``logs`` and it into ``into`` as it starts, for the caller to close."""
+    for i in slots:
+        log = (run_dir / f"helper-{i - slots.start}.log").open("ab")
+        logs.append(log)
+        into.append(start_child(command, log, testbed=testbed, slot=i))
+
+
+def _ended(
+    cfg: Config, children: list[Child], helper_codes: list[int | None], log_paths: list[Path], log_offsets: list[int]
+) -> int:
+    """The launch's exit code once its children stopped: each failed worker's failure read from
+    its log since ``log_offsets``, each failed helper said on stderr."""
     failures = {
         i: failure_of_process(i, child.returncode, log_paths[i], log_offsets[i])
         for i, child in enumerate(children)
@@ -240,7 +262,7 @@ def run_local(
     }
     for i, code in enumerate(helper_codes):
         if code not in (None, 0):
-            print(f"helper {i} failed (exit code {code}); see {run_dir / f'helper-{i}.log'}", file=sys.stderr)
+            print(f"helper {i} failed (exit code {code}); see {cfg.run_dir / f'helper-{i}.log'}", file=sys.stderr)
     return _report(cfg, failures, exited={i for i, child in enumerate(children) if child.returncode == 0})
 
 

@@ -15,7 +15,7 @@ With a run key (``run_key.py``) only key holders can write the run's DHT records
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -73,36 +73,17 @@ class HivemindBackend(CommBackend):
         averagers, flats = [], []
         self._uploader = None
         try:  # should a part not start, what started is stopped again
-            for fragment, indices in enumerate(fragments):
-                flat, views = flat_views([templates[i] for i in indices])
+            started = _started_averagers(cfg, peer, templates, fragments, codec, num_workers, state_dir=state_dir)
+            for flat, averager in started:
                 flats.append(flat)
-                averagers.append(
-                    start_averager(
-                        cfg,
-                        peer,
-                        views,
-                        codec=codec,
-                        fragment=fragment,
-                        num_workers=num_workers,
-                        state_dir=state_dir,
-                    )
-                )
+                averagers.append(averager)
             roster.start()
             membership = HivemindMembership(roster, peer, num_workers=num_workers)
             helpers = RunHelpers(peer.call, cfg.run_id)  # who joins each round's group to reduce
             offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
             wants = StateWants(peer.call, cfg.run_id, str(peer.peer_id)) if peer.client_mode else None
             # the first fragment's averager also serves the worker's state
-            states = HivemindStateExchange(
-                server=averagers[0],
-                offers=offers,
-                roster=roster,
-                num_workers=num_workers,
-                client_mode=peer.client_mode,
-                linger_s=cfg.hivemind.matchmaking_s,
-                wants=wants,
-                helpers=helpers,
-            )
+            states = _state_exchange(cfg, peer, roster, averagers[0], offers, wants, helpers, num_workers=num_workers)
             self._uploader = _start_uploader(cfg, peer, roster, wants, offers, states) if wants else None
             averaging = HivemindAveraging(
                 cfg,
@@ -136,6 +117,52 @@ class HivemindBackend(CommBackend):
             return
         self._closed = True
         _shut_down(self._roster, self.averaging.plane, self.averaging.averagers, self.peer, self._uploader)
+
+
+def _started_averagers(
+    cfg: CommConfig,
+    peer: Peer,
+    templates: Sequence[torch.Tensor],
+    fragments: list[list[int]],
+    codec: Codec,
+    num_workers: int,
+    *,
+    state_dir: Path | None,
+) -> Iterator[tuple[torch.Tensor, object]]:
+    """Each fragment's flat buffer and its averager, started one after the other (should one not
+    start, the caller stops those started before it)."""
+    for fragment, indices in enumerate(fragments):
+        flat, views = flat_views([templates[i] for i in indices])
+        yield (
+            flat,
+            start_averager(
+                cfg, peer, views, codec=codec, fragment=fragment, num_workers=num_workers, state_dir=state_dir
+            ),
+        )
+
+
+def _state_exchange(
+    cfg: CommConfig,
+    peer: Peer,
+    roster: Roster,
+    server,
+    offers: StateOffers,
+    wants: StateWants | None,
+    helpers: RunHelpers,
+    *,
+    num_workers: int,
+) -> HivemindStateExchange:
+    """The worker's state offered to peers and taken from them; ``server``: the averager that serves it."""
+    return HivemindStateExchange(
+        server=server,
+        offers=offers,
+        roster=roster,
+        num_workers=num_workers,
+        client_mode=peer.client_mode,
+        linger_s=cfg.hivemind.matchmaking_s,
+        wants=wants,
+        helpers=helpers,
+    )
 
 
 def _start_uploader(
