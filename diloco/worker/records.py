@@ -167,6 +167,7 @@ class WorkerLog:
             "step": step,
             "val_loss": val_loss,
             "peers": result.peers,
+            "outcome": result.outcome.value,  # what the round produced (comm/round_result.py)
             "ok": result.ok,
             "partial": result.outcome is Outcome.PARTIAL,
             "recovered": recovered,

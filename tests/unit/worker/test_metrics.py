@@ -174,7 +174,7 @@ def test_offline_wandb_run_writes_files(tmp_path, monkeypatch):
     assert b"step/note" not in data
 
 
-def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_models_did(tmp_path):
+def test_a_round_record_says_its_outcome_which_workers_were_missing_and_what_a_group_of_two_models_did(tmp_path):
     from diloco.comm.base import Outcome, SyncResult
     from diloco.worker.records import WorkerLog
 
@@ -197,6 +197,7 @@ def test_a_round_record_says_which_workers_were_missing_and_what_a_group_of_two_
     assert rounds[0]["missing"] == [2, 3] and "expected" not in rounds[0]
     assert rounds[1]["expected"] == 4 and "missing" not in rounds[1]
     assert rounds[2]["sides"] == [2, 2] and "expected" not in rounds[2]
+    assert [r["outcome"] for r in rounds] == ["averaged", "averaged", "split"]  # what each round produced
     assert "params" not in log.live  # figures to show: the params are declared apart (Membership.declare_params)
 
 
