@@ -6,6 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# the version of what workers exchange (their records, the rounds' messages): a worker announces it
+# with its run (``LiveWorker.run``), and one of another version is refused before it joins, since
+# the two would not read each other's records (a run upgrades all its workers together)
+PROTOCOL = 2
+PROTOCOL_KEY = "diloco.protocol"
+
 
 @dataclass(frozen=True)
 class LiveWorker:

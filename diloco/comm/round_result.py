@@ -92,11 +92,12 @@ class SyncResult:
 
 def agreed_outcome(own: Outcome, outcomes: Sequence[Outcome]) -> Outcome:
     """The outcome of a round made of several averages that one worker takes together (a site's
-    ranks, each averaging its shard): ``own`` where every one was whole; PARTIAL where each holds
-    its group's common mean but some did not average whole; else FAILED (or ``own`` where it is
-    already a round without a mean: dropped or postponed)."""
+    ranks, each averaging its shard): where every one was whole, CUT_OFF if any was (so that every
+    rank ranks its state alike), else ``own``; PARTIAL where each holds its group's common mean but
+    some did not average whole; else FAILED (or ``own`` where it is already a round without a mean:
+    dropped or postponed)."""
     if all(outcome.whole for outcome in outcomes):
-        return own
+        return Outcome.CUT_OFF if Outcome.CUT_OFF in outcomes else own
     if all(outcome.averaged for outcome in outcomes):
         return Outcome.PARTIAL
     return Outcome.FAILED if own.averaged else own

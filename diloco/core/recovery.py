@@ -5,8 +5,8 @@ a smaller group than expected (hivemind's matchmaking can split a round), the wo
 state to its peers and takes the state of one that ranks higher, so that it ends with the
 others' params instead of drifting. ``Recovery`` holds that protocol for every case:
 
-    after_round       after a blocking round (worker/sync_modes.py): may take the state of a later
-                      round, and says which, so that the worker skips to it (worker/sync_modes.py)
+    after_round       after a blocking round's outer step (``BlockingRounds`` in worker/sync_modes.py):
+                      may take the state of a later round, and says which, so that the worker skips to it
     after_average     after an overlapped average of one fragment (core/overlap.py): the same, of
                       that round only (the schedule of averages in flight cannot skip rounds)
     note_average      after an overlapped average of one of several fragments: a peer's state would
@@ -31,7 +31,8 @@ which ``next_standing`` moves:
     NONE_BETTER    a mean (AVERAGED, SPLIT, PARTIAL, ..) SYNCED, DRIFTED    SYNCED (a split round's winner)
     NONE_BETTER    a mean                                UNSYNCED           UNSYNCED
     NONE_BETTER    no mean (FAILED, DROPPED)             any                UNSYNCED
-    SOLE_SOURCE    no mean, and a group formed without   any                UNSYNCED
+    SOLE_SOURCE    no mean, while a group of several     any                UNSYNCED
+                   formed for the round
     SOLE_SOURCE    any other                             any                SYNCED (the others take ours)
     (note_average) no mean, or CUT_OFF, of a fragment    SYNCED             DRIFTED
 
@@ -102,8 +103,9 @@ class Finding(enum.Enum):
     SOLE_SOURCE = "sole source"  # none was served, and no other live worker serves states: they take ours
 
 
-def next_standing(standing: Standing, outcome: RoundOutcome, finding: Finding) -> Standing:
-    """The standing after a round (the table in this module's docstring)."""
+def next_standing(standing: Standing, outcome: RoundOutcome | None, finding: Finding) -> Standing:
+    """The standing after a round (the table in this module's docstring); ``outcome`` may be None
+    only where a state was taken (``Finding.TOOK_STATE``: before the first round, say)."""
     if finding is Finding.TOOK_STATE:
         return Standing.SYNCED
     if finding in (Finding.RUN_OF_ONE, Finding.NONE_OUTSIDE):
@@ -113,7 +115,12 @@ def next_standing(standing: Standing, outcome: RoundOutcome, finding: Finding) -
     if finding is Finding.NONE_BETTER:  # a winner of a split round stays; a failed or unsynced one cannot tell
         return Standing.SYNCED if outcome.averaged and standing is not Standing.UNSYNCED else Standing.UNSYNCED
     # SOLE_SOURCE: the others take our state, so ours is the run's, unless a group averaged without us
-    return Standing.UNSYNCED if outcome.grouped and not outcome.averaged else Standing.SYNCED
+    return Standing.UNSYNCED if _averaged_without_us(outcome) else Standing.SYNCED
+
+
+def _averaged_without_us(outcome: RoundOutcome) -> bool:
+    """A group of several formed for the round, and this worker holds no mean of it."""
+    return outcome.grouped and not outcome.averaged
 
 
 @dataclass(frozen=True)
@@ -281,7 +288,9 @@ class Recovery:
             )
             return found.round
         finding = Finding.NONE_BETTER
-        if (demoted or not outcome.averaged) and self.states.sole_state_source():
+        # behind, or without a mean, but not when a group averaged without us (the others moved on
+        # apart whoever serves states: the table's answer is UNSYNCED, and the roster is not read)
+        if (demoted or not outcome.averaged) and not _averaged_without_us(outcome) and self.states.sole_state_source():
             finding = Finding.SOLE_SOURCE
         self.standing = next_standing(self.standing, outcome, finding)
         if demoted and self.standing is Standing.SYNCED:  # offered as unsynced a moment ago: again as what it is
@@ -350,7 +359,7 @@ class Recovery:
 
     def _load(self, found: PeerState) -> None:
         self.state.load_state_dict(found.state)
-        self.standing = Standing.SYNCED  # ``Finding.TOOK_STATE``
+        self.standing = next_standing(self.standing, None, Finding.TOOK_STATE)
         self.averaged_with_others = False
 
     def state_dict(self) -> dict:

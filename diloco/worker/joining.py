@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from diloco.comm.base import CommError, Membership
-from diloco.comm.members import LiveWorker, nobody_answered
+from diloco.comm.members import PROTOCOL, PROTOCOL_KEY, LiveWorker, nobody_answered
 from diloco.config import Config, ConfigError, to_dict
 from diloco.core.recovery import Recovery
 
@@ -92,7 +92,7 @@ def published_run(cfg: Config, *, model: str = "") -> dict:
     must share (``run_identity``, and ``model``: its model's ``model_digest``), the shared config
     and its digest."""
     tree = shared_config(cfg)
-    identity = {**run_identity(cfg), **({MODEL_KEY: model} if model else {})}
+    identity = {**run_identity(cfg), PROTOCOL_KEY: PROTOCOL, **({MODEL_KEY: model} if model else {})}
     return {**identity, "config": tree, "config_sha256": config_digest(tree)}
 
 
@@ -125,6 +125,12 @@ def check_same_run(cfg: Config, others: dict[int, LiveWorker], *, model: str = "
     mine = run_identity(cfg)
     for entry in others.values():
         theirs = entry.run
+        if theirs and theirs.get(PROTOCOL_KEY) != PROTOCOL:  # a worker that announced its run, of another release
+            raise ConfigError(
+                f"run {cfg.comm.run_id!r} runs another version of diloco's protocol "
+                f"({theirs.get(PROTOCOL_KEY, 'an older one')} there, {PROTOCOL} here): "
+                f"install the diloco release the run's workers run"
+            )
         if model and theirs.get(MODEL_KEY, model) != model:
             raise ConfigError(
                 f"this worker's model differs from that of run {cfg.comm.run_id!r} (its params' names or shapes): "

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from diloco.comm.base import Membership, PeerState, StateExchange, StateRank
-from diloco.comm.members import LiveWorker
+from diloco.comm.members import PROTOCOL, PROTOCOL_KEY, LiveWorker
 from diloco.config import ConfigError, load_config
 from diloco.core.recovery import Recovery
-from diloco.worker.joining import catch_up_with_run, model_digest, run_identity
+from diloco.worker.joining import catch_up_with_run, model_digest, published_run
 
 
 class _Outer:
@@ -61,10 +61,10 @@ def test_a_restart_that_finds_the_runs_final_state_has_nothing_left_to_train():
 def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_before_any_download():
     cfg = load_config(None, ["worker.count=3", "worker.index=2", "model.n_embd=64"])
     backend, outer = _Transport(round=5, step=110, served=4), _Outer()
-    run = run_identity(load_config(None, ["model.n_embd=128"]))
+    run = published_run(load_config(None, ["model.n_embd=128"]))
     backend.others = {i: LiveWorker(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError) as error:
-        catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True)
+        catch_up_with_run(Recovery(outer, backend, backend), backend, 0, 0, cfg=cfg, required=True, align_step=True)
     assert str(error.value) == (
         "this worker's config differs from that of run 'diloco': model.n_embd=64 here, 128 in the run; "
         "join with the run's settings (its config.yaml)"
@@ -75,7 +75,6 @@ def test_a_newcomer_whose_model_differs_from_the_runs_is_stopped_in_one_line_bef
 def test_a_worker_whose_own_model_differs_from_the_runs_is_stopped_in_one_line_before_any_download():
     from torch import nn
 
-    from diloco.worker.joining import published_run
     from diloco.worker.resume import model_shapes
 
     def digest(width: int) -> str:
@@ -86,17 +85,35 @@ def test_a_worker_whose_own_model_differs_from_the_runs_is_stopped_in_one_line_b
     run = published_run(cfg, model=digest(8))
     backend.others = {i: LiveWorker(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError, match="this worker's model differs from that of run 'diloco'.*same model"):
-        catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True, model=digest(16))
+        catch_up_with_run(
+            Recovery(outer, backend, backend), backend, 0, 0, cfg=cfg, required=True, align_step=True, model=digest(16)
+        )
     assert outer.loaded is None  # nothing was downloaded
 
 
 def test_a_worker_that_would_screen_by_other_rules_than_the_run_is_stopped_in_one_line():
     cfg = load_config(None, ["worker.count=3", "worker.index=2"])  # comm.trust=trusted
     backend, outer = _Transport(round=5, step=110, served=4), _Outer()
-    run = run_identity(load_config(None, ["comm.trust=open"]))
+    run = published_run(load_config(None, ["comm.trust=open"]))
     backend.others = {i: LiveWorker(index=i, round=5, step=110, run=run) for i in (0, 1)}
     with pytest.raises(ConfigError, match="comm.trust='trusted' here, 'open' in the run"):
-        catch_up_with_run(outer, backend, 0, 0, cfg=cfg, required=True, align_step=True)
+        catch_up_with_run(Recovery(outer, backend, backend), backend, 0, 0, cfg=cfg, required=True, align_step=True)
+
+
+def test_a_worker_of_another_release_is_stopped_in_one_line_before_any_download():
+    # its records would not be read by the run's workers, nor theirs by it
+    cfg = load_config(None, ["worker.count=3", "worker.index=2"])
+    backend, outer = _Transport(round=5, step=110, served=4), _Outer()
+    older = {key: value for key, value in published_run(cfg).items() if key != PROTOCOL_KEY}
+    backend.others = {i: LiveWorker(index=i, round=5, step=110, run=older) for i in (0, 1)}
+    with pytest.raises(
+        ConfigError, match=f"another version of diloco's protocol \\(an older one there, {PROTOCOL} here\\)"
+    ):
+        catch_up_with_run(Recovery(outer, backend, backend), backend, 0, 0, cfg=cfg, required=True, align_step=True)
+    assert outer.loaded is None
+    backend.others = {i: LiveWorker(index=i, round=5, step=110) for i in (0, 1)}  # not announced yet: not judged
+    recovery = Recovery(outer, backend, backend)
+    assert catch_up_with_run(recovery, backend, 0, 0, cfg=cfg, required=True, align_step=True)[1] == 5
 
 
 def test_the_published_config_leaves_out_each_machines_own_keys_and_is_taken_back_whole(tmp_path):
