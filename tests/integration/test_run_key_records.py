@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from diloco.comm.base import HivemindConfig
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import bounded_dht_call, start_dht, visible_addresses
 from diloco.comm.hivemind.roster import Roster
+from diloco.comm.hivemind.settings import HivemindConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
