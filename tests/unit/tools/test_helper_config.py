@@ -7,11 +7,11 @@ import pytest
 from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.config import ConfigError, load_config, save_config
 from diloco.tools import helper
-from diloco.worker.joining import run_identity
+from diloco.worker.joining import published_run
 
 
 def test_a_helper_whose_config_screens_otherwise_than_the_run_is_refused_in_one_line(tmp_path, monkeypatch):
-    run = run_identity(load_config(None, ["comm.trust=open"]))
+    run = published_run(load_config(None, ["comm.trust=open"]))  # as a worker announces it
     live = {0: RosterEntry(index=0, round=2, step=40, run=run)}
     monkeypatch.setattr(helper, "_announced", lambda cfg, wait_s, config: live)  # the roster a DHT read returns
     save_config(load_config(None, []), tmp_path / "config.yaml")
