@@ -233,10 +233,12 @@ def test_a_worker_sending_a_blown_up_pseudo_gradient_is_dropped_by_every_peer(tm
     # group it had given up on, late: then only the others refused it, and it took their state)
     own_drops = logs[2].count("dropped our own contribution: its norm")
     assert own_drops >= 1, logs[2][-3000:]
-    for log in logs[:2]:  # every honest peer refused it as often, naming it and the median
-        pattern = rf"dropped the contribution of peer {peer_id}: its norm \S+ is more than 10 x the median"
-        drops = re.findall(pattern, log)
-        assert len(drops) >= own_drops, log[-3000:]
+    # every honest peer refused it, naming it and the median, in each group it shared with it: as
+    # often as it refused itself, the two together (hivemind's matchmaking can leave one honest peer out of
+    # a round's group, late: the attacker is then refused by the other alone)
+    pattern = rf"dropped the contribution of peer {peer_id}: its norm \S+ is more than 10 x the median"
+    drops = [len(re.findall(pattern, log)) for log in logs[:2]]
+    assert all(drops) and sum(drops) >= own_drops, (drops, own_drops, log_tails(run_dir, 3))
     rounds = [[r for r in read_records(run_dir, w) if r["event"] == "round"] for w in range(3)]
     for honest in rounds[:2]:  # the mean of the two honest ones (a part hivemind lost: partial, or recovered)
         assert all((r["ok"] and r["peers"] == 2) or r["partial"] or r["recovered"] for r in honest), honest
