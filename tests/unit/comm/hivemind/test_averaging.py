@@ -22,11 +22,11 @@ from diloco.comm.bounds import round_limit_s
 from diloco.comm.config import CommConfig
 from diloco.comm.hivemind.averaging import HivemindAveraging
 from diloco.comm.hivemind.group_round import LEFT_BEHIND, round_group_bits
-from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.roster_records import RoundState
 from diloco.comm.hivemind.settings import HivemindConfig
 from diloco.comm.hivemind.traffic import TrafficCounters
 from diloco.compression import NoCompression
+from tests.hivemind_fakes import KnownHelpers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,20 +81,6 @@ class _Control:
         self._averager.cancelled += 1
 
 
-class _Helpers(RunHelpers):
-    """The run's live helpers, as given."""
-
-    def __init__(self, ids: list[str]):
-        super().__init__(None, "run")
-        self._ids = ids
-
-    def ids(self) -> list[str]:
-        return list(self._ids)
-
-    def count(self) -> int:
-        return len(self._ids)
-
-
 def _averaging(
     averager,
     *,
@@ -125,7 +111,7 @@ def _averaging(
         membership=SimpleNamespace(expected_peers=lambda: expected),
         # False: no state offered yet (a first round): a refusal alone says the group broke
         states=SimpleNamespace(published=(0, None) if published else None),
-        helpers=_Helpers(["helper"] * helpers),
+        helpers=KnownHelpers(["helper"] * helpers),
     )
 
 

@@ -4,37 +4,16 @@ hivemind's), and the params each declared, which only a declaration says and tel
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
-from types import SimpleNamespace
 
 from diloco.comm.base import Declared
 from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import bounded_dht_call
 from diloco.comm.hivemind.roster import Roster
 from diloco.comm.members import LiveWorker
+from tests.hivemind_fakes import RecordsDHT
 
 
-def _answered(value) -> Future:
-    future = Future()
-    future.set_result(value)
-    return future
-
-
-class _FakeDHT:
-    """The two DHT calls the roster makes, on a dict; records do not expire."""
-
-    def __init__(self):
-        self.records: dict[int, dict] = {}
-
-    def store(self, key, *, subkey, value, expiration_time, return_future):
-        self.records[subkey] = value
-        return _answered(True)
-
-    def get(self, key, latest, return_future):
-        return _answered(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.records.items()}))
-
-
-def _worker(dht: _FakeDHT, index: int) -> HivemindMembership:
+def _worker(dht: RecordsDHT, index: int) -> HivemindMembership:
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
     roster = Roster(
         call, run_id="r", worker_index=index, planned=3, addresses=[f"/ip4/10.0.0.{index}/tcp/1/p2p/P{index}"]
@@ -43,7 +22,7 @@ def _worker(dht: _FakeDHT, index: int) -> HivemindMembership:
 
 
 def test_a_forged_params_key_in_a_workers_telemetry_declares_nothing_and_its_real_digest_stands():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     me, honest, shows_only = _worker(dht, 0), _worker(dht, 1), _worker(dht, 2)
     forged = {"loss": 2.0, "params": "f" * 16, "params_round": 3, "peers": 9}  # figures for diloco status
     honest.report_progress(3, 60, forged)
@@ -59,7 +38,7 @@ def test_a_forged_params_key_in_a_workers_telemetry_declares_nothing_and_its_rea
 
 
 def test_the_live_workers_are_typed_entries_of_comm_not_the_transports_records():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     me, other = _worker(dht, 0), _worker(dht, 1)
     other.announce_run({"model.n_layer": 2})
     other.report_progress(2, 40, {"loss": 1.0})

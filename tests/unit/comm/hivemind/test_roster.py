@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from types import SimpleNamespace
 
 import pytest
 from hivemind.dht.validation import DHTRecord
@@ -15,28 +14,7 @@ from diloco.comm.hivemind.peer import bounded_dht_call
 from diloco.comm.hivemind.roster import HEARTBEAT_S, PartialRead, Roster, free_slot
 from diloco.comm.hivemind.run_key import RunKeyValidator, keyed_schema_hash
 from diloco.comm.run_key_env import resolve_run_key
-
-
-def _answered(value) -> Future:
-    future = Future()
-    future.set_result(value)
-    return future
-
-
-class _FakeDHT:
-    """The two DHT calls the roster makes, on a dict; records do not expire unless removed."""
-
-    def __init__(self):
-        self.records: dict[int, dict] = {}
-
-    def store(self, key, *, subkey, value, expiration_time, return_future):
-        self.records[subkey] = value
-        return _answered(True)
-
-    def get(self, key, latest, return_future):
-        if not self.records:
-            return _answered(None)
-        return _answered(SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in self.records.items()}))
+from tests.hivemind_fakes import RecordsDHT
 
 
 class _SilentDHT:
@@ -55,7 +33,7 @@ def _roster(dht, index: int, planned: int, timeout_s: float = 5.0, heartbeat_s: 
 
 
 def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_who_joined():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     me, other = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3)
     me._publish(), other._publish()
     assert me.expected() == 3  # worker 2 has not shown up yet: still expected
@@ -69,7 +47,7 @@ def test_a_round_expects_the_plan_until_a_worker_is_seen_gone_and_counts_those_w
 
 
 def test_a_worker_is_alone_once_every_other_left_cleanly(tmp_path):
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     me, other, third = _roster(dht, 0, planned=3), _roster(dht, 1, planned=3), _roster(dht, 2, planned=3)
     me._publish(), other._publish()
     assert not me.others_gone()
@@ -81,7 +59,7 @@ def test_a_worker_is_alone_once_every_other_left_cleanly(tmp_path):
 
 def test_a_worker_whose_heartbeats_stopped_is_gone_a_ttl_after_its_record_expired():
     now = [100.0]
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
     me = Roster(call, run_id="r", worker_index=0, planned=2, clock=lambda: now[0])
     other = _roster(dht, 1, planned=2)
@@ -97,7 +75,7 @@ def test_a_worker_whose_heartbeats_stopped_is_gone_a_ttl_after_its_record_expire
 
 
 def test_a_worker_serves_alone_while_every_other_is_a_client_and_no_server_went_missing():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
     me = _roster(dht, 0, planned=3)
     client = Roster(call, run_id="r", worker_index=1, planned=3, serves_state=False)
@@ -121,7 +99,7 @@ def test_a_worker_serves_alone_while_every_other_is_a_client_and_no_server_went_
 def test_a_read_without_this_workers_own_record_says_nothing_of_who_is_gone():
     # a lookup from a peer in client mode may find only part of the records: were it trusted, the
     # others would look gone, and a client would give up rounds it could have averaged
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     me, other = _roster(dht, 0, planned=2), _roster(dht, 1, planned=2)
     me._publish(), other._publish()
     assert me.expected() == 2
@@ -143,7 +121,7 @@ def test_a_dht_that_never_answers_costs_a_heartbeat_and_a_read_their_bound_not_a
 
 
 def test_a_newcomer_takes_the_lowest_free_slot_and_none_when_the_run_is_full():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     for index in (0, 1, 3):
         _roster(dht, index, planned=4)._publish()
     entries = _roster(dht, 0, planned=4).entries()
@@ -174,7 +152,7 @@ def test_the_schema_hash_is_a_token_only_key_holders_can_present(monkeypatch):
 
 
 def test_workers_cut_off_are_missing_with_the_addresses_they_announced_until_they_are_back():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     me, other, third = (_roster(dht, i, planned=3) for i in range(3))
     other.addresses = ["/ip4/10.0.0.2/tcp/1/p2p/B"]
     for roster in (me, other, third):
@@ -190,7 +168,7 @@ def test_workers_cut_off_are_missing_with_the_addresses_they_announced_until_the
 
 
 def test_a_roster_reports_the_digest_of_the_params_it_declared_after_the_last_round_and_not_its_telemetry():
-    me = _roster(_FakeDHT(), 0, planned=2)
+    me = _roster(RecordsDHT(), 0, planned=2)
     assert me.model == ""  # before the first round: nothing to compare
     me.progress(1, 20, {"val_loss": 3.0, "params": "abc123"})  # figures for diloco status declare nothing
     assert me.model == ""
@@ -199,7 +177,7 @@ def test_a_roster_reports_the_digest_of_the_params_it_declared_after_the_last_ro
 
 
 def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_and_a_bad_layout_reads_as_none():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
     roster = Roster(call, run_id="r", worker_index=0, planned=1, layout=[[(4, 2), (3,)]])
     roster.group = 4
@@ -211,7 +189,7 @@ def test_a_worker_announces_the_shapes_it_averages_and_the_group_it_waits_for_an
 
 
 def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_with_and_the_last_it_postponed():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     roster = _roster(dht, 0, 1)
     for fragment, round_index in [(1, 4), (0, 2), (1, 3)]:  # a round done earlier never lowers the count
         roster.finished_averaging(fragment, round_index)
@@ -231,7 +209,7 @@ def test_a_worker_announces_per_fragment_the_rounds_whose_average_it_is_done_wit
 def test_the_end_of_an_average_is_announced_at_once():
     announced = threading.Event()
 
-    class _Watched(_FakeDHT):
+    class _Watched(RecordsDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
             if value["protocol"]["averaged"]:
                 announced.set()
@@ -251,7 +229,7 @@ def test_the_end_of_an_average_is_announced_at_once():
 def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
     announced = threading.Event()
 
-    class _Watched(_FakeDHT):
+    class _Watched(RecordsDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
             if value["protocol"]["stage"] == "matchmaking" and value["shows"]["phase"] == "matchmaking":
                 announced.set()
@@ -272,7 +250,7 @@ def test_a_round_that_starts_looking_for_its_group_is_announced_at_once():
 def test_the_digest_after_a_round_is_announced_at_once_and_a_step_waits_for_the_heartbeat():
     announced, steps = threading.Event(), []
 
-    class _Watched(_FakeDHT):
+    class _Watched(RecordsDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
             steps.append(value["step"])
             if value.get("params", {}).get("round") == 3:
@@ -293,7 +271,7 @@ def test_the_digest_after_a_round_is_announced_at_once_and_a_step_waits_for_the_
 
 def test_extra_records_between_heartbeats_leave_the_chores_their_pace():
     chores_ran = threading.Event()
-    roster = _roster(_FakeDHT(), 0, 2, heartbeat_s=0.5)
+    roster = _roster(RecordsDHT(), 0, 2, heartbeat_s=0.5)
     roster.chores.append(chores_ran.set)
     roster.phase("averaging", time.time())
     roster.start()
@@ -309,7 +287,7 @@ def test_extra_records_between_heartbeats_leave_the_chores_their_pace():
 
 
 def test_a_client_knows_when_no_worker_that_serves_a_state_was_seen():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     client = _roster(dht, 0, 2)
     client.serves_state = False
     client._publish()
@@ -325,7 +303,7 @@ def test_a_client_knows_when_no_worker_that_serves_a_state_was_seen():
 
 
 def test_live_helpers_count_the_fresh_records_that_are_not_leaving():
-    dht = _FakeDHT()
+    dht = RecordsDHT()
     call = bounded_dht_call(dht, threading.Lock(), timeout_s=5.0)
     assert live_helpers(call, "r") == 0
     first = HelperRecord(call, run_id="r", peer_id="p1", addresses=["/ip4/1.2.3.4/tcp/1"])
@@ -340,7 +318,7 @@ def test_live_helpers_count_the_fresh_records_that_are_not_leaving():
 def test_a_shorter_heartbeat_writes_records_that_live_four_of_them():
     written, three = [], threading.Event()
 
-    class _Expiring(_FakeDHT):
+    class _Expiring(RecordsDHT):
         def store(self, key, *, subkey, value, expiration_time, return_future):
             written.append(expiration_time - value["at"])
             if len(written) == 3:  # the start's record, then one a heartbeat

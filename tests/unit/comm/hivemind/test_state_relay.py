@@ -15,7 +15,6 @@ import torch
 from diloco.comm.base import StateRank, StateVerdict
 from diloco.comm.hivemind import state_exchange
 from diloco.comm.hivemind.helper import everyone_past
-from diloco.comm.hivemind.helper_record import RunHelpers
 from diloco.comm.hivemind.roster_records import RosterEntry
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_relay import (
@@ -27,6 +26,7 @@ from diloco.comm.hivemind.state_relay import (
     _messages,
     _received,
 )
+from tests.hivemind_fakes import KnownHelpers
 
 
 @pytest.fixture(autouse=True)
@@ -102,20 +102,6 @@ def test_an_upload_arrives_whole_with_its_metadata():
     assert asyncio.run(_received(stream())) == (metadata, blob)
 
 
-class _Helpers(RunHelpers):
-    """The run's live helpers, as given."""
-
-    def __init__(self, ids: list[str]):
-        super().__init__(None, "run")
-        self._ids = ids
-
-    def ids(self) -> list[str]:
-        return list(self._ids)
-
-    def count(self) -> int:
-        return len(self._ids)
-
-
 def _uploader(wants, *, offers=(), published=None, helpers=("helper",), no_server=True) -> StateUploader:
     return StateUploader(
         None,
@@ -123,7 +109,7 @@ def _uploader(wants, *, offers=(), published=None, helpers=("helper",), no_serve
         wants=wants,
         offers=lambda: list(offers),
         published=lambda: published,
-        helpers=_Helpers(list(helpers)),
+        helpers=KnownHelpers(list(helpers)),
         no_server=lambda: no_server,
         timeout_s=5.0,
     )
@@ -242,7 +228,7 @@ def test_a_client_that_nobody_can_serve_asks_through_the_helpers_takes_the_relay
         client_mode=True,
         linger_s=0.0,
         wants=wants,
-        helpers=_Helpers(["helper"]),
+        helpers=KnownHelpers(["helper"]),
     )
     found = states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=10.0)
     assert found is not None and found.rank == StateRank(2, 0.5) and found.served_by == "helper"
@@ -266,7 +252,7 @@ def _client_exchange(wants, *, roster, helpers) -> HivemindStateExchange:
 
 def test_without_a_live_helper_a_client_that_nobody_can_serve_gives_up_at_once_and_asks_nobody():
     dht = _Dht()
-    states = _client_exchange(_wants(dht, "lagging"), roster=_ClientsRoster(), helpers=_Helpers([]))
+    states = _client_exchange(_wants(dht, "lagging"), roster=_ClientsRoster(), helpers=KnownHelpers([]))
     started = time.monotonic()
     assert states.fetch_state(2, better_than=StateRank(1, 0.1), timeout_s=30.0) is None
     assert time.monotonic() - started < 5.0 and not dht.items
@@ -284,7 +270,7 @@ class _ServingRoster:
 def test_a_client_of_a_run_where_a_worker_serves_states_never_asks_a_helper():
     dht = _Dht()
 
-    class Unread(_Helpers):
+    class Unread(KnownHelpers):
         def count(self) -> int:
             raise AssertionError("the helpers are read only when nobody serves a state")
 
@@ -317,7 +303,7 @@ def _lingering(roster, *, helpers: int, linger_s: float = 30.0) -> HivemindState
         client_mode=True,
         linger_s=linger_s,
         wants=_wants(_Dht(), "done"),
-        helpers=_Helpers(["helper"] * helpers),
+        helpers=KnownHelpers(["helper"] * helpers),
     )
     states.publish_state(2, StateRank(3, 0.5), lambda: {})
     return states
@@ -384,7 +370,7 @@ def test_a_state_that_cannot_be_checked_yet_is_downloaded_again_though_a_roster_
         client_mode=True,
         linger_s=0.0,
         wants=_wants(_Dht(), "joiner"),
-        helpers=_Helpers([]),
+        helpers=KnownHelpers([]),
     )
     found = states.fetch_state(
         0, better_than=StateRank(1 << 30), timeout_s=20.0, newer=True, check=lambda _: next(verdicts, StateVerdict())
