@@ -2,8 +2,9 @@
 
 The reference workload on the simulator (``arms.py``: tinyshakespeare, model "baby", M = 4, global
 batch 48, H = 50, Nesterov lr 1.0 momentum 0.8), 600 inner steps. Worker 3 attacks with the
-project's fault knobs; every arm but those named ``-off`` screens with the run's defaults
-(``comm.min_cosine``, ``comm.max_norm_ratio``, ``comm.max_weight_ratio``) and ``comm.clip_to_median=true``:
+project's fault knobs; every arm but those named ``-off`` screens as a run others can reach does by
+default (``comm.trust=open``: the sketches' verdicts and the clip to the median norm, with the norm
+and weight bounds):
 
     clean          no attack
     sign-flip      worker 3 sends minus its pseudo-gradient (the same norm)
@@ -44,8 +45,8 @@ from diloco.errors import UsageError
 
 WORKERS, SYNC_EVERY, ATTACKER = 4, 50, 3
 OUTER = ("outer.optimizer=nesterov", "outer.lr=1.0", "outer.momentum=0.8")
-SCREENED = ("comm.min_cosine=0", "comm.clip_to_median=true", "comm.max_norm_ratio=10", "comm.max_weight_ratio=4")
-UNSCREENED = ("comm.min_cosine=-1", "comm.clip_to_median=false", "comm.max_norm_ratio=0", "comm.max_weight_ratio=0")
+SCREENED = ("comm.trust=open", "comm.max_norm_ratio=10", "comm.max_weight_ratio=4")  # what a reachable run gets
+UNSCREENED = ("comm.trust=trusted", "comm.max_norm_ratio=0", "comm.max_weight_ratio=0")
 ATTACKS: dict[str, tuple[str, ...]] = {
     "clean": (),
     "sign-flip": ("faults.bad_payload=scaled", "faults.payload_scale=-1"),

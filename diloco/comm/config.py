@@ -18,7 +18,7 @@ class CommConfig:
     deadline_s: float = 60.0  # a round gives up on peers that have not arrived after this many seconds
     bandwidth_mbps: float = 0.0  # link rate each way: the simulator models it; hivemind reduces less if slow; 0 unknown
     latency_ms: float = 0.0  # the simulator's link model: one-way latency added to each phase of a round
-    trust: str = "trusted"  # who the workers are: trusted / open / keyed (key required); the last two screen more
+    trust: str = ""  # who the workers are: trusted / open / keyed (key required); "" = open where others reach it
     max_norm_ratio: float = 10.0  # drop a contribution whose norm is above this x the round's median norm; 0 = off
     clip_to_median: bool = False  # scale every kept contribution above the round's median norm down to it (comm.trust)
     max_weight_ratio: float = 4.0  # at most this x the round's median weight (more for sites of many ranks); 0 = off

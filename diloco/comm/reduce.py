@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.comm.robust import NO_SCREENING, ScreeningRules, against_the_others, norm_of, screen
+from diloco.comm import sketch
+from diloco.comm.robust import NO_SCREENING, ScreeningRules, norm_of, screen
+from diloco.comm.verdicts import SketchHistory
 from diloco.compression import Codec, PayloadError, all_finite
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ def average_payloads(
     round_index: int,
     rules: ScreeningRules = NO_SCREENING,
     verdicts: Verdicts | None = None,
+    history: SketchHistory | None = None,
 ) -> tuple[list[torch.Tensor], list[Contribution]]:
     """The rule every transport follows to average compressed tensors (``codec`` decodes them).
 
@@ -51,8 +54,8 @@ def average_payloads(
     that names the sender and the reason); the decoded contributions are screened by their norms
     and weights as ``rules`` say (``robust.screen``: one far above the median is dropped, with
     ``clip_to_median`` those above it are scaled down to it, a weight counts for at most
-    ``max_weight_ratio`` x the median), then by direction (``robust.against_the_others``: one
-    that points against the others' median is dropped); the weighted mean is taken in fp32, in
+    ``max_weight_ratio`` x the median), then by their sketches (``verdicts.py``: one that points
+    against the others' median, or nowhere, or repeats a round of ``history``); the weighted mean is taken in fp32, in
     the order given; and the result is what ``codec`` restores from the compressed mean. That
     last step is what a reducer sends back, so a reducer that uses it for itself ends identical to
     the peers it serves (a codec that ``gathers`` is not compressed again: its ``gathered_mean``,
@@ -63,7 +66,7 @@ def average_payloads(
     """
     verdicts = verdicts if verdicts is not None else Verdicts()
     decoded, used = _decoded(codec, contributions, numels, verdicts, round_index)
-    decoded, used = _screened(decoded, used, rules, verdicts, round_index)
+    decoded, used = _screened(decoded, used, rules, verdicts, round_index, history)
     if not used:
         return [], []
     means = _means(codec, decoded, used, numels, round_index)
@@ -95,11 +98,21 @@ def _screened(
     rules: ScreeningRules,
     verdicts: Verdicts,
     round_index: int,
+    history: SketchHistory | None,
 ) -> tuple[list[list[torch.Tensor]], list[Contribution]]:
-    """The decoded contributions kept by the screening of norms and weights (scaled and weighted as
-    it says) and then of direction; those left out and those clipped told to ``verdicts``."""
+    """The decoded contributions kept by the screening of norms, weights and sketches (scaled and
+    weighted as it says); those left out and those clipped told to ``verdicts``. A sketch is taken
+    as it travels over hivemind (float32), so the verdicts are those hivemind's peers reach."""
+    sketches = None
+    if rules.judges_sketches:  # a codec that gathers: of its sparse values, decoded
+        sketches = {i: sketch.decode(sketch.encode(sketch.sketch_of(values))) for i, values in enumerate(decoded)}
     screening = screen(
-        {i: norm_of(values) for i, values in enumerate(decoded)}, rules, {i: c.weight for i, c in enumerate(used)}
+        {i: norm_of(values) for i, values in enumerate(decoded)},
+        rules,
+        {i: c.weight for i, c in enumerate(used)},
+        sketches=sketches,
+        round_index=round_index,
+        history=history,
     )
     for i, reason in screening.dropped.items():
         _left_out(verdicts, round_index, used[i], reason)
@@ -110,11 +123,6 @@ def _screened(
         if i in screening.scales
     ]
     used = [_counted(c, screening.weight(c.weight)) for i, c in enumerate(used) if i in screening.scales]
-    against = against_the_others(decoded, rules.min_cosine)  # a codec that gathers: its sparse values, decoded
-    for i, reason in against.items():
-        _left_out(verdicts, round_index, used[i], reason)
-    decoded = [values for i, values in enumerate(decoded) if i not in against]
-    used = [c for i, c in enumerate(used) if i not in against]
     return decoded, used
 
 

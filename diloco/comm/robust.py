@@ -12,12 +12,10 @@ decision depends on the declared norms and weights alone, so every reducer that 
 declarations reaches the same decision (hivemind's reducers each see only a slice of a
 contribution, so there the norms travel with the matchmaking; see ``hivemind/screening.py``).
 
-By direction (``against_the_others``): a contribution whose cosine to the coordinate-wise median
-of the contributions is below ``comm.min_cosine`` points against the others (a sign flip, a
-poisoner within the norm bound) and is dropped. The median needs at least three contributions to
-say which one is off. It is taken over what a reducer sees: whole vectors on the simulator and
-torch.distributed, each part on hivemind's reducers, where a part is reduced in one place only,
-so every peer receives the same decision.
+By the whole contribution's sketch (``verdicts.py``): one that points against the others'
+median, or nowhere in particular (noise), or repeats an earlier round's (a replay) is dropped too.
+Every sender declares its sketch, so every peer judges whole contributions alike, whichever part of
+them it reduces.
 
 The reference is ``statistics.median_low`` over the finite norms: with two contributions it is
 the smaller one, so an honest worker is the reference for a blown-up one. A median of 0 (at
@@ -35,11 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.comm import sketch, verdicts
+from diloco.comm.verdicts import SketchHistory
+
 logger = logging.getLogger(__name__)
 
 _NORM_CHUNK = 1 << 16  # values per fp32 norm: its rounding stays near 1e-7 of the norm
-
-MIN_FOR_DIRECTION = 3  # contributions the coordinate-wise median needs to tell which one is off
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,12 @@ class ScreeningRules:
             comm.readmit_after,
         )
 
+    @property
+    def judges_sketches(self) -> bool:
+        """Whether a round judges its contributions' sketches (``verdicts.py``): each sender then
+        declares one."""
+        return self.min_cosine > -1.0
+
 
 NO_SCREENING = ScreeningRules()
 
@@ -81,7 +86,7 @@ class Screening:
     scales: dict = field(default_factory=dict)  # kept contributor -> factor to multiply its values by
     median: float = math.nan  # the reference norm (nan when no norm was finite)
     max_weight: float = math.inf  # a weight above it counts as it (``comm.max_weight_ratio``)
-    min_cosine: float = -1.0  # the direction rule every reducer applies to what it receives
+    min_cosine: float = -1.0  # the sketches' direction rule (above -1: each sender declares a sketch)
     excluded: frozenset = frozenset()  # contributors our reducer leaves out (they still get its average)
 
     def weight(self, claimed: float) -> float:
@@ -90,7 +95,14 @@ class Screening:
 
 
 def screen(
-    norms: Mapping[Hashable, float], rules: ScreeningRules, weights: Mapping[Hashable, float] | None = None
+    norms: Mapping[Hashable, float],
+    rules: ScreeningRules,
+    weights: Mapping[Hashable, float] | None = None,
+    *,
+    sketches: Mapping[Hashable, torch.Tensor | None] | None = None,
+    round_index: int = 0,
+    fragment: int = 0,
+    history: SketchHistory | None = None,
 ) -> Screening:
     """Screen a round's contributions by their norms (``contributor -> norm``) and weights.
 
@@ -98,7 +110,9 @@ def screen(
     the median is dropped, and so is one that carries next to nothing for the samples it claims
     (``_too_small``). When ``clip_to_median``, a kept norm above the median gets the factor
     ``median / norm``; every other kept one gets 1.0. When ``max_weight_ratio`` > 0, the most a
-    weight counts for is that x the median (low) of the positive finite ``weights``."""
+    weight counts for is that x the median (low) of the positive finite ``weights``. Then, when
+    ``rules.min_cosine`` is above -1, the kept contributions' ``sketches`` are judged
+    (``verdicts.judge``: direction, noise, replays of the rounds in ``history``)."""
     finite = [float(n) for n in norms.values() if math.isfinite(n)]
     median = statistics.median_low(finite) if finite else math.nan
     max_weight = _max_weight(weights or {}, rules)
@@ -117,6 +131,12 @@ def screen(
             scales[who] = median / norm
         else:
             scales[who] = 1.0
+    if sketches is not None:
+        kept = {who: sketches.get(who) for who in scales}
+        judged = verdicts.judge(kept, rules.min_cosine, round_index=round_index, fragment=fragment, history=history)
+        for who, reason in judged.items():
+            dropped[who] = reason
+            del scales[who]
     return Screening(dropped, scales, median, max_weight, rules.min_cosine)
 
 
@@ -163,37 +183,6 @@ def _max_weight(weights: Mapping[Hashable, float], rules: ScreeningRules) -> flo
     return rules.max_weight_ratio * statistics.median_low(usable)
 
 
-def against_the_others(vectors: Sequence[Sequence[torch.Tensor]], min_cosine: float) -> dict[int, str]:
-    """The contributions (each some flat tensors, all of the same shapes) whose cosine to the
-    coordinate-wise median of all of them is below ``min_cosine``: index -> reason. Nothing with
-    fewer than ``MIN_FOR_DIRECTION`` contributions, or when the median is zero. The median of an
-    even count is the lower middle value (``torch.median``), whatever the order of arrival; a zero
-    contribution has cosine 0. When half or more would be dropped, none is."""
-    if min_cosine <= -1.0 or len(vectors) < MIN_FOR_DIRECTION:
-        return {}
-    dots, squares, median_squares = [0.0] * len(vectors), [0.0] * len(vectors), 0.0
-    for k in range(len(vectors[0])):
-        for start in range(0, vectors[0][k].numel(), _NORM_CHUNK):
-            stack = torch.stack([v[k][start : start + _NORM_CHUNK].float() for v in vectors])
-            median = stack.median(dim=0).values
-            median_squares += float(median.double().square().sum())
-            for i, (dot, square) in enumerate(zip((stack @ median).tolist(), stack.square().sum(dim=1).tolist())):
-                dots[i] += dot
-                squares[i] += square
-    if median_squares <= 0:
-        return {}
-    dropped = {}
-    for i, (dot, square) in enumerate(zip(dots, squares)):
-        cosine = dot / math.sqrt(square * median_squares) if square > 0 else 0.0
-        logger.debug("contribution %d: cosine %.4f to the median", i, cosine)
-        if not cosine >= min_cosine:
-            dropped[i] = (
-                f"it does not point the others' way (cosine {cosine:.3f} to their median, below {min_cosine:g})"
-            )
-    # the median speaks for a majority: when half or more point away from it, it tells nothing
-    return dropped if 2 * len(dropped) < len(vectors) else {}
-
-
 def norm_of(tensors: Sequence[torch.Tensor]) -> float:
     """The L2 norm of several tensors taken as one vector: fp32 norms of short slices, summed in
     float64 (a float64 norm of the whole would copy it to float64 first: 10 x slower); a slice
@@ -217,6 +206,15 @@ def declared_norm(gathered: object) -> float:
 def declared_weights(gathered: Mapping[Hashable, object]) -> dict:
     """The weight each hivemind peer declared in its gathered data (nan where it declared none)."""
     return {peer: _declared_number(data, "weight") for peer, data in gathered.items()}
+
+
+def declared_sketches(gathered: Mapping[Hashable, object]) -> dict:
+    """The sketch each hivemind peer declared in its gathered data (None where it declared none
+    that is usable)."""
+    found = {}
+    for peer, data in gathered.items():
+        found[peer] = sketch.decode(data.get("sketch") if isinstance(data, dict) else None)
+    return found
 
 
 def _declared_number(gathered: object, key: str) -> float:

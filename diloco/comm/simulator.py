@@ -36,6 +36,7 @@ from diloco.comm.config import CommConfig
 from diloco.comm.reduce import Contribution, Verdicts, average_payloads
 from diloco.comm.robust import NO_SCREENING, ScreeningRules
 from diloco.comm.scores import Scores
+from diloco.comm.verdicts import SketchHistory
 from diloco.comm.volume import sent_bytes
 from diloco.compression import Codec
 
@@ -73,6 +74,7 @@ class SimulatedGroup:
         self._reducer: tuple[Codec, list[int], ScreeningRules] | None = None  # (codec, numel of each tensor, rules)
         self.scores: Scores | None = None  # each worker's standing across rounds (made with the first rules)
         self._index: dict[str, int] = {}  # a contribution's sender (as the log names it) -> its worker index
+        self.history = SketchHistory()  # the sketches of earlier rounds: a replay is left out (verdicts.py)
 
     def wait_turn(self, worker: int) -> None:
         with self._cond:
@@ -129,7 +131,9 @@ class SimulatedGroup:
         taken = [c for c in arrived if not self.scores.is_excluded(c.worker)]
         self._index.update({c.worker: w for w, c in self._arrived.items()})
         verdicts = Verdicts()
-        averaged = average_payloads(codec, taken, numels, round_index=self._round_done, rules=rules, verdicts=verdicts)
+        averaged = average_payloads(
+            codec, taken, numels, round_index=self._round_done, rules=rules, verdicts=verdicts, history=self.history
+        )
         context = f"round {self._round_done + 1}: "
         self.scores.record_round([c.worker for c in arrived], verdicts.left_out, verdicts.clipped, context=context)
         return averaged

@@ -21,7 +21,7 @@ from diloco.config.checks import validate
 from diloco.config.rules import rule_defaults
 from diloco.config.schema import Config
 from diloco.config.shapes import check_shapes
-from diloco.config.trust import trust_defaults
+from diloco.config.trust import FROM_REACH, default_trust, trust_defaults
 from diloco.errors import ConfigError
 
 
@@ -55,6 +55,9 @@ def load_config(
         check_shapes(schema, command_line, in_file=False)
         layers.append(command_line)
         merged = OmegaConf.merge(schema, *layers)
+        if merged.comm.trust == FROM_REACH:  # written into the config: a resume or a join takes it as it is
+            layers.append(OmegaConf.create({"comm": {"trust": default_trust(merged)[0]}}))
+            merged = OmegaConf.merge(schema, *layers)
         # an outer rule's and the trust level's defaults for other sections, under what the user set
         implied = [rule_defaults(merged.outer.optimizer), trust_defaults(merged.comm.trust)]
         if (trust := OmegaConf.select(command_line, "comm.trust")) is not None:

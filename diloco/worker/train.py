@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from diloco.config import Config
+from diloco.config.trust import trust_line
 from diloco.core.evaluation import batch_losses
 from diloco.core.inner import inner_step, lr_at
 from diloco.worker.faults import StopRequested
@@ -88,6 +89,7 @@ def run_worker(config_path: str | None, overrides: list[str], *, join: bool = Fa
     """``diloco train`` (``join``: ``diloco join``, once placed): one worker of ``config_path`` with
     ``overrides`` from start to end; its exit code (3: stopped by ``faults.stop_after_round``)."""
     cfg = worker_config(config_path, overrides)  # under torchrun: each rank a worker, unless one site
+    print(trust_line(cfg), flush=True)  # the run's first line: how far it trusts its workers, and why
 
     def announce(addresses: list[str]) -> None:
         if addresses:

@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from diloco.config import Config, ConfigError, load_config, save_config
+from diloco.config.trust import trust_line
 
 
 def test_defaults_then_yaml_then_overrides(tmp_path):
@@ -200,7 +201,15 @@ def test_the_simulators_earlier_name_is_still_read_as_the_simulator(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "screened"),
     [
-        ([], False),  # trusted by default
+        ([], False),  # on loopback: trusted
+        (["comm.hivemind.host=0.0.0.0"], True),  # others can reach it: open
+        (["comm.hivemind.host=0.0.0.0", "comm.trust=trusted"], False),  # unless the organizer says so
+        (["comm.hivemind.initial_peers=['/ip4/10.1.2.3/tcp/4000/p2p/QmX']"], True),  # it dials another machine
+        (["comm.hivemind.announce_host=203.0.113.7"], True),
+        (["comm.hivemind.host=0.0.0.0", "comm.backend=simulator"], False),
+        (["comm.hivemind.host=0.0.0.0", "worker.site=true"], False),
+        (["comm.hivemind.host=0.0.0.0", "comm.hivemind.data_plane=gloo"], False),
+        (["comm.hivemind.host=0.0.0.0", "outer.sync_every=0"], False),
         (["comm.trust=open"], True),
         (["comm.trust=keyed", "comm.run_key=k"], True),
         (["comm.trust=open", "comm.backend=simulator"], True),  # the attack benchmark's runs
@@ -209,6 +218,22 @@ def test_the_simulators_earlier_name_is_still_read_as_the_simulator(tmp_path):
 def test_the_trust_level_picks_the_screening_defaults(overrides, screened):
     cfg = load_config(None, overrides)
     assert (cfg.comm.min_cosine, cfg.comm.clip_to_median) == ((0.0, True) if screened else (-1.0, False))
+
+
+def test_the_level_a_run_takes_by_where_it_listens_is_written_into_its_config_and_said_in_one_line(tmp_path):
+    reachable = load_config(None, ["comm.hivemind.host=0.0.0.0"])
+    assert reachable.comm.trust == "open"
+    line = trust_line(reachable)
+    assert line.startswith("comm.trust=open (others can reach this run (it listens on 0.0.0.0))")
+    assert "the run has no key: anyone who reaches it can join and download its params" in line
+    save_config(reachable, tmp_path / "config.yaml")
+    resumed = load_config(tmp_path / "config.yaml", ["comm.hivemind.host=127.0.0.1"])
+    assert resumed.comm.trust == "open" and "set in the run's config" in trust_line(resumed)
+    local = load_config(None, [])
+    assert local.comm.trust == "trusted"
+    assert trust_line(local).startswith("comm.trust=trusted (only this machine can reach this run")
+    keyed = load_config(None, ["comm.hivemind.host=0.0.0.0", "comm.run_key=k"])
+    assert "no key" not in trust_line(keyed)
 
 
 def test_a_screening_key_set_by_the_user_wins_over_the_trust_level_and_a_written_config_keeps_its_own(tmp_path):

@@ -36,12 +36,13 @@ from diloco.comm.hivemind.exact_allreduce import ExactAllReduceRunner
 from diloco.comm.hivemind.exclusion import Exclusions
 from diloco.comm.hivemind.forked import release_inherited_tensors
 from diloco.comm.hivemind.run_key import keyed_schema_hash
-from diloco.comm.hivemind.screening import declared_data, log_left_out, screen_round
+from diloco.comm.hivemind.screening import declared_data, screen_round
 from diloco.comm.hivemind.state_download import StateDownload
 from diloco.comm.hivemind.state_serving import StateServing
 from diloco.comm.hivemind.traffic import TrafficCounters
 from diloco.comm.hivemind.wire import aligned_part_size_bytes
 from diloco.comm.robust import NO_SCREENING, ScreeningRules, declared_weights
+from diloco.comm.verdicts import SketchHistory
 from diloco.compression import PAYLOAD_FORMAT, Codec
 from diloco.lifetime import die_with_parent, shielded_from_interrupts
 
@@ -71,6 +72,7 @@ class ExactAverager(StateServing, StateDownload, DecentralizedAverager):
         self.traffic, self.codec = TrafficCounters(), codec
         self._refused_groups: collections.deque[bytes] = collections.deque(maxlen=64)  # counted once each
         self.rules = rules
+        self.sketch_history = SketchHistory()  # earlier rounds' sketches, to tell a replay (verdicts.py)
         # comm.exclude_after, across this peer's rounds (saved to ``standings``, read back on a restart)
         self.exclusions = Exclusions(rules.exclude_after, standings, readmit_after=rules.readmit_after)
         self._serve_parts()  # the state that peers download (state_serving.py)
@@ -173,7 +175,9 @@ class ExactAverager(StateServing, StateDownload, DecentralizedAverager):
             # the workers average this group's vectors through the data plane, not through us
             self._running_groups[group_id].set_result(None)
             return
-        norms, screening, excluded = screen_round(declared, self.rules, self.exclusions, own=self.peer_id)
+        norms, screening, excluded = screen_round(
+            declared, self.rules, self.exclusions, own=self.peer_id, history=self.sketch_history
+        )
         started = time.monotonic()
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
@@ -207,7 +211,6 @@ class ExactAverager(StateServing, StateDownload, DecentralizedAverager):
                 lost_reducers=runner.lost_reducers,
                 transfer_s=time.monotonic() - started,
             )
-            log_left_out(runner.tensor_part_reducer, runner.sender_peer_ids)
 
 
 # how many of hivemind's request timeouts a part for a group we do not know waits for us to

@@ -72,7 +72,7 @@ class ExactAllReduceRunner(ShareReducing, AllReduceRunner):
         self._reply_takers = sum(peer not in self.screening.dropped for peer in self.sender_peer_ids)
         shapes, senders = self.tensor_part_reducer.part_shapes, self.tensor_part_reducer.num_senders
         excluded = frozenset(i for i, peer in enumerate(self.sender_peer_ids) if peer in self.screening.excluded)
-        self.tensor_part_reducer = reducer_for(shapes, senders, self.screening.min_cosine, excluded=excluded)
+        self.tensor_part_reducer = reducer_for(shapes, senders, excluded=excluded)
         self.norms, self.weights = norms or {}, weights or {}  # what each sender declared at matchmaking
         self._received_squares: dict[PeerID, float] = {}  # sum of the squared norms of a sender's parts so far
         self.payload_dropped: dict[PeerID, str] = {}  # senders whose parts we could not use, and why

@@ -1,16 +1,13 @@
 """``comm.exclude_after`` over hivemind: each peer's standing across rounds, kept in the averager's
 process from what this peer saw, and the peers excluded now handed to the worker's process.
 
-What a peer sees of a round: the norm screening's verdicts, which every peer reaches alike from the
-norms declared at matchmaking; the payloads its reducer could not use; and the direction verdicts of
-the parts its own reducer averaged (``reducer.ScreeningReducer``: a sender counts as left out when
-it was left out of at least half of the parts of it we reduced). An attacker left out by every
-reducer is excluded by every peer that averaged with it each time, usually in the same round; a
-peer that joined later, or sat in another group, excludes it later. Peers that disagree still end
+What a peer sees of a round: the screening's verdicts (norms, weights, sketches: ``verdicts.py``),
+which every peer reaches alike from what was declared at matchmaking, and the payloads its reducer
+could not use. An attacker left out is excluded by every peer that averaged with it each time,
+in the same round; a peer that joined later, or sat in another group, excludes it later. Peers that disagree still end
 on the same params: each part is reduced in one place, and a reducer that excludes a peer leaves
 its parts out of the sums (``reducer.ScreeningReducer``) and sends it the others' average, as to
-anyone. The norm screening itself is the same on every peer: exclusion comes after it. A peer
-that reduces nothing (a client) sees only the norm verdicts. With a codec that gathers (top-k) a
+anyone. The screening itself is the same on every peer: exclusion comes after it. With a codec that gathers (top-k) a
 reducer screens and excludes alike: every recipient takes its mean of the senders it kept. The
 standings are saved after every round beside the worker's checkpoints, so a worker that restarts
 keeps its tally (the peers it excluded keep their ids unless they restart too).
@@ -27,7 +24,6 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from diloco.comm.hivemind.reducer import ScreeningReducer
 from diloco.comm.robust import Screening
 from diloco.comm.scores import Scores
 
@@ -62,17 +58,11 @@ class Exclusions:
         return dataclasses.replace(screening, excluded=frozenset(excluded)) if excluded else screening
 
     def record(self, senders: Sequence, screening: Screening, excluded: set, runner, *, own) -> None:
-        """Count a finished round for the ``senders`` (by sender index), ``own`` aside (our reducer
-        judging our own parts does not make us refuse them): those not excluded are left out when
-        the screening dropped them, their payload was unusable, or our reducer left them out of at
-        least half of the parts of theirs it averaged; those excluded serve a round of their term."""
+        """Count a finished round for the ``senders``, ``own`` aside (we never refuse our own
+        parts): those not excluded are left out when the screening dropped them or their payload
+        was unusable; those excluded serve a round of their term."""
         left_out = {peer: reason for peer, reason in screening.dropped.items()}
         left_out.update(runner.payload_dropped)
-        reducer = runner.tensor_part_reducer
-        if isinstance(reducer, ScreeningReducer):
-            for index, reasons in reducer.left_out.items():
-                if len(reasons) >= reducer.kept_parts(index):
-                    left_out.setdefault(senders[index], reasons[0])
         sent = [f"peer {peer}" for peer in senders if peer != own]
         named = {f"peer {peer}": reason for peer, reason in left_out.items() if peer not in excluded}
         before = self._excluded_ids()

@@ -21,12 +21,22 @@ from typing import Protocol
 
 import torch
 
+from diloco.comm import sketch
 from diloco.comm.base import Outcome, SyncResult
 from diloco.comm.config import CommConfig
 from diloco.comm.hivemind import gloo_plane
 from diloco.comm.hivemind.helper_record import contributors
 from diloco.comm.link_meter import CodecChoice
-from diloco.comm.robust import Screening, ScreeningRules, declared_norm, declared_weights, norm_of, screen
+from diloco.comm.robust import (
+    Screening,
+    ScreeningRules,
+    declared_norm,
+    declared_sketches,
+    declared_weights,
+    norm_of,
+    screen,
+)
+from diloco.comm.verdicts import SketchHistory
 from diloco.compression import all_finite
 
 logger = logging.getLogger(__name__)
@@ -163,6 +173,8 @@ class GroupRound:
         self._own_id, self._plane, self._roster = own_id, plane, roster
         self._offers, self._others = offers, others
         self._control_s = control_s
+        self._rules = ScreeningRules.of(cfg)
+        self._history = SketchHistory()  # the sketches of earlier rounds, as our averager keeps them
 
     def run(
         self, averager, flat: torch.Tensor, tensors: Sequence[torch.Tensor], weight: float, at: Attempt
@@ -171,15 +183,7 @@ class GroupRound:
         tensors as one buffer, for the data plane)."""
         sent_before, recv_before, failed_before, drops_before = averager.traffic.read()
         averager.traffic.take_contributions()  # what an earlier round left
-        # the norm of what the reducers will decode, declared so that each can screen whole vectors (robust.py)
-        # (a codec agreed per round is not known yet: the norm of the tensors themselves then)
-        exact = self.codec.lossless or self.codec.chosen_per_round
-        declared = {"weight": weight, "norm": norm_of(tensors if exact else [self.codec.restore(t) for t in tensors])}
-        preference = self.codecs.preference(tensors, peers=max(2, at.expected))
-        if preference is not None:
-            declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
-        if model := self._roster.model:
-            declared["model"] = model  # the digest of our params: a group that holds two is a split met again
+        declared = self._declaration(tensors, weight, at)
         transfer_before = averager.traffic.transfer_s()
         try:
             gathered = self._step(averager, tensors, weight, declared, at)
@@ -199,8 +203,7 @@ class GroupRound:
             self.codecs.measure(self.codec.candidates[averager.traffic.used_codec()], sent + recv, transfer_s)
             return SyncResult(Outcome.FAILED, 1, weight, sent, recv, error=failure)
         # the group's screening (robust.py), which every peer computes alike from what it gathered
-        norms = {peer: declared_norm(g) for peer, g in gathered.items()}
-        screening = screen(norms, ScreeningRules.of(self.cfg), declared_weights(gathered))
+        screening = self._screening(gathered, at)
         codec = self.codec.agreed(gathered.values())  # as every peer of the group does
         if gloo_plane.carries(codec, list(gathered.values())):  # hivemind found the group; gloo averages
             started = time.monotonic()
@@ -224,6 +227,35 @@ class GroupRound:
             outcome = Outcome.SPLIT if result.outcome is Outcome.AVERAGED else result.outcome
             result = dataclasses.replace(result, outcome=outcome, sides=sides, error=result.error or error)
         return result
+
+    def _declaration(self, tensors: Sequence[torch.Tensor], weight: float, at: Attempt) -> dict:
+        """What we declare at matchmaking: our weight, the norm (and, when the run judges them, the
+        sketch: verdicts.py) of what the reducers will decode, so that every peer screens whole
+        vectors alike (robust.py; a codec agreed per round is not known yet: those of the tensors
+        themselves then), the round, our codec preference and the digest of our params."""
+        exact = self.codec.lossless or self.codec.chosen_per_round
+        decoded = tensors if exact else [self.codec.restore(t) for t in tensors]
+        declared = {"weight": weight, "norm": norm_of(decoded), "round": [at.round_index, at.fragment]}
+        if self._rules.judges_sketches:
+            declared["sketch"] = sketch.encode(sketch.sketch_of(decoded))
+        preference = self.codecs.preference(tensors, peers=max(2, at.expected))
+        if preference is not None:
+            declared["codec"] = preference  # the group takes the most lossy preference (adaptive.py)
+        if model := self._roster.model:
+            declared["model"] = model  # the digest of our params: a group that holds two is a split met again
+        return declared
+
+    def _screening(self, gathered: dict, at: Attempt) -> Screening:
+        """The group's screening (robust.py), which every peer computes alike from what it gathered."""
+        return screen(
+            {peer: declared_norm(g) for peer, g in gathered.items()},
+            self._rules,
+            declared_weights(gathered),
+            sketches=declared_sketches(gathered) if self._rules.judges_sketches else None,
+            round_index=at.round_index,
+            fragment=at.fragment,
+            history=self._history,
+        )
 
     def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, declared: dict, at: Attempt):
         """Load our contribution into the averager, declare ``declared`` (with the data plane's

@@ -3,10 +3,10 @@ each part of the share over the group's senders as they arrive, changed in two w
 
 - ``SenderlessEndingReducer`` also ends when no sender is left to wait for (stock hivemind then
   waits out the whole all-reduce timeout).
-- ``ScreeningReducer`` holds each part's contributions until the part is complete, leaves out
-  those of the senders this peer excludes (``exclusion.py``) and those that point against the
-  others (``robust.against_the_others``: ``comm.min_cosine``). A part is reduced in one place only
-  and its average sent to every sender, so every peer receives the same decision.
+- ``ScreeningReducer`` holds each part's contributions until the part is complete and leaves out
+  those of the senders this peer excludes (``exclusion.py``). A part is reduced in one place only
+  and its average sent to every sender, so every peer receives the same decision. (Whole
+  contributions are judged before anything is sent, from their declared sketches: ``verdicts.py``.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from collections.abc import Sequence
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.partition import BannedException, TensorPartReducer
-
-from diloco.comm.robust import against_the_others
 
 
 class SenderlessEndingReducer(TensorPartReducer):
@@ -52,24 +50,18 @@ class SenderlessEndingReducer(TensorPartReducer):
 
 
 class ScreeningReducer(SenderlessEndingReducer):
-    """A reducer that screens each part of its share before averaging it (see the module's
-    docstring). ``left_out`` says, per sender index, the reason of each part it was left out of;
-    ``contributions`` counts only the kept ones (a part with a sender left out is of fewer workers,
-    as the senders' round records then say)."""
+    """A reducer that leaves the senders our tally excludes out of each part of its share (see the
+    module's docstring); ``contributions`` counts only the kept ones (a part with a sender left out
+    is of fewer workers, as the senders' round records then say)."""
 
-    def __init__(self, part_shapes, num_senders: int, min_cosine: float, excluded: frozenset = frozenset()):
-        self.min_cosine, self.excluded = min_cosine, excluded  # excluded: sender indices left out of every part
+    def __init__(self, part_shapes, num_senders: int, excluded: frozenset = frozenset()):
+        self.excluded = excluded  # sender indices left out of every part
         self._held: dict[int, tuple[torch.Tensor, float]] = {}  # the current part: sender -> (values, weight)
-        self.left_out: dict[int, list[str]] = {}
         self._kept_in: dict[int, frozenset[int]] = {}  # part -> senders kept in it
         super().__init__(part_shapes, num_senders)
 
     def kept_in(self, part_index: int) -> frozenset[int] | None:
         return self._kept_in[part_index]  # asked once the part is complete: a KeyError is a bug
-
-    def kept_parts(self, sender_index: int) -> int:
-        """How many of the parts reduced so far kept ``sender_index``'s contribution."""
-        return sum(sender_index in kept for kept in self._kept_in.values())
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
@@ -108,13 +100,9 @@ class ScreeningReducer(SenderlessEndingReducer):
         """The weighted sum of the current part's kept contributions (in sender order), their
         weight, and how many they are."""
         held, self._held = self._held, {}
-        senders = sorted(sender for sender in held if sender not in self.excluded)
-        against = against_the_others([[held[s][0]] for s in senders], self.min_cosine)
-        for i, reason in against.items():
-            self.left_out.setdefault(senders[i], []).append(reason)
+        kept = sorted(sender for sender in held if sender not in self.excluded)
         total = torch.zeros(self.part_shapes[self.current_part_index])
         weight = 0.0
-        kept = [sender for i, sender in enumerate(senders) if i not in against]
         for sender in kept:
             total.add_(held[sender][0], alpha=held[sender][1])
             weight += held[sender][1]
@@ -122,16 +110,10 @@ class ScreeningReducer(SenderlessEndingReducer):
         return total, weight, len(kept)
 
 
-def reducer_for(
-    part_shapes: Sequence[torch.Size],
-    num_senders: int,
-    min_cosine: float,
-    *,
-    excluded: frozenset = frozenset(),
-):
-    """The reducer of our share: one that screens where the run asks for it (by direction) or our
-    tally excludes senders (their indices). A codec that gathers is not averaged by the reducer, but
-    screened alike: each recipient takes its mean of the senders the reducer kept (``kept_in``)."""
-    if min_cosine <= -1.0 and not excluded:
+def reducer_for(part_shapes: Sequence[torch.Size], num_senders: int, *, excluded: frozenset = frozenset()):
+    """The reducer of our share: one that leaves out the senders our tally excludes (their
+    indices), if any. A codec that gathers is not averaged by the reducer, but screened alike: each
+    recipient takes its mean of the senders the reducer kept (``kept_in``)."""
+    if not excluded:
         return SenderlessEndingReducer(part_shapes, num_senders)
-    return ScreeningReducer(part_shapes, num_senders, min_cosine, excluded)
+    return ScreeningReducer(part_shapes, num_senders, excluded)

@@ -8,9 +8,11 @@ it cannot decode; with ``comm.clip_to_median`` every reducer scales a sender's p
 factor. A reducer checks what it receives against the declared norm (``check_declared_norm``: the
 parts of a vector cannot be longer than the vector) and drops a sender that under-declared, or
 whose parts claim another weight than it declared (``check_declared_weight``: the screening's
-weight bound and free-rider rule judged the declared one). By direction, and the senders its
-tally excludes, each reducer screens the parts of its share (``reducer.ScreeningReducer``); with a
-codec that gathers, it sends only the payloads of the senders it kept.
+weight bound and free-rider rule judged the declared one). With ``comm.min_cosine`` above -1 each
+sender also declares the sketch of its whole contribution, and every peer judges the sketches alike
+(``verdicts.py``: direction, noise, replays). The senders its tally excludes each reducer leaves out
+of the parts of its share (``reducer.ScreeningReducer``); with a codec that gathers, it sends only
+the payloads of the senders it kept.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.p2p import PeerID
 
 from diloco.comm.hivemind.exclusion import Exclusions
-from diloco.comm.hivemind.reducer import ScreeningReducer
-from diloco.comm.robust import Screening, ScreeningRules, declared_norm, declared_weights, screen
+from diloco.comm.robust import Screening, ScreeningRules, declared_norm, declared_sketches, declared_weights, screen
+from diloco.comm.verdicts import SketchHistory
 from diloco.compression import PayloadError
 
 logger = logging.getLogger(__name__)
@@ -51,13 +53,28 @@ def declared_data(serializer, group_info: GroupInfo) -> tuple[dict[PeerID, dict]
 
 
 def screen_round(
-    declared: Mapping[PeerID, dict], rules: ScreeningRules, exclusions: Exclusions, *, own: PeerID
+    declared: Mapping[PeerID, dict],
+    rules: ScreeningRules,
+    exclusions: Exclusions,
+    *,
+    own: PeerID,
+    history: SketchHistory | None = None,
 ) -> tuple[dict, Screening, set]:
     """(each sender's declared norm, the round's screening, the senders our tally excludes): the
-    screening of the declared norms every peer computes alike, then the peers our tally excludes;
-    one line per dropped contribution."""
+    screening of the declared norms, weights and sketches every peer computes alike (a replay
+    judged against the earlier rounds of ``history``), then the peers our tally excludes; one line
+    per dropped contribution."""
     norms = {peer: declared_norm(data) for peer, data in declared.items()}
-    screening = screen(norms, rules, declared_weights(declared))  # the same on every peer
+    round_index, fragment = declared_round(declared.get(own))
+    screening = screen(  # the same on every peer
+        norms,
+        rules,
+        declared_weights(declared),
+        sketches=declared_sketches(declared) if rules.judges_sketches else None,
+        round_index=round_index,
+        fragment=fragment,
+        history=history,
+    )
     excluded = exclusions.of(declared, own=own)  # then the peers our tally excludes
     screening = exclusions.screened(screening, excluded)
     for peer, reason in screening.dropped.items():
@@ -66,6 +83,15 @@ def screen_round(
         else:
             logger.warning("dropped the contribution of peer %s: %s", peer, reason)
     return norms, screening, excluded
+
+
+def declared_round(data: object) -> tuple[int, int]:
+    """(round, fragment) as a peer declared them (ours: every honest peer of a group declares the
+    same); (0, 0) where unreadable."""
+    value = data.get("round") if isinstance(data, dict) else None
+    if isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value):
+        return value[0], value[1]
+    return 0, 0
 
 
 def check_declared_weight(declared: Mapping, sender: object, weight: float) -> None:
@@ -85,15 +111,3 @@ def check_declared_norm(received_squares: dict, norms: Mapping, sender: object, 
     declared = norms.get(sender, math.nan)
     if not math.sqrt(squares) <= 1.1 * declared + 1e-6:
         raise PayloadError(f"its parts have norm {math.sqrt(squares):.4g}, above the {declared:.4g} it declared")
-
-
-def log_left_out(reducer, sender_peer_ids) -> None:
-    """One line per sender our reducer left out of parts of our share (``comm.min_cosine``)."""
-    if not isinstance(reducer, ScreeningReducer):
-        return
-    for index, reasons in sorted(reducer.left_out.items()):
-        peer = sender_peer_ids[index]
-        logger.warning(
-            "left the contribution of peer %s out of %d of the %d parts we reduced: %s",
-            peer, len(reasons), reducer.num_parts, reasons[0],
-        )  # fmt: skip

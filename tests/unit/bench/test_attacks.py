@@ -25,8 +25,8 @@ SMALL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_bytes
 
 def test_every_attack_is_worker_three_screened_and_the_reference_leaves_worker_three_out():
     by_name = {arm.name: arm for arm in ARMS}
-    assert "comm.min_cosine=0" in by_name["minus-9x"].extra and "faults.payload_scale=-9" in by_name["minus-9x"].extra
-    assert "faults.worker=3" in by_name["weight-1000x"].extra and "comm.min_cosine=-1" in by_name["minus-9x-off"].extra
+    assert "comm.trust=open" in by_name["minus-9x"].extra and "faults.payload_scale=-9" in by_name["minus-9x"].extra
+    assert "faults.worker=3" in by_name["weight-1000x"].extra and "comm.trust=trusted" in by_name["minus-9x-off"].extra
     without = by_name[WITHOUT]
     assert without.workers == 4 and without.overrides[-2:] == ["faults.payload_scale=0", "comm.min_cosine=0.1"]
     assert [arm.name for arm in select_arms(["9x"])] == ["clean", "clean-off", "9x", WITHOUT]

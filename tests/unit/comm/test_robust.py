@@ -12,7 +12,7 @@ import torch
 
 from diloco.comm.base import Averaging, CommBackend, Outcome, SyncResult
 from diloco.comm.reduce import Contribution, average_payloads
-from diloco.comm.robust import ScreeningRules, against_the_others, norm_of, screen
+from diloco.comm.robust import ScreeningRules, norm_of, screen
 from diloco.compression import CompressionConfig, NoCompression, build_codec
 from diloco.config import ConfigError, FaultConfig, load_config
 from diloco.tools.launcher import simulate
@@ -251,28 +251,6 @@ def test_a_weight_claim_above_the_bound_counts_for_the_bound_and_the_mean_follow
     )
     assert [c.weight for c in used] == [1.0, 1.0, 1.0, 4.0]
     torch.testing.assert_close(means[0], torch.full((4,), (1 + 2 + 3 + 4 * 4) / 7))
-
-
-def _vectors(*rows) -> list[list[torch.Tensor]]:
-    return [[torch.tensor(row, dtype=torch.float32)] for row in rows]
-
-
-def test_the_direction_rule_drops_what_points_against_the_median_whatever_the_order():
-    rows = [(1.0, 2.0, 0.5), (1.2, 1.5, 0.7), (0.8, 2.5, 0.2), (-9.0, -18.0, -4.5)]
-    for order in itertools.permutations(range(4)):
-        dropped = against_the_others(_vectors(*(rows[i] for i in order)), 0.0)
-        assert list(dropped) == [order.index(3)], dropped
-        assert "does not point the others' way (cosine -0.9" in dropped[order.index(3)]
-    assert against_the_others(_vectors(*rows), -1.0) == {}  # off
-    assert against_the_others(_vectors(rows[0], rows[3]), 0.0) == {}  # two: no telling which one is off
-
-
-def test_the_direction_rule_needs_a_majority_and_reads_a_zero_contribution_as_cosine_zero():
-    honest, flipped = (1.0, 2.0, 0.5), (-1.0, -2.0, -0.5)
-    assert against_the_others(_vectors(honest, honest, flipped, flipped), 0.0) == {}  # half against: no majority
-    free_rider = (0.0, 0.0, 0.0)
-    assert against_the_others(_vectors(honest, honest, free_rider), 0.0) == {}  # cosine 0 is not below 0
-    assert list(against_the_others(_vectors(honest, honest, free_rider), 0.1)) == [2]
 
 
 def test_a_codec_that_gathers_is_screened_by_direction_on_its_sparse_values_too():
