@@ -103,4 +103,4 @@ class StateAccess:
 def say_if_open(run_key: str, *, who: str, what: str) -> None:
     """One line at the start of a peer that serves ``what`` in an open run (``run_key`` "")."""
     if not run_key:
-        logger.warning("this run has no key: anyone who reaches this %s can download %s", who, what)
+        logger.info("this run has no key: anyone who reaches this %s can download %s", who, what)

@@ -75,7 +75,7 @@ def test_a_refusal_names_the_run_key_to_the_requester_and_the_peer_once_in_the_s
 
 
 def test_an_open_run_says_once_that_its_params_are_public_and_a_keyed_one_says_nothing(caplog):
-    with caplog.at_level(logging.WARNING, logger="diloco.comm.hivemind.state_access"):
+    with caplog.at_level(logging.INFO, logger="diloco.comm.hivemind.state_access"):
         say_if_open(KEY, who="worker", what="its params")
         say_if_open("", who="worker", what="its params")
     assert [r.getMessage() for r in caplog.records] == [
