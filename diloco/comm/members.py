@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 # the version of what workers exchange (their records, the rounds' messages): a worker announces it
 # with its run (``LiveWorker.run``), and one of another version is refused before it joins, since
 # the two would not read each other's records (a run upgrades all its workers together)
-PROTOCOL = 2
+PROTOCOL = 3  # 3: a state request carries a proof of the run key (comm/hivemind/state_access.py)
 PROTOCOL_KEY = "diloco.protocol"
 
 

@@ -4,8 +4,9 @@
 a reducer hands out the average itself, not a delta), its parts in the run's codec on the wire
 (``wire.py``), screened alike on every peer (``screening.py``), counted in shared counters
 (``traffic.py``); it serves the worker's state (``state_serving.py``) and downloads a peer's
-(``state_download.py``). Here: the averager itself, in its own process, a round's group set by the
-worker, a part for a group we are not in refused, and bounded calls to the averager's process.
+(``state_download.py``), in a keyed run to and from key holders only (``state_access.py``).
+Here: the averager itself, in its own process, a round's group set by the worker, a part for a
+group we are not in refused, and bounded calls to the averager's process.
 Every hivemind method it overrides is listed in ``overrides.py``.
 """
 
@@ -37,6 +38,7 @@ from diloco.comm.hivemind.exclusion import Exclusions
 from diloco.comm.hivemind.forked import release_inherited_tensors
 from diloco.comm.hivemind.run_key import keyed_schema_hash
 from diloco.comm.hivemind.screening import declared_data, screen_round
+from diloco.comm.hivemind.state_access import StateAccess
 from diloco.comm.hivemind.state_download import StateDownload
 from diloco.comm.hivemind.state_serving import StateServing
 from diloco.comm.hivemind.traffic import TrafficCounters
@@ -75,7 +77,8 @@ class ExactAverager(StateServing, StateDownload, DecentralizedAverager):
         self.sketch_history = SketchHistory()  # earlier rounds' sketches, to tell a replay (verdicts.py)
         # comm.exclude_after, across this peer's rounds (saved to ``standings``, read back on a restart)
         self.exclusions = Exclusions(rules.exclude_after, standings, readmit_after=rules.readmit_after)
-        self._serve_parts()  # the state that peers download (state_serving.py)
+        self._serve_parts()  # the state that peers download (state_serving.py) ...
+        self.access = StateAccess(run_key)  # ... in a keyed run, key holders only (state_access.py)
         super().__init__(
             averaged_tensors,
             dht,

@@ -9,7 +9,8 @@
 - ``redial.py``          its peers found again after the network between them healed
 - ``loss_board.py``      the held-out losses the workers holding the same params share
 
-With a run key (``run_key.py``) only key holders can write the run's DHT records or join its groups.
+With a run key (``run_key.py``) only key holders can write the run's DHT records, join its groups
+or download its state (``state_access.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.redial import Redial, redial_every_s
 from diloco.comm.hivemind.roster import Roster
+from diloco.comm.hivemind.state_access import say_if_open
 from diloco.comm.hivemind.state_exchange import HivemindStateExchange
 from diloco.comm.hivemind.state_offers import StateOffers
 from diloco.comm.hivemind.state_relay import StateUploader, StateWants
+from diloco.comm.run_key_env import resolve_run_key
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -82,7 +85,9 @@ class HivemindBackend(CommBackend):
             helpers = RunHelpers(peer.call, cfg.run_id)  # who joins each round's group to reduce
             offers = StateOffers(peer.call, f"{averagers[0].prefix}.all_averagers", peer.peer_id.to_bytes())
             wants = StateWants(peer.call, cfg.run_id, str(peer.peer_id)) if peer.client_mode else None
-            # the first fragment's averager also serves the worker's state
+            # the first fragment's averager also serves the worker's state: to key holders only, if keyed
+            if not peer.client_mode:
+                say_if_open(resolve_run_key(cfg.run_key), who="worker", what="its params")
             states = _state_exchange(cfg, peer, roster, averagers[0], offers, wants, helpers, num_workers=num_workers)
             self._uploader = _start_uploader(cfg, peer, roster, wants, offers, states) if wants else None
             averaging = HivemindAveraging(

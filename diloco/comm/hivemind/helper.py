@@ -37,8 +37,10 @@ from diloco.comm.hivemind.membership import HivemindMembership
 from diloco.comm.hivemind.peer import Peer
 from diloco.comm.hivemind.roster import Roster
 from diloco.comm.hivemind.roster_records import RosterEntry
+from diloco.comm.hivemind.state_access import say_if_open
 from diloco.comm.hivemind.state_offers import priority
 from diloco.comm.hivemind.state_relay import RelayedStates, UploadServer
+from diloco.comm.run_key_env import resolve_run_key
 from diloco.compression import Codec
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class Helper:
             self.averager = start_averager(
                 cfg, self.peer, tensors, codec=codec, fragment=0, num_workers=planned, auxiliary=True
             )
+            say_if_open(resolve_run_key(cfg.run_key), who="helper", what="the states it relays")
             heartbeat_s = cfg.hivemind.heartbeat_s
             self.roster = Roster(
                 self.peer.call, run_id=cfg.run_id, worker_index=-1, planned=planned, heartbeat_s=heartbeat_s

@@ -91,6 +91,7 @@ OVERRIDDEN = (
         _AVERAGER,
         "state_serving.StateServing",
         ("get_current_state", "(self)", "3afe5c34c578e2e4"),
+        ("rpc_download_state", "(self, _request, _context)", "7bd6ee09c512d64b"),
     ),
     *_of(
         _AVERAGER,
@@ -159,11 +160,6 @@ RELIED_ON = (
         "averager.ExactAverager",
         ("_aggregate_with_group", "(self, group_info, min_vector_size, **kwargs)", "0e4f2e484130a972"),
         ("_run_internal", "(self)", "702c0c2e2156cdea"),
-    ),
-    *_of(
-        _AVERAGER,
-        "state_serving.StateServing",
-        ("rpc_download_state", "(self, _request, _context)", "7bd6ee09c512d64b"),
     ),
     *_of(
         _RUNNER,

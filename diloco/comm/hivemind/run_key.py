@@ -1,7 +1,8 @@
-"""The run key: only peers that hold it can write the run's DHT records or join its averaging groups.
+"""The run key: only peers that hold it can write the run's DHT records, join its averaging groups
+or download a member's state.
 
 A run started with ``comm.run_key`` (or the ``DILOCO_RUN_KEY`` environment variable, which keeps
-the key out of config files and shell history) protects two doors:
+the key out of config files and shell history) protects three doors:
 
 - DHT records. Every record a worker stores carries an HMAC-SHA256 tag of its key, subkey, value
   and expiration under the run key (``RunKeyValidator``, hivemind's record-validator hook). A
@@ -10,10 +11,11 @@ the key out of config files and shell history) protects two doors:
 - Averaging groups. hivemind's matchmaking refuses a join request whose schema hash differs from
   the leader's; the schema hash here is an HMAC of the tensors' schema under the run key
   (``keyed_schema_hash``), so it doubles as a membership token that only key holders can present.
+- State downloads. A peer serves its state only to a requester that proves it holds the key
+  (``state_access.py``, under a key derived from ``derived_key``).
 
-What it does not do: encrypt traffic (libp2p already does, with TLS or Noise) or hide a run's
-state from a peer that knows a member's address (a download request carries no token in
-hivemind 1.1.12). A record's tag can be replayed unchanged, which only repeats a genuine record.
+What it does not do: encrypt traffic (libp2p already does, with TLS or Noise). A record's tag can
+be replayed unchanged, which only repeats a genuine record.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import hmac
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 _TAG_BYTES = 32
+
+
+def derived_key(run_key: str) -> bytes:
+    """The secret the run's tags are made under, derived from the run key."""
+    return hashlib.sha256(b"diloco-run-key:" + run_key.encode()).digest()
 
 
 def _tag(key: bytes, record: DHTRecord, value: bytes) -> bytes:
@@ -37,7 +44,7 @@ class RunKeyValidator(RecordValidatorBase):
     def __init__(self, run_key: str):
         if not run_key:
             raise ValueError("RunKeyValidator needs a non-empty run key")
-        self._key = hashlib.sha256(b"diloco-run-key:" + run_key.encode()).digest()
+        self._key = derived_key(run_key)
 
     def sign_value(self, record: DHTRecord) -> bytes:
         return record.value + _tag(self._key, record, record.value)

@@ -29,6 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from diloco.comm.hivemind.state_access import REFUSED, StateAccess
 from diloco.comm.hivemind.state_parts import Manifest, agreed
 from diloco.comm.hivemind.state_swarm import SwarmDownload
 
@@ -46,7 +47,10 @@ _FOREVER_S = 365 * 86400.0
 
 class StateDownload:
     """A mix-in of the averager (``averager.ExactAverager``): ``load_state_from_peers`` with
-    ``exclude``, in parts from several peers."""
+    ``exclude``, in parts from several peers, each request with the proof ``access`` makes (a
+    ``StateAccess``, set by the averager)."""
+
+    access: StateAccess
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, exclude: Sequence[str] = ()):
         """(metadata, state) of the best offer of peers not in ``exclude`` (peer ids as text),
@@ -75,8 +79,8 @@ class StateDownload:
         for peer in self._offering_peers(exclude):
             try:
                 found = await self._download_from(peer, timeout)
-            except Exception as error:  # that peer failed: the next one
-                logger.warning("downloading the state of peer %s failed: %r", peer, error)
+            except Exception as error:  # that peer failed (or refused us): the next one
+                logger.warning("downloading the state of peer %s failed: %s", peer, _reason(error))
                 continue
             if found is not None:
                 return found
@@ -133,24 +137,31 @@ class StateDownload:
 
         async def ask(peer: PeerID):
             try:
-                stream = await self._part_stub(peer).rpc_download_state_part(_request({"manifest": True}))
+                stream = await self._part_stub(peer).rpc_download_state_part(self._request(peer, {"manifest": True}))
                 async for message in aiter_with_timeout(stream, timeout=timeout):
                     answer = MSGPackSerializer.loads(message.metadata)
                     return peer.to_base58(), (Manifest.from_wire(answer["manifest"]), answer["metadata"])
-            except Exception as error:  # an older peer, a stale offer, a broken link: not a source
-                logger.debug("peer %s served no state manifest: %r", peer, error)
+            except Exception as error:  # an older peer, a stale offer, a broken link, a refusal: not a source
+                logger.debug("peer %s served no state manifest: %s", peer, _reason(error))
             return None
 
         return dict(found for found in await asyncio.gather(*(ask(p) for p in peers)) if found is not None)
 
     def _parts_fetcher(self, digest: str, timeout: float | None):
         async def fetch(peer: str, parts: range) -> AsyncIterator[tuple[int, bytes]]:
-            asked = _request({"digest": digest, "first": parts.start, "stop": parts.stop})
-            stream = await self._part_stub(PeerID.from_base58(peer)).rpc_download_state_part(asked)
+            server = PeerID.from_base58(peer)
+            asked = self._request(server, {"digest": digest, "first": parts.start, "stop": parts.stop})
+            stream = await self._part_stub(server).rpc_download_state_part(asked)
             async for message in aiter_with_timeout(stream, timeout=timeout):
                 yield MSGPackSerializer.loads(message.metadata), message.tensor_part.buffer
 
         return fetch
+
+    def _request(self, peer: PeerID, asked: dict) -> averaging_pb2.DownloadData:
+        """A state request to ``peer``: hivemind's messages are fixed, so what is asked rides in the
+        metadata (MSGPack), with the proof that we hold the run key (``state_access.py``)."""
+        proven = self.access.request(asked, requester=self.peer_id.to_bytes(), server=peer.to_bytes())
+        return averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(proven))
 
     def _part_stub(self, peer: PeerID):
         return self.get_stub(self._p2p, peer, namespace=self.prefix)
@@ -179,7 +190,7 @@ class StateDownload:
         """(metadata with SERVED_BY, tensors) of ``peer``'s state, or None when it sent none."""
         started = time.monotonic()
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        stream = await stub.rpc_download_state(self._request(peer, {}))
         metadata, tensors = await streamed_state(aiter_with_timeout(stream, timeout=timeout))
         if not isinstance(metadata, dict) or not metadata:  # nothing offered now (a stale offer): the next peer
             return None
@@ -187,9 +198,10 @@ class StateDownload:
         return {**metadata, SERVED_BY: peer.to_base58()}, tensors
 
 
-def _request(asked: dict) -> averaging_pb2.DownloadData:
-    """A request of ``rpc_download_state_part``: hivemind's messages are fixed, so it rides in the metadata."""
-    return averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(asked))
+def _reason(error: Exception) -> str:
+    """What a failed request says: a refusal's reason alone (hivemind wraps it), else the error."""
+    text = str(error)
+    return text[text.index(REFUSED) :] if REFUSED in text else repr(error)
 
 
 async def streamed_state(messages: AsyncIterator[averaging_pb2.DownloadData]) -> tuple[object, list]:

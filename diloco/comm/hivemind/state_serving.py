@@ -4,7 +4,8 @@ The worker offers its state (``share_state``: metadata and a reader that reads i
 step's lock); nothing is read or serialized until a peer asks. A peer downloads it in parts from
 several peers at once (``state_download.py``): we serve the manifest of our live state and the parts
 asked of it (``rpc_download_state_part``); or whole, as hivemind serves a state
-(``get_current_state``, hivemind's ``rpc_download_state``). Requests arrive in the averager's
+(``get_current_state``, hivemind's ``rpc_download_state``). In a keyed run each request must
+prove that its sender holds the run key (``state_access.py``). Requests arrive in the averager's
 process and are answered in the host process, which holds the state: a thread there answers
 what the averager's process asks through a pipe. A stale offer (an outer step changed the state
 since) answers nothing.
@@ -27,13 +28,17 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from diloco.comm.base import StateReader
+from diloco.comm.hivemind.state_access import StateAccess
 from diloco.comm.hivemind.state_parts import Manifest, byte_views, flatten, manifest_of, read_range
 
 logger = logging.getLogger(__name__)
 
 
 class StateServing:
-    """A mix-in of the averager: the state it offers, served whole or in parts."""
+    """A mix-in of the averager: the state it offers, served whole or in parts, to the peers
+    ``access`` admits (a ``StateAccess``, set by the averager)."""
+
+    access: StateAccess
 
     def share_state(self, metadata: dict, state: StateReader, *, priority: float) -> None:
         """Serve the state ``state`` reads (with ``metadata``) to peers that download state; peers
@@ -53,20 +58,32 @@ class StateServing:
             return {}, [], None
         return metadata, [torch.frombuffer(serialized.getbuffer(), dtype=torch.uint8)], None
 
-    async def rpc_download_state_part(
-        self, request: averaging_pb2.DownloadData, _context: P2PContext
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the handler's kind from them
-        """The manifest of the state we offer ({"manifest": true} in the request's metadata, MSGPack),
-        or its parts ``first`` to ``stop`` of the manifest ``digest``, one message each. Nothing
-        where we offer none, or the offer is stale (or of another manifest)."""
+        """hivemind's, for a requester ``access`` admits: the proof rides in the request's metadata,
+        so the request is a ``DownloadData`` (hivemind's own, an empty ``DownloadRequest``, reads
+        as one without a proof). A refused request raises ``StateRefused``: hivemind hands its
+        message to the requester."""
         if not self.allow_state_sharing:
             return
-        try:
-            asked = MSGPackSerializer.loads(request.metadata)
-        except Exception:  # not a request of ours
+        self.access.check(_asked(request), requester=context.remote_id, server=self.peer_id)
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def rpc_download_state_part(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # typing's: hivemind reads the handler's kind from them
+        """The manifest of the state we offer ({"manifest": true} in the request's metadata, MSGPack),
+        or its parts ``first`` to ``stop`` of the manifest ``digest``, one message each, for a
+        requester ``access`` admits. Nothing where we offer none, or the offer is stale (or of
+        another manifest)."""
+        if not self.allow_state_sharing:
             return
-        if not isinstance(asked, dict):
+        asked = _asked(request)
+        if asked is None:  # not a request of ours
             return
+        self.access.check(asked, requester=context.remote_id, server=self.peer_id)
         future = MPFuture()
         self._part_pipe[0].send((asked, future))
         answer = await future
@@ -110,6 +127,17 @@ class StateServing:
         start, end = manifest.span(first)[0], manifest.span(stop - 1)[1]
         data = read(lambda state: read_range(byte_views(flatten(state)[1]), start, end))
         return (manifest.part_bytes, data) if isinstance(data, bytes) else None
+
+
+def _asked(request: averaging_pb2.DownloadData) -> dict | None:
+    """A state request's metadata (a dict, {} where it has none), or None where it is not one of ours."""
+    if not request.metadata:
+        return {}
+    try:
+        asked = MSGPackSerializer.loads(request.metadata)
+    except Exception:
+        return None
+    return asked if isinstance(asked, dict) else None
 
 
 def _answer_parts(pipe, owner: weakref.ref) -> None:

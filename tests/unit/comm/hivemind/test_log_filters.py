@@ -1,5 +1,5 @@
 """What the averager's process logs: an expected failure of a step without its traceback, nor the
-result of a step the worker cancelled."""
+result of a step the worker cancelled, nor hivemind's traceback of a refused state request."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import pytest
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.utils.mpfuture import MPFuture
 
-from diloco.comm.hivemind.log_filters import drop_expected_step_failures, drop_result_of_a_cancelled_step
+from diloco.comm.hivemind.log_filters import (
+    drop_expected_step_failures,
+    drop_refused_state_requests,
+    drop_result_of_a_cancelled_step,
+)
+from diloco.comm.hivemind.state_access import StateRefused
 
 
 def _record_of(error: Exception) -> logging.LogRecord:
@@ -40,3 +45,8 @@ def test_the_result_of_a_step_the_worker_cancelled_is_not_logged_and_another_inv
         done.set_result(None)
     assert drop_result_of_a_cancelled_step(_record_of(twice.value))
     assert drop_result_of_a_cancelled_step(_record_of(AssertionError("a bug")))
+
+
+def test_a_refused_state_request_is_left_to_its_one_line_and_another_handler_failure_keeps_its_traceback():
+    assert not drop_refused_state_requests(_record_of(StateRefused("state download refused: no proof")))
+    assert drop_refused_state_requests(_record_of(ValueError("a bug in a handler")))
