@@ -1,17 +1,17 @@
-"""A contribution's sketch: a few hundred numbers that stand for its whole vector.
+"""A contribution's sketch: two thousand numbers that stand for its whole vector.
 
 Each value of a contribution (its tensors taken as one flat vector, in order) is added, with a
 sign, to one of ``SIZE`` buckets; bucket and sign are a hash of the value's position in the flat
-vector (a count sketch, hashed by blocks of ``SIZE`` positions: ``sketch_of``). The sketch is linear (the sketch of a sum is the sum of the sketches, and
-the sketches of a vector's slices, each hashed at its own offset, add up to the whole's), and the
-cosine of two sketches estimates the cosine of the two vectors (unbiased; its spread is about
-``1 / sqrt(SIZE)``). So peers that each see a slice of a contribution, or none of it, can judge
-whole contributions by their sketches alone (``verdicts.py``): every peer computes the same
-verdicts from the same declared sketches.
+vector (a count sketch, hashed by blocks of ``BLOCK`` positions: ``sketch_of``). The sketch is
+linear (the sketch of a sum is the sum of the sketches, and the sketches of a vector's slices,
+each hashed at its own offset, add up to the whole's), and the cosine of two sketches estimates
+the cosine of the two vectors (its spread is about ``1 / sqrt(SIZE)``). So peers that each see a
+slice of a contribution, or none of it, can judge whole contributions by their sketches alone
+(``verdicts.py``): every peer computes the same verdicts from the same declared sketches.
 
 The hash is fixed (the same projection in every round and run): a contribution can then be
 compared with earlier rounds' (a replay). Computing one costs a pass over the vector in chunks of
-``_CHUNK`` values (a copy of a chunk, signed, and a ``SIZE`` x ``SIZE`` table).
+``_CHUNK`` values (a signed copy of a chunk, and a 4 MB table): about 1.2 ns a value on one core.
 """
 
 from __future__ import annotations
