@@ -114,16 +114,12 @@ def _screened(
         round_index=round_index,
         history=history,
     )
-    for i, reason in screening.dropped.items():
+    for i, reason in {**screening.dropped, **screening.repeated}.items():  # one process: one history
         _left_out(verdicts, round_index, used[i], reason)
     verdicts.clipped.update(used[i].worker for i, scale in screening.scales.items() if scale != 1.0)
-    decoded = [
-        [v * screening.scales[i] for v in values] if screening.scales[i] != 1.0 else values
-        for i, values in enumerate(decoded)
-        if i in screening.scales
-    ]
-    used = [_counted(c, screening.weight(c.weight)) for i, c in enumerate(used) if i in screening.scales]
-    return decoded, used
+    kept = [i for i in screening.scales if i not in screening.repeated]
+    scaled = [[v * screening.scales[i] for v in decoded[i]] if screening.scales[i] != 1.0 else decoded[i] for i in kept]
+    return scaled, [_counted(used[i], screening.weight(used[i].weight)) for i in kept]
 
 
 def _means(

@@ -80,14 +80,15 @@ NO_SCREENING = ScreeningRules()
 class Screening:
     """The decision for one round: who is dropped (and why), the factor for each kept one, and
     the most a weight counts for; and whom the reducer that holds it leaves out of what it sums
-    (``excluded``: a hivemind peer's own tally, comm/hivemind/exclusion.py)."""
+    (``excluded``: a hivemind peer's own tally, comm/hivemind/exclusion.py, and ``repeated``: the
+    replays its own history tells, which other peers may not know of)."""
 
     dropped: dict = field(default_factory=dict)  # contributor -> reason, for the log
     scales: dict = field(default_factory=dict)  # kept contributor -> factor to multiply its values by
     median: float = math.nan  # the reference norm (nan when no norm was finite)
     max_weight: float = math.inf  # a weight above it counts as it (``comm.max_weight_ratio``)
-    min_cosine: float = -1.0  # the sketches' direction rule (above -1: each sender declares a sketch)
     excluded: frozenset = frozenset()  # contributors our reducer leaves out (they still get its average)
+    repeated: dict = field(default_factory=dict)  # kept, but replays by our history: our reducer leaves them out
 
     def weight(self, claimed: float) -> float:
         """What a contribution that claims ``claimed`` counts for."""
@@ -112,7 +113,8 @@ def screen(
     ``median / norm``; every other kept one gets 1.0. When ``max_weight_ratio`` > 0, the most a
     weight counts for is that x the median (low) of the positive finite ``weights``. Then, when
     ``rules.min_cosine`` is above -1, the kept contributions' ``sketches`` are judged
-    (``verdicts.judge``: direction, noise, replays of the rounds in ``history``)."""
+    (``verdicts.judge``: direction and missing sketches, the same on every peer, into ``dropped``;
+    replays of the rounds in ``history``, this peer's own, into ``repeated``)."""
     finite = [float(n) for n in norms.values() if math.isfinite(n)]
     median = statistics.median_low(finite) if finite else math.nan
     max_weight = _max_weight(weights or {}, rules)
@@ -134,10 +136,11 @@ def screen(
     if sketches is not None:
         kept = {who: sketches.get(who) for who in scales}
         judged = verdicts.judge(kept, rules.min_cosine, round_index=round_index, fragment=fragment, history=history)
-        for who, reason in judged.items():
+        for who, reason in judged.left_out.items():
             dropped[who] = reason
             del scales[who]
-    return Screening(dropped, scales, median, max_weight, rules.min_cosine)
+        return Screening(dropped, scales, median, max_weight, repeated=judged.repeated)
+    return Screening(dropped, scales, median, max_weight)
 
 
 def _too_small(

@@ -106,6 +106,8 @@ def decode(data: object) -> torch.Tensor | None:
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The cosine of two sketches (0 when either is zero)."""
-    norms = float(a.norm()) * float(b.norm())
-    return float(a @ b) / norms if norms > 0 and math.isfinite(norms) else 0.0
+    """The cosine of two sketches (0 when either is zero), summed exactly (``math.fsum``): the
+    same bits on every machine, whatever its vector instructions."""
+    x, y = a.tolist(), b.tolist()
+    norms = math.sqrt(math.fsum(v * v for v in x)) * math.sqrt(math.fsum(v * v for v in y))
+    return math.fsum(u * v for u, v in zip(x, y)) / norms if norms > 0 and math.isfinite(norms) else 0.0

@@ -24,7 +24,7 @@
 - ``state_download.py``  a peer's state downloaded, in parts from several peers at once
 - ``log_filters.py``     hivemind's tracebacks of failures the worker reports itself left out
 - ``overrides.py``       every hivemind method overridden or relied on, as hivemind 1.1.12 has it
-- ``reducer.py``         the reducer of our share: ends without senders; screens each part by direction
+- ``reducer.py``         the reducer of our share: ends without senders; leaves out those we exclude
 - ``exclusion.py``       each peer's standing across rounds (``comm.exclude_after``), kept in the averager
 - ``gathered.py``        a reducer's reply for a codec that gathers (top-k): the kept payloads, not their mean
 - ``gloo_plane.py``      a bulk data plane beside it: fp32 rounds through a gloo all-reduce

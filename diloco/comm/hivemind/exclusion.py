@@ -2,9 +2,11 @@
 process from what this peer saw, and the peers excluded now handed to the worker's process.
 
 What a peer sees of a round: the screening's verdicts (norms, weights, sketches: ``verdicts.py``),
-which every peer reaches alike from what was declared at matchmaking, and the payloads its reducer
-could not use. An attacker left out is excluded by every peer that averaged with it each time,
-in the same round; a peer that joined later, or sat in another group, excludes it later. Peers that disagree still end
+which every peer reaches alike from what was declared at matchmaking, the replays its own history
+of sketches tells, and the payloads its reducer could not use. An attacker left out alike is
+excluded by every peer that averaged with it each time, in the same round; a peer that joined
+later, or sat in another group, excludes it later (and a replay of a round it did not see counts
+only with the peers that saw it). Peers that disagree still end
 on the same params: each part is reduced in one place, and a reducer that excludes a peer leaves
 its parts out of the sums (``reducer.ScreeningReducer``) and sends it the others' average, as to
 anyone. The screening itself is the same on every peer: exclusion comes after it. With a codec that gathers (top-k) a
@@ -58,10 +60,11 @@ class Exclusions:
         return dataclasses.replace(screening, excluded=frozenset(excluded)) if excluded else screening
 
     def record(self, senders: Sequence, screening: Screening, excluded: set, runner, *, own) -> None:
-        """Count a finished round for the ``senders``, ``own`` aside (we never refuse our own
-        parts): those not excluded are left out when the screening dropped them or their payload
-        was unusable; those excluded serve a round of their term."""
+        """Count a finished round for the ``senders``, ``own`` aside (we never exclude ourselves):
+        those not excluded are left out when the screening dropped them, our reducer left them out
+        as replays, or their payload was unusable; those excluded serve a round of their term."""
         left_out = {peer: reason for peer, reason in screening.dropped.items()}
+        left_out.update({peer: reason for peer, reason in screening.repeated.items() if peer != own})
         left_out.update(runner.payload_dropped)
         sent = [f"peer {peer}" for peer in senders if peer != own]
         named = {f"peer {peer}": reason for peer, reason in left_out.items() if peer not in excluded}

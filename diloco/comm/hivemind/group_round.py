@@ -36,7 +36,6 @@ from diloco.comm.robust import (
     norm_of,
     screen,
 )
-from diloco.comm.verdicts import SketchHistory
 from diloco.compression import all_finite
 
 logger = logging.getLogger(__name__)
@@ -174,7 +173,6 @@ class GroupRound:
         self._offers, self._others = offers, others
         self._control_s = control_s
         self._rules = ScreeningRules.of(cfg)
-        self._history = SketchHistory()  # the sketches of earlier rounds, as our averager keeps them
 
     def run(
         self, averager, flat: torch.Tensor, tensors: Sequence[torch.Tensor], weight: float, at: Attempt
@@ -246,7 +244,8 @@ class GroupRound:
         return declared
 
     def _screening(self, gathered: dict, at: Attempt) -> Screening:
-        """The group's screening (robust.py), which every peer computes alike from what it gathered."""
+        """The group's screening (robust.py), which every peer computes alike from what it gathered
+        (the replays our averager's reducer left out are its own: their parts' counts tell us)."""
         return screen(
             {peer: declared_norm(g) for peer, g in gathered.items()},
             self._rules,
@@ -254,7 +253,6 @@ class GroupRound:
             sketches=declared_sketches(gathered) if self._rules.judges_sketches else None,
             round_index=at.round_index,
             fragment=at.fragment,
-            history=self._history,
         )
 
     def _step(self, averager, tensors: Sequence[torch.Tensor], weight: float, declared: dict, at: Attempt):

@@ -17,6 +17,7 @@ the payloads of the senders it kept.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Mapping
@@ -61,11 +62,12 @@ def screen_round(
     history: SketchHistory | None = None,
 ) -> tuple[dict, Screening, set]:
     """(each sender's declared norm, the round's screening, the senders our tally excludes): the
-    screening of the declared norms, weights and sketches every peer computes alike (a replay
-    judged against the earlier rounds of ``history``), then the peers our tally excludes; one line
-    per dropped contribution."""
+    screening of the declared norms, weights and sketches every peer computes alike, then the
+    senders our reducer leaves out of its sums (those our tally excludes, and the replays of the
+    earlier rounds of ``history``: ``Screening.excluded``); one line per contribution dropped or
+    left out."""
     norms = {peer: declared_norm(data) for peer, data in declared.items()}
-    round_index, fragment = declared_round(declared.get(own))
+    round_index, fragment = declared_round(declared, own=own)
     screening = screen(  # the same on every peer
         norms,
         rules,
@@ -76,22 +78,31 @@ def screen_round(
         history=history,
     )
     excluded = exclusions.of(declared, own=own)  # then the peers our tally excludes
-    screening = exclusions.screened(screening, excluded)
+    screening = exclusions.screened(screening, excluded | set(screening.repeated))
     for peer, reason in screening.dropped.items():
         if peer == own:
             logger.warning("dropped our own contribution: %s", reason)
         else:
             logger.warning("dropped the contribution of peer %s: %s", peer, reason)
+    for peer, reason in screening.repeated.items():
+        logger.warning("left the contribution of peer %s out of the parts we reduce: %s", peer, reason)
     return norms, screening, excluded
 
 
-def declared_round(data: object) -> tuple[int, int]:
-    """(round, fragment) as a peer declared them (ours: every honest peer of a group declares the
-    same); (0, 0) where unreadable."""
+def declared_round(declared: Mapping[PeerID, dict], *, own: PeerID) -> tuple[int, int]:
+    """(round, fragment) as ``own`` declared them (every honest peer of a group declares the same),
+    or, for a helper (which declares none), as most of the contributors did; (0, 0) where none can
+    be read."""
+    found = [_round_of(declared.get(own))] if own in declared else [_round_of(d) for d in declared.values()]
+    found = [value for value in found if value is not None]
+    return collections.Counter(found).most_common(1)[0][0] if found else (0, 0)
+
+
+def _round_of(data: object) -> tuple[int, int] | None:
     value = data.get("round") if isinstance(data, dict) else None
     if isinstance(value, list | tuple) and len(value) == 2 and all(type(v) is int for v in value):
         return value[0], value[1]
-    return 0, 0
+    return None
 
 
 def check_declared_weight(declared: Mapping, sender: object, weight: float) -> None:

@@ -12,9 +12,12 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
+from diloco.comm import sketch
 from diloco.comm.hivemind.exclusion import Exclusions
 from diloco.comm.hivemind.reducer import ScreeningReducer, SenderlessEndingReducer, reducer_for
-from diloco.comm.robust import Screening
+from diloco.comm.hivemind.screening import declared_round, screen_round
+from diloco.comm.robust import Screening, ScreeningRules
+from diloco.comm.verdicts import SketchHistory
 
 REDUCERS = [SenderlessEndingReducer, functools.partial(ScreeningReducer, excluded=frozenset({7}))]
 
@@ -138,7 +141,7 @@ def test_an_excluded_sender_is_left_out_of_every_part_and_still_gets_the_others_
 
 def test_norm_drops_and_unusable_payloads_count_as_left_out_even_without_a_reducer_of_ours():
     peers = [_Peer(f"peer{i}") for i in range(4)]
-    exclusions = Exclusions(exclude_after=1)  # a client: no reducer of ours screened by direction
+    exclusions = Exclusions(exclude_after=1)  # a client: no reducer of ours
     dropped = Screening(dropped={peers[1]: "far above the median"})
     exclusions.record(peers, dropped, set(), _runner(None, {peers[2]: "not finite"}), own=peers[0])
     assert exclusions.of(peers, own=peers[0]) == {"peer1", "peer2"}
@@ -184,3 +187,26 @@ def test_an_exclusion_in_standings_written_before_readmission_existed_serves_the
         excluded = exclusions.of(peers, own=peers[0])
         exclusions.record(peers, Exclusions.screened(Screening(), excluded), excluded, _runner(None), own=peers[0])
     assert exclusions.excluded_peers() == set() and exclusions.scores.standings["peer peer3"].exclusions == 1
+
+
+def test_a_helper_judges_the_round_the_contributors_declared_and_its_reducer_leaves_a_replay_out():
+    peers = [_Peer(f"peer{i}") for i in range(4)]
+    helper = _Peer("helper")
+    generator = torch.Generator().manual_seed(0)
+    common = torch.randn(5000, generator=generator)
+    rounds = [[common + torch.randn(5000, generator=generator) for _ in peers] for _ in range(2)]
+
+    def declared(r: int, vectors) -> dict:
+        return {
+            p: {"weight": 1.0, "norm": float(v.norm()), "round": [r, 0], "sketch": sketch.encode(sketch.sketch_of([v]))}
+            for p, v in zip(peers, vectors)
+        }
+
+    assert declared_round(declared(7, rounds[0]), own=helper) == (7, 0)  # a helper declares nothing itself
+    rules, history, exclusions = ScreeningRules(min_cosine=0.0), SketchHistory(), Exclusions(exclude_after=2)
+    screen_round(declared(0, rounds[0]), rules, exclusions, own=helper, history=history)
+    _, screening, excluded = screen_round(
+        declared(1, [*rounds[1][:3], rounds[0][3]]), rules, exclusions, own=helper, history=history
+    )
+    assert screening.dropped == {} and list(screening.repeated) == [peers[3]]
+    assert screening.excluded == {peers[3]} and excluded == set()  # left out of our sums; not a tally term
