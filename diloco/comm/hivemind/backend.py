@@ -108,7 +108,7 @@ class HivemindBackend(CommBackend):
             _shut_down(roster, plane, averagers, peer, self._uploader)
             raise
         board = None  # an untrusted peer could publish any loss: workers then evaluate every batch themselves
-        if cfg.trust == "trusted":
+        if cfg.trust in ("trusted", ""):  # "": a CommConfig built by hand, not resolved by load_config
             board = DHTLossBoard(peer.call, run_id=cfg.run_id, wait_s=cfg.hivemind.request_timeout_s)
         super().__init__(averaging, states=states, membership=membership, board=board)
         self._closed = False
