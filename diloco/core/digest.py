@@ -76,3 +76,28 @@ def tensors_digest(tensors: Iterable[torch.Tensor]) -> str:
             for piece in hashed:
                 digest.update(piece.result())
     return digest.hexdigest()
+
+
+def state_digest(params_digest: str, optimizer_state: dict) -> str:
+    """sha256 (hex) over ``params_digest`` (``tensors_digest`` of the global params) and the outer
+    optimizer's ``state_dict()`` that goes with them: its tensors (momentum, ...) in order of param
+    index and name, and every other value (its settings: lr, momentum, ...) as text. What a worker
+    declares after a round, and what a worker checks a downloaded state against: a state whose
+    params are right but whose momentum or learning rate is not is refused as well."""
+    tensors, described = [], []
+    per_param = optimizer_state.get("state", {}) if isinstance(optimizer_state, dict) else {}
+    for index in sorted(per_param, key=str):
+        for name in sorted(per_param[index], key=str):
+            value = per_param[index][name]
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+                described.append(f"{index}.{name}")
+            else:
+                described.append(f"{index}.{name}={value!r}")
+    groups = optimizer_state.get("param_groups", []) if isinstance(optimizer_state, dict) else []
+    for group in groups:
+        described.append(repr(sorted(((k, v) for k, v in group.items() if k != "params"), key=lambda kv: kv[0])))
+    digest = hashlib.sha256(params_digest.encode())
+    digest.update(tensors_digest(tensors).encode())
+    digest.update("\n".join(described).encode())
+    return digest.hexdigest()

@@ -37,7 +37,7 @@ import torch
 
 from diloco.comm.base import Averaging, Outcome, Staged, SyncResult, fingerprint_of
 from diloco.compression import ErrorFeedback
-from diloco.core.digest import tensors_digest
+from diloco.core.digest import state_digest, tensors_digest
 from diloco.core.host_copies import GLOBAL_DEVICES, CopyFence, global_copy, on_cuda, state_to_cpu, to_device, to_host
 from diloco.errors import require
 
@@ -238,12 +238,19 @@ class OuterStep:
         """A number in [0, 1) from the hash of the global params: equal exactly when they are."""
         return fingerprint_of(bytes.fromhex(tensors_digest(self.global_params)))
 
+    def declared_digest(self, params_digest: str) -> str:
+        """The digest a worker declares after a round (worker/round_end.py): of its global params
+        (``params_digest``, their ``tensors_digest``) and its outer optimizer's state."""
+        return state_digest(params_digest, self.optimizer.state_dict())
+
     @staticmethod
-    def params_digest(state: dict) -> str:
-        """The digest of the global params in ``state`` (``state_dict``'s), as a worker declares
-        its own after a round (worker/train.py); "" for a state that holds none."""
+    def declared_digest_of(state: dict) -> str:
+        """``declared_digest`` of a downloaded ``state`` (``state_dict``'s): its global params and
+        its outer optimizer's state; "" for a state that holds no params."""
         params = state.get("global_params") if isinstance(state, dict) else None
-        return tensors_digest(params) if isinstance(params, list) and params else ""
+        if not (isinstance(params, list) and params):
+            return ""
+        return state_digest(tensors_digest(params), state.get("optimizer", {}))
 
     def state_dict(self, *, copy: bool = True) -> dict:
         """A snapshot (tensors copied: the next outer step does not change it), on the CPU whatever

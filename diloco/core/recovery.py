@@ -49,7 +49,8 @@ comm/hivemind/state_exchange.py) and says who is live (its ``Membership``); the 
 (worker/sync_modes.py for blocking rounds, core/overlap.py for overlapped ones). The outer step applies the
 worker's own pseudo-gradient when a round failed (core/outer.py).
 
-A downloaded state is checked before it is taken (``Recovery.check``): its params must be those
+A downloaded state is checked before it is taken (``Recovery.check``): its params (and the outer
+optimizer's state that comes with them: one digest over both) must be those
 a majority of the live workers declared after its round (their roster records carry the digest),
 so a key holder that offers other params under a high rank is refused, named in the log, and the
 next offer tried.
@@ -161,7 +162,7 @@ class RecoverableState(Protocol):
 
     def fingerprint(self) -> float: ...
 
-    def params_digest(self, state: dict) -> str: ...
+    def declared_digest_of(self, state: dict) -> str: ...
 
     def offered_state(self) -> StateReader: ...
 
@@ -344,12 +345,12 @@ class Recovery:
                 votes[d.digest] = votes.get(d.digest, 0) + 1
         digest, count = max(votes.items(), key=lambda item: (item[1], item[0]), default=("", 0))
         if 2 * count > len(voters):
-            offered = self.state.params_digest(found.state)
+            offered = self.state.declared_digest_of(found.state)
             if offered.startswith(digest) and offered:
                 return StateVerdict()
             return StateVerdict(
-                refuse=f"its params (digest {offered[:16] or 'none'}) are not those {count} of the {len(voters)} "
-                f"live workers that completed round {rounds_done} declared ({digest})"
+                refuse=f"its params and outer state (digest {offered[:16] or 'none'}) are not those {count} of "
+                f"the {len(voters)} live workers that completed round {rounds_done} declared ({digest})"
             )
         pending = sum(d.rounds_done < rounds_done for d in voters)
         if pending:

@@ -60,7 +60,8 @@ class RoundEnds:
         declared = worker.sync.declares_params and worker.placement.ranks == 1  # a site's ranks hold shards
         if declared:
             # a peer may be checking a state of this round
-            worker.backend.membership.declare_params(self.round, self.params_digest, peers=end.result.peers)
+            digest = worker.sync.outer.declared_digest(self.params_digest)  # the outer optimizer's state too
+            worker.backend.membership.declare_params(self.round, digest, peers=end.result.peers)
         evaluated = None  # held-out batches this worker evaluated (where it counts them)
         if self.held_out.given:
             with worker.watchdog.phase("evaluating"):

@@ -39,7 +39,7 @@ class _Params:
         return lambda use: use({"value": self.value})
 
     @staticmethod
-    def params_digest(state: dict) -> str:
+    def declared_digest_of(state: dict) -> str:
         return hashlib.sha256(repr(state["value"]).encode()).hexdigest()
 
     def load_state_dict(self, state: dict) -> None:
@@ -323,7 +323,7 @@ def test_a_group_that_held_two_models_ranks_each_side_by_its_own_workers_and_the
 
 
 def _digest(value: float) -> str:
-    return _Params.params_digest({"value": value})[:16]
+    return _Params.declared_digest_of({"value": value})[:16]
 
 
 def _after_failed_round_4(
@@ -350,8 +350,8 @@ def test_a_state_whose_params_a_majority_of_the_declarations_contradict_is_refus
     assert taken is None and recovery.state.value == 0.0
     assert peers.verdicts == [
         StateVerdict(
-            refuse=f"its params (digest {_digest(poisoned)}) are not those 2 of the 3 live workers that "
-            f"completed round 4 declared ({_digest(honest)})"
+            refuse=f"its params and outer state (digest {_digest(poisoned)}) are not those 2 of the 3 live "
+            f"workers that completed round 4 declared ({_digest(honest)})"
         )
     ]
     _, peers, taken = _after_failed_round_4(honest, declared)
