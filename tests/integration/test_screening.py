@@ -97,7 +97,8 @@ def test_a_poisoned_state_offer_is_refused_by_the_worker_that_looks_for_a_state_
         # never tried, or taken (999 peers), fails either way
         logs = _poisoned_run(tmp_path / "again")
     poisoner = re.search(r"worker 2 is up; join this run with: .*?/p2p/(\w+)", logs[2]).group(1)
-    refused = re.findall(r"refused the state of peer (\w+) after round (\d+): its params and outer state \(digest", logs[1])
+    said = r"refused the state of peer (\w+) after round (\d+): its params and outer state \(digest"
+    refused = re.findall(said, logs[1])
     tails = "\n".join(f"--- worker {w}\n{log[-2000:]}" for w, log in enumerate(logs))
     assert refused and {peer for peer, _ in refused} == {poisoner}, tails
     assert "took the state of a peer (2 peers)" in logs[1], tails
