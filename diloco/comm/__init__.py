@@ -14,6 +14,8 @@
 - ``sites.py``           a site: several torchrun ranks as one worker, data-parallel inside; its
                          leader (or, sharded, every rank) syncs across sites over the transport
 - ``robust.py``          which contributions a round keeps (norm far above the median: dropped) and their scale
+- ``sketch.py``          a contribution's sketch: 2,048 numbers whose cosines are the whole vectors'
+- ``verdicts.py``        verdicts on whole contributions from their declared sketches (direction, replays)
 - ``run_key_env.py``     where the run key comes from (``comm.run_key``, ``$DILOCO_RUN_KEY``)
 - ``scores.py``          each worker's standing across rounds, and who is excluded (``comm.exclude_after``)
 - ``bounds.py``          the bound of every wait of a round

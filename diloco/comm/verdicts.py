@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.comm import sketch as sketches_
+from diloco.comm.sketch import SIZE, cosine
 
 logger = logging.getLogger(__name__)
 
 MIN_FOR_DIRECTION = 3  # contributions the coordinate-wise median needs to tell which one is off
 REPEAT_COSINE = 0.97  # a sketch this close to an earlier round's is a replay
 ROUNDS_KEPT = 8  # the earlier rounds a replay is looked for in
-MARGIN = 2 / sketches_.SIZE**0.5  # how far below min_cosine a sketch's cosine may read for a vector at it
+MARGIN = 2 / SIZE**0.5  # how far below min_cosine a sketch's cosine may read for a vector at it
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _repeated(usable: Mapping, round_index: int, fragment: int, history: SketchH
         if who in skip:
             continue
         for past, whose, old in earlier:
-            if (cos := sketches_.cosine(sketch, old)) >= REPEAT_COSINE:
+            if (cos := cosine(sketch, old)) >= REPEAT_COSINE:
                 found[who] = f"it repeats a contribution of round {past + 1} ({whose}'s: cosine {cos:.3f})"
                 break
     return found if 2 * len(found) < len(usable) else {}
@@ -129,7 +129,7 @@ def _against(usable: Mapping, min_cosine: float) -> dict:
     for who, own in judged.items():
         others = torch.stack([s for other, s in judged.items() if other != who])
         median = others.quantile(0.5, dim=0)  # of an even count: the mean of the middle two
-        cosines[who] = sketches_.cosine(own, median)
+        cosines[who] = cosine(own, median)
     logger.debug("cosines to the others' median: %s (median %.3f)", cosines, statistics.median(cosines.values()))
     found = {
         who: f"it does not point the others' way (cosine {cos:.3f} to their median, below {min_cosine:g})"
