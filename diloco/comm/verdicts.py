@@ -35,7 +35,7 @@ from diloco.comm.sketch import SIZE, cosine
 
 logger = logging.getLogger(__name__)
 
-MIN_FOR_DIRECTION = 3  # contributions the coordinate-wise median needs to tell which one is off
+MIN_FOR_DIRECTION = 4  # each judged against the median of three others at least (two: their mean, too noisy)
 REPEAT_COSINE = 0.97  # a sketch this close to an earlier round's is a replay
 ROUNDS_KEPT = 8  # the earlier rounds a replay is looked for in
 MARGIN = 2 / SIZE**0.5  # how far below min_cosine a sketch's cosine may read for a vector at it

@@ -55,12 +55,12 @@ class RoundEnds:
         self.inner_steps, self.round, self.samples_this_round = end.step, end.round_index + 1, 0
         worker.backend.membership.report_progress(self.round, self.inner_steps, worker.log.live)
         worker.clock.start_round()
-        with worker.watchdog.phase("hashing"):
-            self.params_digest = tensors_digest(worker.sync.synced_params)
         declared = worker.sync.declares_params and worker.placement.ranks == 1  # a site's ranks hold shards
-        if declared:
-            # a peer may be checking a state of this round
-            digest = worker.sync.outer.declared_digest(self.params_digest)  # the outer optimizer's state too
+        with worker.watchdog.phase("hashing"):
+            self.params_digest = digest = tensors_digest(worker.sync.synced_params)
+            if declared:  # what the others declare: of the params and the outer optimizer's state
+                digest = worker.sync.outer.declared_digest(self.params_digest)
+        if declared:  # a peer may be checking a state of this round
             worker.backend.membership.declare_params(self.round, digest, peers=end.result.peers)
         evaluated = None  # held-out batches this worker evaluated (where it counts them)
         if self.held_out.given:
@@ -71,7 +71,7 @@ class RoundEnds:
                     declared=declared,
                     worker=self.run.worker_index,
                     round_done=self.round,
-                    digest=self.params_digest,
+                    digest=digest,  # as declared: the workers holding the same state split the batches
                 )
         worker.log.round(
             self.round,
