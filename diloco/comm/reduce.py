@@ -55,8 +55,8 @@ def average_payloads(
     and weights as ``rules`` say (``robust.screen``: one far above the median is dropped, with
     ``clip_to_median`` those above it are scaled down to it, a weight counts for at most
     ``max_weight_ratio`` x the median), then by their sketches (``verdicts.py``: one that points
-    against the others' median, or nowhere, or repeats a round of ``history``); the weighted mean is taken in fp32, in
-    the order given; and the result is what ``codec`` restores from the compressed mean. That
+    against the others' median, or repeats a round of ``history``); the weighted mean is taken in
+    fp32, in the order given; and the result is what ``codec`` restores from the compressed mean. That
     last step is what a reducer sends back, so a reducer that uses it for itself ends identical to
     the peers it serves (a codec that ``gathers`` is not compressed again: its ``gathered_mean``,
     checked to be finite). Returns the flat averaged tensors and the contributions that were used

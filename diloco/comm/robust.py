@@ -12,10 +12,10 @@ decision depends on the declared norms and weights alone, so every reducer that 
 declarations reaches the same decision (hivemind's reducers each see only a slice of a
 contribution, so there the norms travel with the matchmaking; see ``hivemind/screening.py``).
 
-By the whole contribution's sketch (``verdicts.py``): one that points against the others'
-median, or nowhere in particular (noise), or repeats an earlier round's (a replay) is dropped too.
-Every sender declares its sketch, so every peer judges whole contributions alike, whichever part of
-them it reduces.
+By the whole contribution's sketch (``verdicts.py``): one that points against the others' median
+is dropped too. Every sender declares its sketch, so every peer judges whole contributions alike,
+whichever part of them it reduces; one that repeats an earlier round's (a replay), which each peer
+tells from its own history, is marked ``repeated`` for that peer's reducer to leave out.
 
 The reference is ``statistics.median_low`` over the finite norms: with two contributions it is
 the smaller one, so an honest worker is the reference for a blown-up one. A median of 0 (at

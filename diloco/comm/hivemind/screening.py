@@ -9,10 +9,10 @@ factor. A reducer checks what it receives against the declared norm (``check_dec
 parts of a vector cannot be longer than the vector) and drops a sender that under-declared, or
 whose parts claim another weight than it declared (``check_declared_weight``: the screening's
 weight bound and free-rider rule judged the declared one). With ``comm.min_cosine`` above -1 each
-sender also declares the sketch of its whole contribution, and every peer judges the sketches alike
-(``verdicts.py``: direction, noise, replays). The senders its tally excludes each reducer leaves out
-of the parts of its share (``reducer.ScreeningReducer``); with a codec that gathers, it sends only
-the payloads of the senders it kept.
+sender also declares the sketch of its whole contribution, and every peer judges the sketches
+alike (``verdicts.py``: direction; replays, by each peer's own history). The senders its tally
+excludes each reducer leaves out of the parts of its share (``reducer.ScreeningReducer``); with a
+codec that gathers, it sends only the payloads of the senders it kept.
 """
 
 from __future__ import annotations
